@@ -1,0 +1,237 @@
+"""Turn what a dead engine left behind into one failure kind and the evidence that decided it (pure).
+
+Inputs are the structured events vLLM's processes sent over IPC, the tail of its console
+output, the exit status and the phase it died in. The exit status alone is never trusted:
+vLLM exits 0 after its engine core died (upstream bug #48966).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from supervisor.lifecycle import Failure, FailureKind, Phase
+
+# vLLM's console prefix: "(EngineCore pid=15062) ERROR 11-30 07:19:35 [core.py:1512] " (and the
+# older "(EngineCore_DP0 pid=1) " stdout decoration); stripped so evidence reads cleanly.
+_PREFIX = re.compile(
+    r"^(?:\([\w:\-. ]+ pid=\d+\)\s*)*(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?"
+)
+
+CONFIG_PATTERNS = [
+    re.compile(r"error: unrecognized arguments:.*"),
+    re.compile(r"error: argument [^\n]*"),
+    re.compile(r"error: the following arguments are required:.*"),
+    re.compile(r"Invalid repository ID or local directory specified:.*"),
+    re.compile(r"is not a local folder and is not a valid model identifier.*"),
+    re.compile(r"does not appear to have a file named config\.json.*"),
+    re.compile(r"Repo id must be in the form.*"),
+    re.compile(r"Model architectures \[.*?\] are not supported.*"),
+    re.compile(r"No such file or directory: '[^']*(?:config\.json|tokenizer[^']*)'"),
+]
+
+DEVICE_FATAL_PATTERNS = [
+    re.compile(r"an illegal memory access was encountered"),
+    re.compile(r"CUDA error: unspecified launch failure"),
+    re.compile(r"uncorrectable ECC error encountered"),
+    re.compile(r"CUDA error: (?:an )?uncorrectable.*"),
+    re.compile(r"GPU has fallen off the bus"),
+    re.compile(r"\bXid\b.*"),
+    re.compile(r"NCCL error.*(?:unhandled cuda error|remote process exited|internal error).*"),
+    re.compile(r"CUDA error: device-side assert triggered"),
+    re.compile(r"cudaErrorIllegalAddress"),
+]
+
+# Startup-memory messages that point at one knob, with the value vLLM suggests where it says one.
+MAX_LEN_ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
+MAX_LEN_NEEDED = re.compile(r"To serve at least one request with the model's max seq len \((\d+)\)")
+NO_CACHE_BLOCKS = re.compile(r"No available memory for the cache blocks")
+FREE_BELOW_UTIL = re.compile(r"Free memory on device.*?is less than desired GPU memory utilization[^.]*")
+
+OOM_PATTERNS = [
+    re.compile(r"CUDA out of memory\. Tried to allocate [\d.]+ [KMGT]i?B"),
+    re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate \d+ bytes"),
+    re.compile(r"OutOfMemoryError[^\n]{0,120}"),
+    re.compile(r"CUDA error: out of memory"),
+    re.compile(r"std::bad_alloc"),
+    re.compile(r"Cannot allocate memory"),
+]
+ALLOC_AMOUNT = re.compile(r"(?:Tried|tried) to allocate ([\d.]+ ?(?:[KMGT]i?B|bytes))")
+
+# Any of these means the engine is dead (or dying) even while the API server still answers.
+DEATH_PATTERNS = [
+    re.compile(r"EngineCore encountered a fatal error"),
+    re.compile(r"EngineDeadError[^\n]{0,160}"),
+    re.compile(r"AsyncEngineDeadError[^\n]{0,160}"),
+    re.compile(r"Background loop has errored already"),
+    re.compile(r"engine core exited unexpectedly"),
+    re.compile(r"Engine core initialization failed[^\n]{0,120}"),
+    re.compile(r"EngineCore failed to start"),
+    re.compile(r"Worker proc \S+ died unexpectedly[^\n]*"),
+]
+
+CRASH_LINE_PATTERNS = [
+    re.compile(r"Fatal Python error: (?:Segmentation fault|Aborted|Bus error)"),
+    re.compile(r"Segmentation fault(?: \(core dumped\))?"),
+    re.compile(r"^Killed$"),
+]
+
+SUSPECT = re.compile(r"req_id=([\w\-]+),prompt_token_ids_len=(\d+)")
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """How the API server process ended: returncode as asyncio reports it (-N = signal N)."""
+
+    returncode: int | None
+
+    def describe(self) -> str:
+        rc = self.returncode
+        if rc is None:
+            return "still running"
+        if rc < 0:
+            return f"killed by {_signame(-rc)}"
+        return f"exited with status {rc}"
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def strip_prefix(line: str) -> str:
+    """Drop vLLM's '(Proc pid=N) LEVEL date [file:line]' header from one console line."""
+    return _PREFIX.sub("", line, count=1).strip()
+
+
+def death_evidence(text: str) -> str | None:
+    """The fragment of one log line or event that says the engine died, if any (used live)."""
+    for pat in DEATH_PATTERNS + CRASH_LINE_PATTERNS:
+        m = pat.search(text)
+        if m:
+            return m.group(0).strip()
+    return None
+
+
+def event_texts(events: Iterable[Mapping[str, object]]) -> list[str]:
+    """Flatten IPC events into text lines: message, exception, and the traceback's last lines."""
+    out: list[str] = []
+    for ev in events:
+        for key in ("msg", "exc_type", "exc_msg", "alloc"):
+            val = ev.get(key)
+            if isinstance(val, str) and val:
+                out.append(val if key != "exc_type" else f"{val}: {ev.get('exc_msg', '')}")
+        tb = ev.get("exc_tail")
+        if isinstance(tb, list):
+            out.extend(str(x) for x in tb)
+    return out
+
+
+def classify(
+    *,
+    events: Sequence[Mapping[str, object]],
+    lines: Sequence[str],
+    exit: ExitInfo,
+    phase: Phase,
+    trigger: str | None = None,
+    hang: str | None = None,
+) -> Failure:
+    """Decide the failure kind of one engine death; ``hang`` is the probe's evidence when it saw one."""
+    corpus = [strip_prefix(x) for x in lines] + event_texts(events)
+    suspect = _suspect(corpus)
+
+    if hang:
+        return Failure(FailureKind.HANG, hang)
+
+    found = _first(corpus, CONFIG_PATTERNS)
+    if found:
+        return Failure(FailureKind.CONFIG_ERROR, found)
+    if exit.returncode == 2 and phase is Phase.LOADING:
+        usage = next((x for x in corpus if x.startswith("usage:") or ": error:" in x), None)
+        return Failure(FailureKind.CONFIG_ERROR, usage or "engine exited with status 2 (argument error) before serving")
+
+    found = _first(corpus, DEVICE_FATAL_PATTERNS)
+    if found:
+        return Failure(FailureKind.DEVICE_FATAL, found)
+
+    memory = _memory_failure(corpus, phase, suspect)
+    if memory:
+        return memory
+
+    if exit.returncode is not None and exit.returncode < 0:
+        hint = " (perhaps the kernel OOM killer: check dmesg)" if exit.returncode == -signal.SIGKILL else ""
+        return Failure(FailureKind.SIGNAL, f"API server {exit.describe()}{hint}")
+    found = _first(corpus, CRASH_LINE_PATTERNS)
+    if found:
+        return Failure(FailureKind.SIGNAL, found)
+
+    found = _first(corpus, DEATH_PATTERNS)
+    if found:
+        return Failure(FailureKind.ENGINE_DEAD, found, suspect_request=suspect)
+    if trigger:
+        return Failure(FailureKind.ENGINE_DEAD, trigger)
+    return Failure(FailureKind.ENGINE_DEAD, f"engine {exit.describe()} although no stop was asked for")
+
+
+def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: str | None) -> Failure | None:
+    for text in corpus:
+        m = MAX_LEN_ESTIMATE.search(text)
+        if m:
+            return Failure(FailureKind.STARTUP_MEMORY, _clip(text, m.start()), knob="max_model_len",
+                           suggested=int(m.group(1)))
+    for text in corpus:
+        m = MAX_LEN_NEEDED.search(text)
+        if m:
+            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="max_model_len")
+    for text in corpus:
+        m = FREE_BELOW_UTIL.search(text)
+        if m:
+            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="gpu_memory_utilization")
+    for text in corpus:
+        if NO_CACHE_BLOCKS.search(text):
+            # The profiling run (weights + one max_num_batched_tokens forward) left nothing for the
+            # KV cache: the activation peak is the knob we can lower.
+            return Failure(FailureKind.STARTUP_MEMORY, "No available memory for the cache blocks",
+                           knob="max_num_batched_tokens")
+    found = _first(corpus, OOM_PATTERNS)
+    if not found:
+        return None
+    if phase is Phase.SERVING:
+        return Failure(FailureKind.RUNTIME_OOM, found, knob="max_num_batched_tokens", suspect_request=suspect)
+    return Failure(FailureKind.STARTUP_MEMORY, found, knob="gpu_memory_utilization")
+
+
+def _first(corpus: Sequence[str], patterns: Sequence[re.Pattern[str]]) -> str | None:
+    # Pattern order is priority order: the most specific evidence wins over a generic match.
+    for pat in patterns:
+        for text in corpus:
+            m = pat.search(text)
+            if m:
+                return m.group(0).strip()
+    return None
+
+
+def _clip(text: str, start: int, width: int = 240) -> str:
+    head = max(0, start - 160)
+    return ("..." if head else "") + text[head:start + width - 160].strip()
+
+
+def _suspect(corpus: Sequence[str]) -> str | None:
+    best: tuple[int, str] | None = None
+    for text in corpus:
+        if "Dumping scheduler output" not in text:
+            continue
+        for req, n in SUSPECT.findall(text):
+            if best is None or int(n) > best[0]:
+                best = (int(n), req)
+    return best[1] if best else None
+
+
+def alloc_amount(evidence: str) -> str | None:
+    """'176.00 MiB' out of an allocation failure message."""
+    m = ALLOC_AMOUNT.search(evidence)
+    return m.group(1) if m else None

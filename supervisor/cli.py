@@ -1,0 +1,101 @@
+"""Command line: ``vllm-supervisor run|check|status`` (the composition root)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from supervisor import config as config_mod
+from supervisor import launch, logs
+from supervisor.lifecycle import ExitCode
+from supervisor.profile import Profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-supervisor", description="Keep one vLLM engine alive.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="supervise the engine in the foreground")
+    p_run.add_argument("--config", "-c", required=True, help="TOML config file")
+    p_run.add_argument("--quiet-engine", action="store_true", help="do not echo the engine's console output")
+    p_check = sub.add_parser("check", help="validate a config and print the effective engine command")
+    p_check.add_argument("--config", "-c", required=True)
+    p_status = sub.add_parser("status", help="ask a running supervisor for its status")
+    p_status.add_argument("--config", "-c", help="TOML config file (for [admin] listen)")
+    p_status.add_argument("--admin", help="admin address HOST:PORT (default 127.0.0.1:8001)")
+    p_status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "status":
+        return _status(args)
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
+    if args.cmd == "check":
+        return _check(cfg)
+    return _run(cfg, echo_engine=not args.quiet_engine)
+
+
+def _check(cfg: config_mod.Config) -> int:
+    from supervisor import statefile
+    from supervisor.policy import clamp_to_configured
+
+    learned = statefile.load(cfg.state.dir)
+    profile: Profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
+    print("config OK")
+    print("engine command:", shlex.join(launch.build_argv(cfg.engine, profile)))
+    if learned and profile != cfg.profile:
+        print("profile learned from", statefile.path_in(cfg.state.dir), "->",
+              json.dumps(cfg.profile.diff(profile)))
+    return ExitCode.OK
+
+
+def _run(cfg: config_mod.Config, echo_engine: bool) -> int:
+    logs.configure(cfg.log.format, cfg.log.level)
+    from supervisor.arbiter import Arbiter
+    from supervisor.host import RealHost
+
+    async def go() -> int:
+        arbiter = Arbiter(cfg, RealHost(), echo=sys.stderr if echo_engine else None)
+        return await arbiter.run()
+
+    try:
+        return int(asyncio.run(go()))
+    except OSError as exc:  # e.g. the admin port is taken
+        print(f"vllm-supervisor: {exc}", file=sys.stderr)
+        return ExitCode.INTERNAL_ERROR
+
+
+def _status(args: argparse.Namespace) -> int:
+    listen = args.admin
+    if listen is None and args.config:
+        try:
+            listen = config_mod.load(args.config).admin.listen
+        except config_mod.ConfigError as exc:
+            print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+            return ExitCode.BAD_SUPERVISOR_CONFIG
+    listen = listen or config_mod.AdminConfig().listen
+    try:
+        with urllib.request.urlopen(f"http://{listen}/status", timeout=5) as r:
+            doc: dict[str, Any] = json.load(r)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"vllm-supervisor: no supervisor answers on {listen}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"state     {doc['state']}{'  (ready)' if doc['ready'] else ''}")
+    print(f"engine    pid {doc['engine_pid']}  {doc.get('engine_url', '')}")
+    print("profile   " + "  ".join(f"{k}={v}" for k, v in doc["profile"].items()))
+    print(f"restarts  {doc['restarts']} (this run), {doc.get('restarts_total', '?')} (all time)")
+    lf = doc.get("last_failure")
+    if lf:
+        print(f"last failure  {lf['kind']}: {lf['evidence']}")
+    return 0

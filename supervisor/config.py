@@ -1,0 +1,347 @@
+"""The supervisor's configuration: one TOML file parsed once into frozen, typed objects.
+
+Every error names the field (``restart.max_restarts``) and says what is allowed; all errors
+of a file are reported together so an operator fixes them in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.profile import Profile
+
+Scalar = str | int | float | bool
+
+
+class ConfigError(ValueError):
+    """One or more invalid fields; ``problems`` holds (field, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str = "") -> None:
+        self.problems = problems
+        where = f"{source}: " if source else ""
+        lines = [f"{where}{name}: {msg}" for name, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+def _default_command() -> tuple[str, ...]:
+    # The interpreter running the supervisor; set [engine] command when vLLM lives elsewhere.
+    return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 18000
+    command: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    args: dict[str, Scalar] = field(default_factory=dict)
+    start_timeout_s: float = 900.0
+    stop_timeout_s: float = 20.0
+    kill_timeout_s: float = 10.0
+    dead_grace_s: float = 2.0
+
+    @property
+    def argv_prefix(self) -> tuple[str, ...]:
+        return self.command or _default_command()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    max_num_batched_tokens: tuple[int, ...] = (8192, 6144, 4096, 2048)
+    max_num_batched_tokens_floor: int = 512
+    max_num_seqs_floor: int = 1
+    gpu_memory_utilization_step: float = 0.05
+    gpu_memory_utilization_floor: float = 0.5
+    max_model_len_floor: int = 256
+    climb_after_s: float = 1800.0
+    max_rung_failures: int = 2
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    backoff_jitter: float = 0.2
+    device_fatal_retries: int = 1
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    hang_timeout_s: float = 60.0
+    probe_interval_s: float = 2.0
+    canary_interval_s: float = 30.0
+    canary_max_tokens: int = 1
+    unhealthy_probes: int = 2
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    enabled: bool = True
+    requests: int = 4
+    concurrency: int = 2
+    prompt_tokens: tuple[int, ...] = ()
+    max_tokens: int = 8
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    release_timeout_s: float = 60.0
+    free_wait_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    dir: str = "/var/lib/vllm-supervisor"
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    listen: str = "127.0.0.1:8001"
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    format: str = "auto"
+    level: str = "info"
+    tail_lines: int = 2000
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: EngineConfig
+    profile: Profile
+    ladder: LadderConfig = LadderConfig()
+    restart: RestartConfig = RestartConfig()
+    health: HealthConfig = HealthConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    gpu: GpuConfig = GpuConfig()
+    state: StateConfig = StateConfig()
+    admin: AdminConfig = AdminConfig()
+    log: LogConfig = LogConfig()
+
+
+_SECTIONS: dict[str, type] = {
+    "engine": EngineConfig,
+    "profile": Profile,
+    "ladder": LadderConfig,
+    "restart": RestartConfig,
+    "health": HealthConfig,
+    "warmup": WarmupConfig,
+    "gpu": GpuConfig,
+    "state": StateConfig,
+    "admin": AdminConfig,
+    "log": LogConfig,
+}
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate a TOML config file; raise ConfigError naming every bad field."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError([("(file)", f"{p} does not exist")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([("(file)", f"not valid TOML: {exc}")], str(p)) from None
+    return parse(raw, source=str(p))
+
+
+def parse(raw: dict[str, Any], source: str = "") -> Config:
+    """Validate an already-decoded TOML document."""
+    problems: list[tuple[str, str]] = []
+    for name in raw:
+        if name not in _SECTIONS:
+            problems.append((name, f"unknown section; known: {', '.join(_SECTIONS)}"))
+    built: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        table = raw.get(name, {})
+        if not isinstance(table, dict):
+            problems.append((name, "must be a table ([" + name + "])"))
+            continue
+        if name == "engine" and "model" not in table:
+            problems.append(("engine.model", "required: the model path or name vLLM serves"))
+            continue
+        obj = _build(cls, name, table, problems)
+        if obj is not None:
+            built[name] = obj
+    if not problems:
+        problems.extend(_cross_checks(built))
+    if problems:
+        raise ConfigError(problems, source)
+    return Config(**built)
+
+
+def _build(cls: type, section: str, table: dict[str, Any], problems: list[tuple[str, str]]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    before = len(problems)
+    for key, value in table.items():
+        name = f"{section}.{key}"
+        if key not in fields:
+            problems.append((name, f"unknown key; known keys of [{section}]: {', '.join(fields)}"))
+            continue
+        try:
+            kwargs[key] = _coerce(hints[key], value, name)
+        except _FieldError as exc:
+            problems.append((name, str(exc)))
+    if len(problems) > before:
+        return None
+    obj = cls(**kwargs)
+    problems.extend(_range_checks(section, obj))
+    return obj
+
+
+class _FieldError(ValueError):
+    pass
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if tp == Scalar or set(inner) == {str, int, float, bool}:
+            if isinstance(value, (str, int, float, bool)):
+                return value
+            raise _FieldError(f"must be a string, number or boolean, got {type(value).__name__}")
+        return _coerce(inner[0], value, name)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _FieldError(f"must be a list, got {type(value).__name__}")
+        return tuple(_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _FieldError(f"must be a table, got {type(value).__name__}")
+        return {str(k): _coerce(args[1], v, f"{name}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _FieldError(f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _FieldError(f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _FieldError(f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _FieldError(f"must be a string, got {value!r}")
+        return value
+    raise _FieldError(f"unsupported type {tp}")  # pragma: no cover - schema bug
+
+
+def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+
+    def need(key: str, ok: bool, msg: str) -> None:
+        if not ok:
+            out.append((f"{section}.{key}", msg))
+
+    if isinstance(obj, EngineConfig):
+        need("model", bool(obj.model.strip()), "must not be empty")
+        need("port", 1 <= obj.port <= 65535, f"must be a TCP port 1-65535, got {obj.port}")
+        need("host", obj.host in ("127.0.0.1", "::1", "localhost"),
+             f"must be a loopback address (the engine is internal; the public port is the gateway's), got {obj.host!r}")
+        for key in ("start_timeout_s", "stop_timeout_s", "kill_timeout_s", "dead_grace_s"):
+            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
+        for reserved in ("model", "host", "port"):
+            need(f"args.{reserved}", reserved not in obj.args, f"set [engine] {reserved} instead")
+        for knob in Profile.MANAGED:
+            need(f"args.{knob}", knob not in obj.args and knob.replace("_", "-") not in obj.args,
+                 f"managed knob: set it in [profile] {knob}")
+    elif isinstance(obj, Profile):
+        out.extend((f"profile.{k}", m) for k, m in obj.problems())
+    elif isinstance(obj, LadderConfig):
+        rungs = obj.max_num_batched_tokens
+        need("max_num_batched_tokens", len(rungs) > 0 and all(r > 0 for r in rungs),
+             "must be a non-empty list of positive token counts")
+        need("max_num_batched_tokens", list(rungs) == sorted(rungs, reverse=True),
+             f"must be in descending order, got {list(rungs)}")
+        need("max_num_batched_tokens_floor", obj.max_num_batched_tokens_floor >= 1, "must be >= 1")
+        need("max_num_seqs_floor", obj.max_num_seqs_floor >= 1, "must be >= 1")
+        need("gpu_memory_utilization_step", 0 < obj.gpu_memory_utilization_step < 1, "must be in (0, 1)")
+        need("gpu_memory_utilization_floor", 0 < obj.gpu_memory_utilization_floor <= 1, "must be in (0, 1]")
+        need("max_model_len_floor", obj.max_model_len_floor >= 1, "must be >= 1")
+        need("climb_after_s", obj.climb_after_s >= 0, "must be >= 0 (0 disables climbing back)")
+        need("max_rung_failures", obj.max_rung_failures >= 1, "must be >= 1")
+    elif isinstance(obj, RestartConfig):
+        need("max_restarts", obj.max_restarts >= 0, "must be >= 0")
+        need("window_s", obj.window_s > 0, "must be > 0 seconds")
+        need("backoff_initial_s", obj.backoff_initial_s >= 0, "must be >= 0 seconds")
+        need("backoff_max_s", obj.backoff_max_s >= obj.backoff_initial_s, "must be >= backoff_initial_s")
+        need("backoff_jitter", 0 <= obj.backoff_jitter <= 1, "must be a fraction in [0, 1]")
+        need("device_fatal_retries", obj.device_fatal_retries >= 0, "must be >= 0")
+    elif isinstance(obj, HealthConfig):
+        for key in ("hang_timeout_s", "probe_interval_s", "canary_interval_s"):
+            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
+        need("canary_max_tokens", obj.canary_max_tokens >= 1, "must be >= 1")
+        need("unhealthy_probes", obj.unhealthy_probes >= 1, "must be >= 1")
+    elif isinstance(obj, WarmupConfig):
+        need("requests", obj.requests >= 0, "must be >= 0")
+        need("concurrency", obj.concurrency >= 1, "must be >= 1")
+        need("prompt_tokens", all(t > 0 for t in obj.prompt_tokens), "token counts must be > 0")
+        need("max_tokens", obj.max_tokens >= 1, "must be >= 1")
+        need("timeout_s", obj.timeout_s > 0, "must be > 0 seconds")
+    elif isinstance(obj, GpuConfig):
+        need("release_timeout_s", obj.release_timeout_s >= 0, "must be >= 0 seconds")
+        need("free_wait_s", obj.free_wait_s >= 0, "must be >= 0 seconds")
+    elif isinstance(obj, StateConfig):
+        need("dir", bool(obj.dir.strip()), "must be a directory path")
+    elif isinstance(obj, AdminConfig):
+        host, sep, port = obj.listen.rpartition(":")
+        ok = bool(sep) and port.isdigit() and 0 <= int(port) <= 65535
+        need("listen", ok, f"must be HOST:PORT, e.g. \"127.0.0.1:8001\", got {obj.listen!r}")
+        need("listen", host.strip("[]") in ("127.0.0.1", "::1", "localhost"),
+             "must be a loopback address: the admin API is not authenticated")
+    elif isinstance(obj, LogConfig):
+        need("format", obj.format in ("auto", "json", "console"), "must be one of auto, json, console")
+        need("level", obj.level in ("debug", "info", "warning", "error"),
+             "must be one of debug, info, warning, error")
+        need("tail_lines", obj.tail_lines >= 100, "must be >= 100 lines")
+    return out
+
+
+def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    profile: Profile = built["profile"]
+    ladder: LadderConfig = built["ladder"]
+    if profile.max_num_batched_tokens < ladder.max_num_batched_tokens_floor:
+        out.append(("profile.max_num_batched_tokens",
+                    f"{profile.max_num_batched_tokens} is below ladder.max_num_batched_tokens_floor "
+                    f"({ladder.max_num_batched_tokens_floor})"))
+    if profile.max_num_seqs < ladder.max_num_seqs_floor:
+        out.append(("profile.max_num_seqs", f"{profile.max_num_seqs} is below ladder.max_num_seqs_floor"))
+    if profile.gpu_memory_utilization < ladder.gpu_memory_utilization_floor:
+        out.append(("profile.gpu_memory_utilization",
+                    f"{profile.gpu_memory_utilization} is below ladder.gpu_memory_utilization_floor "
+                    f"({ladder.gpu_memory_utilization_floor})"))
+    if profile.max_model_len is not None and profile.max_model_len < ladder.max_model_len_floor:
+        out.append(("profile.max_model_len", f"{profile.max_model_len} is below ladder.max_model_len_floor"))
+    if built["engine"].port == built["admin"].host_port[1]:
+        out.append(("admin.listen", "must not use the engine's internal port"))
+    return out

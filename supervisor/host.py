@@ -1,0 +1,68 @@
+"""The one seam through which the arbiter touches the OS: clock, spawn, kill, sweep, NVML.
+
+Tests replace it with a recording fake; production uses RealHost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Collection, Mapping, Sequence
+
+from supervisor import gpu, proctree
+from supervisor.gpu import DeviceSnapshot, Nvml
+from supervisor.proctree import Child, StopReport
+
+
+class RealHost:
+    """The real operating system, with NVML when the host has an NVIDIA driver."""
+
+    def __init__(self, nvml: Nvml | None = None) -> None:
+        self.nvml = nvml if nvml is not None else Nvml()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> Child:
+        return await proctree.spawn(argv, env, self.monotonic())
+
+    async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
+        return await proctree.terminate_tree(child, grace_s, kill_wait_s)
+
+    def tree_pids(self, child: Child) -> set[int]:
+        return proctree.remember_descendants(child)
+
+    def gpu_snapshot(self) -> list[DeviceSnapshot]:
+        return self.nvml.snapshot()
+
+    async def wait_gpu_released(self, pids: Collection[int], timeout_s: float) -> dict[int, int]:
+        return await gpu.wait_released(self.nvml, pids, timeout_s)
+
+    async def wait_gpu_free(self, indices: Sequence[int] | None, fraction: float,
+                            timeout_s: float) -> list[DeviceSnapshot]:
+        return await gpu.wait_free(self.nvml, indices, fraction, timeout_s)
+
+    async def dump_stacks(self, pids: Collection[int], timeout_s: float = 20.0) -> dict[int, str]:
+        """py-spy stacks of each PID when py-spy is installed; {} otherwise."""
+        exe = shutil.which("py-spy")
+        if not exe:
+            return {}
+        out: dict[int, str] = {}
+        for pid in sorted(pids):
+            proc = await asyncio.create_subprocess_exec(
+                exe, "dump", "--pid", str(pid), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            try:
+                data, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+                out[pid] = data.decode(errors="replace")
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+                out[pid] = "py-spy timed out"
+        return out

@@ -1,0 +1,21 @@
+"""One JSON bundle per engine failure in <state dir>/incidents: what on-call reads first."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_KEPT = 50
+
+
+def write(state_dir: str | Path, kind: str, bundle: dict[str, Any]) -> Path:
+    d = Path(state_dir) / "incidents"
+    d.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    path = d / f"{stamp}-{int(time.time() * 1000) % 1000:03d}-{kind}.json"
+    path.write_text(json.dumps(bundle, indent=1, default=str))
+    for old in sorted(d.glob("*.json"))[:-MAX_KEPT]:
+        old.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,98 @@
+"""Parent side of the IPC channel: a Unix datagram socket per engine start, and the logging
+config that makes every vLLM process send its WARNING+ records there.
+
+vLLM applies ``VLLM_LOGGING_CONFIG_PATH`` (with ``VLLM_CONFIGURE_LOGGING=1``) in the API
+server, the EngineCore and each worker, so events arrive typed from all of them; the console
+handler keeps vLLM's usual output on the pipes for the log tail and the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from supervisor import vllm_hook
+
+log = structlog.get_logger("supervisor.ipc")
+HOOK_MODULE = "vllm_supervisor_hook"
+
+
+def logging_config(socket_path: str, level: str = "INFO") -> dict[str, Any]:
+    """A dictConfig for vLLM: its console output as usual, plus our event handler at WARNING."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"vllm": {"()": f"{HOOK_MODULE}.ConsoleFormatter"}},
+        "handlers": {
+            "console": {"class": "logging.StreamHandler", "formatter": "vllm", "level": level,
+                        "stream": "ext://sys.stdout"},
+            "supervisor": {"()": f"{HOOK_MODULE}.SupervisorEventHandler", "path": socket_path,
+                           "level": "WARNING"},
+        },
+        "loggers": {"vllm": {"handlers": ["console", "supervisor"], "level": level, "propagate": False}},
+    }
+
+
+def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO") -> dict[str, str]:
+    """Write the hook module and logging config under ``run_dir``; return the env vars to add."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(vllm_hook.__file__, run_dir / f"{HOOK_MODULE}.py")
+    cfg = run_dir / "vllm-logging.json"
+    cfg.write_text(json.dumps(logging_config(socket_path, level), indent=1))
+    return {
+        "VLLM_CONFIGURE_LOGGING": "1",
+        "VLLM_LOGGING_CONFIG_PATH": str(cfg),
+        "VLLM_SUPERVISOR_EVENTS": socket_path,
+        "_VLLM_SUPERVISOR_HOOK_DIR": str(run_dir),
+    }
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, on_event: Callable[[dict[str, Any]], None]) -> None:
+        self.on_event = on_event
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            log.warning("ipc.bad_event", size=len(data))
+            return
+        if isinstance(event, dict):
+            self.on_event(event)
+
+
+class EventServer:
+    """Receives JSON events on a Unix datagram socket and hands each to ``on_event``."""
+
+    def __init__(self, path: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
+        self.path = path
+        self.on_event = on_event
+        self._transport: asyncio.DatagramTransport | None = None
+
+    async def start(self) -> None:
+        if self.path.exists():
+            self.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+        sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self.on_event), sock=sock)
+        self._transport = transport
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,95 @@
+"""Engine states, failure kinds and the legal transitions between states (pure, stdlib only)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class EngineState(enum.Enum):
+    STOPPED = "STOPPED"
+    STARTING = "STARTING"
+    WARMING = "WARMING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    STOPPING = "STOPPING"
+    BACKOFF = "BACKOFF"
+    FATAL = "FATAL"
+
+
+S = EngineState
+
+# Each edge is a reason the engine moves; anything else is a bug in the arbiter.
+LEGAL_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
+    S.STOPPED: frozenset({S.STARTING}),
+    S.STARTING: frozenset({S.WARMING, S.STOPPING}),
+    S.WARMING: frozenset({S.READY, S.STOPPING}),
+    S.READY: frozenset({S.DRAINING, S.STOPPING}),
+    S.DRAINING: frozenset({S.READY, S.STOPPING}),
+    # STOPPING -> STARTING is a planned restart (climbing back a rung), not a failure.
+    S.STOPPING: frozenset({S.STOPPED, S.BACKOFF, S.STARTING, S.FATAL}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.FATAL}),
+    S.FATAL: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """Raised when code asks for a state change the lifecycle does not allow."""
+
+
+def check_transition(old: EngineState, new: EngineState) -> None:
+    """Raise IllegalTransition unless old -> new is an edge of the lifecycle."""
+    if new not in LEGAL_TRANSITIONS[old]:
+        raise IllegalTransition(f"{old.value} -> {new.value} is not a legal engine transition")
+
+
+class FailureKind(enum.Enum):
+    RUNTIME_OOM = "runtime_oom"
+    STARTUP_MEMORY = "startup_memory"
+    ENGINE_DEAD = "engine_dead"
+    HANG = "hang"
+    SIGNAL = "signal"
+    DEVICE_FATAL = "device_fatal"
+    CONFIG_ERROR = "config_error"
+
+
+class Phase(enum.Enum):
+    """Where in its life the engine was when it failed; decides startup vs runtime memory failures."""
+
+    LOADING = "loading"  # spawned, /health not yet 200
+    SERVING = "serving"  # /health was 200 at least once (warm-up or real traffic)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A classified engine failure and the evidence that decided it."""
+
+    kind: FailureKind
+    evidence: str
+    # For memory failures: the managed knob the evidence points at, and a value it suggests.
+    knob: str | None = None
+    suggested: int | None = None
+    # Engine request id of the largest request in the failing batch, when vLLM dumped it.
+    suspect_request: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"kind": self.kind.value, "evidence": self.evidence}
+        if self.knob:
+            out["knob"] = self.knob
+        if self.suggested is not None:
+            out["suggested"] = self.suggested
+        if self.suspect_request:
+            out["suspect_request"] = self.suspect_request
+        return out
+
+
+class ExitCode(enum.IntEnum):
+    """Exit statuses of `vllm-supervisor run`; documented in docs/interface.md."""
+
+    OK = 0
+    INTERNAL_ERROR = 1
+    BAD_SUPERVISOR_CONFIG = 2
+    ENGINE_CONFIG_ERROR = 3
+    RESTART_BUDGET_SPENT = 4
+    NOTHING_LEFT_TO_LOWER = 5
+    DEVICE_FATAL = 6

@@ -1,0 +1,151 @@
+"""Spawning the engine in its own session and taking the whole process tree down.
+
+Why so careful: vLLM's API server forks an EngineCore, which spawns GPU workers. When the
+API server dies (or is SIGKILLed by someone else) those children are re-parented to init and
+keep their GPU memory. Every process of the engine shares the session (and process group)
+created at spawn, so the group signal and a session-id sweep find them even as orphans.
+Stopping escalates in bounded, observable steps: SIGTERM, wait, SIGKILL, sweep, confirm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import psutil
+import structlog
+
+log = structlog.get_logger("supervisor.proctree")
+
+# Lines of vLLM's config dump run to several KB; the StreamReader default (64 KiB) is kept
+# generous so one pathological line never kills the drain task.
+STREAM_LIMIT = 4 * 1024 * 1024
+
+
+@dataclass
+class Child:
+    """One spawned engine: the API server process and the session it leads."""
+
+    proc: asyncio.subprocess.Process
+    argv: tuple[str, ...]
+    started_at: float
+    known_pids: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def sid(self) -> int:
+        return self.proc.pid  # start_new_session=True makes the child its session and group leader
+
+
+async def spawn(argv: Sequence[str], env: Mapping[str, str], started_at: float) -> Child:
+    """Start ``argv`` in a new session with piped output and no stdin."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        env=dict(env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        limit=STREAM_LIMIT,
+    )
+    child = Child(proc=proc, argv=tuple(argv), started_at=started_at)
+    child.known_pids.add(proc.pid)
+    return child
+
+
+def session_members(sid: int) -> list[psutil.Process]:
+    """Every live process whose session id is ``sid`` (orphans of a dead leader included)."""
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return out
+
+
+def remember_descendants(child: Child) -> set[int]:
+    """Record the tree's current PIDs (for NVML matching and stack dumps); returns them."""
+    with contextlib.suppress(psutil.Error):
+        for p in session_members(child.sid):
+            child.known_pids.add(p.pid)
+    return set(child.known_pids)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - only when a member changed uid
+        log.warning("engine.signal_refused", pgid=pgid, signal=sig.name)
+        return False
+
+
+def _alive(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+async def _wait_gone(procs: list[psutil.Process], timeout: float, poll: float = 0.02) -> list[psutil.Process]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    alive = _alive(procs)
+    while alive and loop.time() < deadline:
+        await asyncio.sleep(poll)
+        alive = _alive(alive)
+    return alive
+
+
+@dataclass(frozen=True)
+class StopReport:
+    """What stopping the tree took: PIDs seen, which needed SIGKILL, and any survivor."""
+
+    pids: tuple[int, ...]
+    killed: tuple[int, ...]
+    survivors: tuple[int, ...]
+    returncode: int | None
+
+
+async def terminate_tree(child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
+    """SIGTERM the group, wait ``grace_s``, SIGKILL what is left, sweep the session, reap."""
+    members = session_members(child.sid)
+    for p in members:
+        child.known_pids.add(p.pid)
+    killed: list[int] = []
+    if child.proc.returncode is None or members:
+        _signal_group(child.sid, signal.SIGTERM)
+        left = await _wait_gone(members, grace_s)
+        # Children started later than our snapshot (a worker mid-spawn) are caught by the sweep.
+        left = _alive(left + [p for p in session_members(child.sid) if p not in left])
+        if left:
+            killed = [p.pid for p in left]
+            log.warning("engine.stop_escalated", signal="SIGKILL", pids=killed, grace_s=grace_s)
+            _signal_group(child.sid, signal.SIGKILL)
+            for p in left:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            left = await _wait_gone(left, kill_wait_s)
+    else:
+        left = []
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(child.proc.wait(), timeout=max(kill_wait_s, 1.0))
+    survivors = tuple(p.pid for p in _alive(left + session_members(child.sid)))
+    if survivors:
+        log.error("engine.survivors", pids=survivors, hint="processes ignored SIGKILL (D state?)")
+    return StopReport(tuple(sorted(child.known_pids)), tuple(killed), survivors, child.proc.returncode)

@@ -1,0 +1,84 @@
+"""What the supervisor learned, persisted atomically in the state directory.
+
+A corrupt or foreign file is reported and ignored, never fatal: starting from the configured
+profile is always safe, merely less informed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from supervisor.profile import Profile
+
+log = structlog.get_logger("supervisor.statefile")
+VERSION = 1
+FILENAME = "state.json"
+
+
+@dataclass
+class Learned:
+    profile: Profile
+    rung_failures: dict[str, int] = field(default_factory=dict)
+    last_failure: dict[str, Any] | None = None
+    restarts_total: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": VERSION, "profile": self.profile.as_dict(), "rung_failures": self.rung_failures,
+                "last_failure": self.last_failure, "restarts_total": self.restarts_total}
+
+
+def path_in(state_dir: str | Path) -> Path:
+    return Path(state_dir) / FILENAME
+
+
+def load(state_dir: str | Path) -> Learned | None:
+    """The saved state, or None when absent or unreadable (reported as an event)."""
+    p = path_in(state_dir)
+    try:
+        raw = json.loads(p.read_text())
+        if not isinstance(raw, dict) or raw.get("version") != VERSION:
+            raise ValueError(f"unsupported state version {raw.get('version') if isinstance(raw, dict) else raw!r}")
+        failures = raw.get("rung_failures") or {}
+        if not isinstance(failures, dict) or not all(isinstance(v, int) for v in failures.values()):
+            raise ValueError("rung_failures must map profile keys to integers")
+        last = raw.get("last_failure")
+        return Learned(profile=Profile.from_dict(raw["profile"]), rung_failures=dict(failures),
+                       last_failure=last if isinstance(last, dict) else None,
+                       restarts_total=int(raw.get("restarts_total") or 0))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        log.warning("state.corrupt_ignored", path=str(p), error=str(exc),
+                    hint="starting from the configured profile; the file is overwritten at the next change")
+        return None
+
+
+def save(state_dir: str | Path, learned: Learned) -> None:
+    """Write atomically: temp file in the same directory, fsync, rename, fsync the directory."""
+    d = Path(state_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".state-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(learned.to_json(), f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path_in(d))
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,96 @@
+"""Child side of the IPC channel: loaded by every vLLM process through its logging config.
+
+Standard library only, and copied next to the logging config at each engine start, so that it
+imports in vLLM's own interpreter even when vLLM lives in another virtualenv. Never raises into
+vLLM: a lost event costs evidence, a raising handler would cost the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+import traceback
+
+MAX_DATAGRAM = 60_000
+MAX_MSG = 16_000
+_ALLOC = re.compile(r"[Tt]ried to allocate [\d.]+ ?(?:[KMGT]i?B|bytes)")
+
+
+class SupervisorEventHandler(logging.Handler):
+    """Send each record as one JSON datagram to the supervisor's Unix socket."""
+
+    def __init__(self, path: str | None = None, level: int | str = logging.WARNING) -> None:
+        super().__init__(level)
+        self.path = path or os.environ.get("VLLM_SUPERVISOR_EVENTS", "")
+        self._sock: socket.socket | None = None
+        self._pid = -1
+
+    def _socket(self) -> socket.socket:
+        # One socket per process: vLLM forks workers, and a forked socket is shared state.
+        if self._sock is None or self._pid != os.getpid():
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+            self._pid = os.getpid()
+        return self._sock
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.path:
+            return
+        try:
+            event = record_to_event(record)
+            data = json.dumps(event, default=str).encode()
+            if len(data) > MAX_DATAGRAM:
+                event["msg"] = event["msg"][:2000] + " ...[truncated]"
+                event.pop("exc_tail", None)
+                data = json.dumps(event, default=str).encode()[:MAX_DATAGRAM]
+            self._socket().sendto(data, self.path)
+        except Exception:  # noqa: BLE001 - see module docstring
+            pass
+
+
+def record_to_event(record: logging.LogRecord) -> dict[str, object]:
+    """The JSON shape of one event (documented in docs/ipc.md)."""
+    msg = record.getMessage()
+    event: dict[str, object] = {
+        "v": 1,
+        "ts": time.time(),
+        "level": record.levelname,
+        "logger": record.name,
+        "process_name": getattr(record, "vllm_process_name", None) or record.processName,
+        "pid": record.process,
+        "where": f"{record.filename}:{record.lineno}",
+        "msg": msg[:MAX_MSG],
+    }
+    text = msg
+    if record.exc_info and record.exc_info[1] is not None:
+        exc = record.exc_info[1]
+        event["exc_type"] = type(exc).__name__
+        event["exc_msg"] = str(exc)[:MAX_MSG]
+        tb = traceback.format_exception(*record.exc_info)
+        lines = "".join(tb).splitlines()
+        event["exc_tail"] = lines[-12:]
+        text = msg + "\n" + "\n".join(lines)
+    m = _ALLOC.search(text)
+    if m:
+        event["alloc"] = m.group(0)
+    return event
+
+
+class ConsoleFormatter(logging.Formatter):
+    """vLLM's console format, with every line of a multi-line message carrying the header."""
+
+    def __init__(self) -> None:
+        super().__init__(datefmt="%m-%d %H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        body = super().format(record)
+        head = f"{record.levelname} {self.formatTime(record, self.datefmt)} [{record.filename}:{record.lineno}] "
+        name = getattr(record, "vllm_process_name", None)
+        # Newer vLLM names the process in the record; older vLLM prefixes stdout itself.
+        if name:
+            head = f"({name} pid={record.process}) " + head
+        return "\n".join(head + line for line in body.split("\n"))

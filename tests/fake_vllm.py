@@ -1,0 +1,321 @@
+"""A stand-in for vLLM's OpenAI server, for end-to-end tests of the supervisor.
+
+It speaks vLLM's HTTP surface (/health, /v1/models, /v1/completions, /v1/chat/completions,
+/tokenize, /metrics) and its log surface (the same messages, prefixes and exception types the
+real logs in tests/fixtures/vllm-logs carry, through VLLM_LOGGING_CONFIG_PATH like vLLM), and
+it forks an EngineCore-like grandchild that does the "work". Behaviour is steered by env vars:
+
+  FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
+  FAKE_VLLM_OOM_TOKENS    a prefill chunk larger than this runs out of memory (CUDA OOM text)
+  FAKE_VLLM_KV_TOKENS     KV capacity: --max-model-len above it fails at start like vLLM
+  FAKE_VLLM_FREE_UTIL     free fraction of the card: --gpu-memory-utilization above it fails at start
+  FAKE_VLLM_TOKEN_DELAY   seconds per generated token (default 0.001)
+  FAKE_VLLM_DIE_AFTER_READY  engine core dies with SIGSEGV this many seconds after start
+
+Tokens are whitespace-separated words. Dying on OOM ends as vLLM does: HTTP 500, /health 503,
+then the server exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import logging.config
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+from aiohttp import web
+
+
+class EngineDeadError(Exception):
+    pass
+
+
+EngineDeadError.__module__ = "vllm.v1.engine.exceptions"
+
+
+class OutOfMemoryError(RuntimeError):
+    pass
+
+
+OutOfMemoryError.__module__ = "torch"
+
+
+def setup_logging(process_name: str) -> None:
+    old = logging.getLogRecordFactory()
+
+    def factory(*a: object, **kw: object) -> logging.LogRecord:
+        rec = old(*a, **kw)  # type: ignore[arg-type]
+        rec.vllm_process_name = process_name
+        return rec
+
+    logging.setLogRecordFactory(factory)
+    path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "1" and path:
+        with open(path) as f:
+            logging.config.dictConfig(json.load(f))
+    else:
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter(
+            "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+            "%m-%d %H:%M:%S"))
+        lg = logging.getLogger("vllm")
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+
+
+# ---------------------------------------------------------------------------------------------
+# EngineCore grandchild: reads JSON requests from a socket, answers with JSON results.
+
+def engine_core_main(fd: int, args: argparse.Namespace) -> None:
+    setup_logging("EngineCore")
+    log = logging.getLogger("vllm.v1.engine.core")
+    sock = socket.socket(fileno=fd)
+    f = sock.makefile("rwb", buffering=0)
+    oom = int(os.environ.get("FAKE_VLLM_OOM_TOKENS", "0") or 0)
+    delay = float(os.environ.get("FAKE_VLLM_TOKEN_DELAY", "0.001"))
+    kv = int(os.environ.get("FAKE_VLLM_KV_TOKENS", "0") or 0)
+    free_util = float(os.environ.get("FAKE_VLLM_FREE_UTIL", "0") or 0)
+    time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
+    try:
+        if free_util and args.gpu_memory_utilization > free_util:
+            raise ValueError(
+                f"Free memory on device cuda:0 ({free_util * 139.8:.2f}/139.8 GiB) on startup is less than desired "
+                f"GPU memory utilization ({args.gpu_memory_utilization}, {args.gpu_memory_utilization * 139.8:.2f} "
+                "GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+        if kv and args.max_model_len and args.max_model_len > kv:
+            raise ValueError(
+                f"To serve at least one request with the model's max seq len ({args.max_model_len}), (0.5 GiB KV "
+                "cache is needed, which is larger than the available KV cache memory (0.25 GiB). Based on the "
+                f"available memory, the estimated maximum model length is {kv}. Try increasing "
+                "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+    except ValueError:
+        log.exception("EngineCore failed to start.")
+        f.write(b'{"startup_failed": true}\n')
+        sys.exit(1)
+    f.write(b'{"ready": true}\n')
+    die_after = float(os.environ.get("FAKE_VLLM_DIE_AFTER_READY", "0") or 0)
+    if die_after:
+        signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGSEGV))
+        signal.setitimer(signal.ITIMER_REAL, die_after)
+    for raw in f:
+        req = json.loads(raw)
+        n, chunk = req["prompt_tokens"], args.max_num_batched_tokens
+        first = min(n, chunk)
+        if oom and first > oom:
+            log.error("Dumping scheduler output for model execution: SchedulerOutput(scheduled_new_reqs=["
+                      "NewRequestData(req_id=%s,prompt_token_ids_len=%d,prefill_token_ids_len=None)])",
+                      req["engine_id"], n)
+            try:
+                raise OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {first * 11264 * 2 / 2**20:.2f} MiB. GPU 0 has a total "
+                    "capacity of 139.80 GiB of which 55.56 MiB is free. Process 625 has 68.86 GiB memory in use.")
+            except OutOfMemoryError:
+                log.exception("EngineCore encountered a fatal error.")
+            f.write(b'{"dead": true}\n')
+            sys.exit(1)
+        time.sleep(delay * req["max_tokens"])
+        out = {"id": req["id"], "text": " tok" * req["max_tokens"], "prompt_tokens": n,
+               "completion_tokens": req["max_tokens"]}
+        f.write(json.dumps(out).encode() + b"\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# API server.
+
+class Server:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.log = logging.getLogger("vllm.entrypoints.openai.api_server")
+        self.pending: dict[str, asyncio.Future[dict[str, object]]] = {}
+        self.healthy = False
+        self.dead = False
+        self.prompt_total = 0
+        self.gen_total = 0
+        self.running = 0
+        self.stop = asyncio.Event()
+
+    async def start_core(self) -> None:
+        parent, child = socket.socketpair()
+        self.core = subprocess.Popen(
+            [sys.executable, __file__, *sys.argv[1:], "--engine-core-fd", str(child.fileno())],
+            pass_fds=[child.fileno()])
+        child.close()
+        self.reader, self.writer = await asyncio.open_connection(sock=parent)
+        line = json.loads(await self.reader.readline() or b"{}")
+        if not line.get("ready"):
+            await asyncio.sleep(0.05)
+            try:
+                raise RuntimeError("Engine core initialization failed. See root cause above. "
+                                   "Failed core proc(s): {'EngineCore': 1}")
+            except RuntimeError:
+                self.log.exception("Engine core initialization failed")
+            sys.exit(1)
+        asyncio.create_task(self.read_outputs())
+        self.healthy = True
+
+    async def read_outputs(self) -> None:
+        clog = logging.getLogger("vllm.v1.engine.core_client")
+        alog = logging.getLogger("vllm.v1.engine.async_llm")
+        while True:
+            raw = await self.reader.readline()
+            msg = json.loads(raw) if raw else None
+            if msg is None or msg.get("dead"):
+                if msg is None:
+                    clog.warning("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")
+                try:
+                    raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+                except EngineDeadError as exc:
+                    alog.exception("AsyncLLM output_handler failed.")
+                    self.dead = True
+                    for fut in self.pending.values():
+                        if not fut.done():
+                            fut.set_exception(exc)
+                asyncio.get_running_loop().call_later(0.3, self.stop.set)
+                return
+            fut = self.pending.pop(msg["id"], None)
+            if fut and not fut.done():
+                fut.set_result(msg)
+
+    async def generate(self, request: web.Request, prompt_tokens: int, max_tokens: int) -> dict[str, object]:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        key = uuid.uuid4().hex
+        fut: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
+        self.pending[key] = fut
+        req = {"id": key, "engine_id": f"cmpl-{rid}-0-{key[:8]}", "prompt_tokens": prompt_tokens,
+               "max_tokens": max_tokens}
+        self.writer.write(json.dumps(req).encode() + b"\n")
+        self.running += 1
+        try:
+            out = await fut
+        finally:
+            self.running -= 1
+        self.prompt_total += prompt_tokens
+        self.gen_total += max_tokens
+        return out
+
+    # -- handlers
+    async def health(self, _: web.Request) -> web.Response:
+        if self.dead:
+            return web.Response(status=503)
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.args.model, "object": "model",
+                                                               "max_model_len": self.args.max_model_len or 4096}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
+        n = len(text.split())
+        return web.json_response({"count": n, "max_model_len": self.args.max_model_len or 4096,
+                                  "tokens": list(range(n))})
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.Response:
+        body = await request.json()
+        if chat:
+            text = " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+        else:
+            text = str(body.get("prompt", ""))
+        n = len(text.split())
+        limit = self.args.max_model_len or 1_000_000
+        if n > limit:
+            return web.json_response({"error": {"message": f"This model's maximum context length is {limit} tokens",
+                                                "type": "BadRequestError", "code": 400}}, status=400)
+        max_tokens = int(body.get("max_tokens") or 16)
+        try:
+            out = await self.generate(request, n, max_tokens)
+        except EngineDeadError as exc:
+            return web.json_response({"error": {"message": str(exc), "type": "InternalServerError",
+                                                "code": 500}}, status=500)
+        usage = {"prompt_tokens": n, "completion_tokens": max_tokens, "total_tokens": n + max_tokens}
+        if chat:
+            return web.json_response({"id": "chatcmpl-x", "object": "chat.completion", "model": self.args.model,
+                                      "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                           "content": out["text"]},
+                                                   "finish_reason": "length"}], "usage": usage})
+        return web.json_response({"id": "cmpl-x", "object": "text_completion", "model": self.args.model,
+                                  "choices": [{"index": 0, "text": out["text"], "finish_reason": "length"}],
+                                  "usage": usage})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        return await self._serve(request, chat=True)
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        m = self.args.model
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="{m}"}} {self.running}\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="{m}"}} 0\n'
+            "# TYPE vllm:prompt_tokens counter\n"
+            f'vllm:prompt_tokens_total{{engine="0",model_name="{m}"}} {self.prompt_total}\n'
+            "# TYPE vllm:generation_tokens counter\n"
+            f'vllm:generation_tokens_total{{engine="0",model_name="{m}"}} {self.gen_total}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+
+async def api_server_main(args: argparse.Namespace) -> int:
+    setup_logging("APIServer")
+    srv = Server(args)
+    srv.log.info("non-default args: %s", {k: v for k, v in vars(args).items() if v})
+    srv.log.info("NOTIFY_SOCKET=%s", os.environ.get("NOTIFY_SOCKET"))
+    app = web.Application()
+    app.router.add_get("/health", srv.health)
+    app.router.add_get("/v1/models", srv.models)
+    app.router.add_post("/tokenize", srv.tokenize)
+    app.router.add_post("/v1/completions", srv.completions)
+    app.router.add_post("/v1/chat/completions", srv.chat)
+    app.router.add_get("/metrics", srv.metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, srv.stop.set)
+    await srv.start_core()
+    srv.log.info("Starting vLLM server on http://%s:%d", args.host, args.port)
+    await srv.stop.wait()
+    await runner.cleanup()
+    if srv.core.poll() is None:
+        srv.core.terminate()
+        try:
+            srv.core.wait(5)
+        except subprocess.TimeoutExpired:
+            srv.core.kill()
+    return 0  # like vLLM (bug #48966): status 0 even after the engine died
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="api_server.py")
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-chunked-prefill", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--engine-core-fd", type=int, default=None)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ns = parse(sys.argv[1:])
+    if ns.engine_core_fd is not None:
+        engine_core_main(ns.engine_core_fd, ns)
+    else:
+        sys.exit(asyncio.run(api_server_main(ns)))
