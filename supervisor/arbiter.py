@@ -330,7 +330,7 @@ class Arbiter:
                         hint="another process holds GPU memory; starting anyway, vLLM may refuse")
 
     async def _watch_exit(self, child: Child) -> None:
-        rc = await child.proc.wait()
+        rc = await child.wait_exit()
         self.trigger("exit", f"API server {ExitInfo(rc).describe()}")
 
     async def _wait_healthy(self) -> None:
@@ -443,7 +443,7 @@ class Arbiter:
         if trigger.kind == "death" and self.child is not None and rc_before is None:
             # vLLM exits by itself within seconds of its engine dying; let it finish logging.
             with contextlib.suppress(asyncio.TimeoutError):
-                rc_before = await asyncio.wait_for(self.child.proc.wait(), self.cfg.engine.dead_grace_s)
+                rc_before = await asyncio.wait_for(self.child.wait_exit(), self.cfg.engine.dead_grace_s)
         stacks: dict[int, str] = {}
         if trigger.kind == "hang" and self.child is not None:
             stacks = await self.host.dump_stacks(self.host.tree_pids(self.child))

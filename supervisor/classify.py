@@ -62,11 +62,11 @@ ALLOC_AMOUNT = re.compile(r"(?:Tried|tried) to allocate ([\d.]+ ?(?:[KMGT]i?B|by
 
 # Any of these means the engine is dead (or dying) even while the API server still answers.
 DEATH_PATTERNS = [
-    re.compile(r"EngineCore encountered a fatal error"),
-    re.compile(r"EngineDeadError[^\n]{0,160}"),
-    re.compile(r"AsyncEngineDeadError[^\n]{0,160}"),
-    re.compile(r"Background loop has errored already"),
     re.compile(r"engine core exited unexpectedly"),
+    re.compile(r"EngineCore encountered a fatal error"),
+    re.compile(r"Background loop has errored already"),
+    re.compile(r"AsyncEngineDeadError[^\n]{0,160}"),
+    re.compile(r"EngineDeadError[^\n]{0,160}"),
     re.compile(r"Engine core initialization failed[^\n]{0,120}"),
     re.compile(r"EngineCore failed to start"),
     re.compile(r"Worker proc \S+ died unexpectedly[^\n]*"),

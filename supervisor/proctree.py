@@ -43,6 +43,32 @@ class Child:
     def sid(self) -> int:
         return self.proc.pid  # start_new_session=True makes the child its session and group leader
 
+    async def wait_exit(self) -> int:
+        """The API server's exit status, as soon as it exits.
+
+        Not ``proc.wait()``: asyncio resolves that only once every pipe is closed, and an orphaned
+        EngineCore keeps our pipes open, so the death of the API server would go unnoticed.
+        A pidfd becomes readable the moment the process terminates.
+        """
+        loop = asyncio.get_running_loop()
+        if self.proc.returncode is None:
+            try:
+                fd = os.pidfd_open(self.pid)
+            except (ProcessLookupError, OSError):
+                fd = -1
+            if fd >= 0:
+                fut: asyncio.Future[None] = loop.create_future()
+                loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+                try:
+                    await fut
+                finally:
+                    loop.remove_reader(fd)
+                    os.close(fd)
+        # asyncio's child watcher reaps it and records the status a moment after termination.
+        while self.proc.returncode is None:
+            await asyncio.sleep(0.002)
+        return self.proc.returncode
+
 
 async def spawn(argv: Sequence[str], env: Mapping[str, str], started_at: float) -> Child:
     """Start ``argv`` in a new session with piped output and no stdin."""
@@ -144,7 +170,7 @@ async def terminate_tree(child: Child, grace_s: float, kill_wait_s: float) -> St
     else:
         left = []
     with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(child.proc.wait(), timeout=max(kill_wait_s, 1.0))
+        await asyncio.wait_for(child.wait_exit(), timeout=max(kill_wait_s, 1.0))
     survivors = tuple(p.pid for p in _alive(left + session_members(child.sid)))
     if survivors:
         log.error("engine.survivors", pids=survivors, hint="processes ignored SIGKILL (D state?)")

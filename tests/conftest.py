@@ -1,0 +1,202 @@
+"""Helpers to run the real `vllm-supervisor run` against an engine command, and clean up after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+HERE = Path(__file__).parent
+FAKE_VLLM = HERE / "fake_vllm.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def to_toml(doc: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for section, table in doc.items():
+        out.append(f"[{section}]")
+        out += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(out) + "\n"
+
+
+def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.load(e)
+        except ValueError:
+            return e.code, {}
+
+
+@dataclass
+class Sup:
+    """One running `vllm-supervisor run` process."""
+
+    proc: subprocess.Popen[bytes]
+    config: Path
+    admin: str
+    engine_url: str
+    state_dir: Path
+    log_path: Path
+    engine_pids: set[int] = field(default_factory=set)
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            code, doc = http_json(f"http://{self.admin}/status", timeout=5)
+        except (urllib.error.URLError, OSError):
+            return None
+        if doc.get("engine_pid"):
+            self.engine_pids.add(doc["engine_pid"])
+        return doc if code == 200 else None
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        """Poll /status until ``pred`` holds; fail with the last status and the log tail."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            doc = self.status()
+            if doc is not None:
+                last = doc
+                if pred(doc):
+                    return doc
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; exit={self.proc.poll()} last status={last}\n"
+                             f"--- log tail ---\n{self.log_tail()}")
+
+    def wait_ready(self, timeout: float = 60, restarts: int | None = None) -> dict[str, Any]:
+        return self.wait_for(lambda s: s["ready"] and (restarts is None or s["restarts"] >= restarts),
+                             timeout, f"READY (restarts >= {restarts})")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"supervisor did not exit within {timeout}s\n{self.log_tail()}") from None
+
+    def log_tail(self, n: int = 80) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """The supervisor's own structlog JSON events called ``name``."""
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("event") == name:
+                    out.append(ev)
+        return out
+
+    def engine_tree(self) -> list[psutil.Process]:
+        doc = self.status()
+        if not doc or not doc.get("engine_pid"):
+            return []
+        try:
+            root = psutil.Process(doc["engine_pid"])
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+
+def kill_sessions(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.fixture
+def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
+    """Start `vllm-supervisor run` with a stand-in engine (or any engine via overrides)."""
+    started: list[Sup] = []
+
+    def start(overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Sup:
+        n = len(started)
+        port, admin_port = free_port(), free_port()
+        doc: dict[str, Any] = {
+            "engine": {"model": "fake-model", "port": port,
+                       "command": [sys.executable, str(FAKE_VLLM)], "env": {},
+                       "stop_timeout_s": 5.0, "kill_timeout_s": 5.0, "dead_grace_s": 2.0},
+            "profile": {"max_num_batched_tokens": 8192, "max_num_seqs": 16, "max_model_len": 32768},
+            "restart": {"max_restarts": 5, "window_s": 600.0, "backoff_initial_s": 0.05, "backoff_max_s": 0.2},
+            "health": {"hang_timeout_s": 3.0, "probe_interval_s": 0.2, "canary_interval_s": 0.5},
+            "warmup": {"max_tokens": 4, "timeout_s": 30.0},
+            "gpu": {"release_timeout_s": 5.0, "free_wait_s": 0.0},
+            "state": {"dir": str(tmp_path / f"state{n}")},
+            "admin": {"listen": f"127.0.0.1:{admin_port}"},
+            "log": {"format": "json"},
+        }
+        doc = deep_merge(doc, overrides or {})
+        cfg = tmp_path / f"sup{n}.toml"
+        cfg.write_text(to_toml(doc))
+        log_path = tmp_path / f"sup{n}.log"
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                                    stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        sup = Sup(proc, cfg, doc["admin"]["listen"], f"http://127.0.0.1:{doc['engine']['port']}",
+                  Path(doc["state"]["dir"]), log_path)
+        started.append(sup)
+        return sup
+
+    yield start
+    for sup in started:
+        if sup.proc.poll() is None:
+            sup.proc.send_signal(signal.SIGTERM)
+            try:
+                sup.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                sup.proc.kill()
+                sup.proc.wait()
+        kill_sessions(sup.engine_pids)

@@ -1,0 +1,138 @@
+"""Classification against real vLLM logs (tests/fixtures/vllm-logs, unedited) and edge tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.classify import ExitInfo, classify, death_evidence, strip_prefix
+from supervisor.lifecycle import FailureKind, Phase
+
+FIX = Path(__file__).parent / "fixtures" / "vllm-logs"
+
+
+def lines(name: str) -> list[str]:
+    return (FIX / name).read_text().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("log", "rc", "phase", "kind", "evidence"),
+    [
+        ("h200-vllm0.26-runtime-cuda-oom.log", 0, Phase.SERVING, FailureKind.RUNTIME_OOM,
+         "CUDA out of memory. Tried to allocate 176.00 MiB"),
+        ("cpu-vllm0.32-runtime-alloc-failure.log", 0, Phase.SERVING, FailureKind.RUNTIME_OOM,
+         "DefaultCPUAllocator: can't allocate memory: you tried to allocate 6800000 bytes"),
+        ("h200-vllm0.26-startup-graph-capture-oom.log", 1, Phase.LOADING, FailureKind.STARTUP_MEMORY,
+         "CUDA out of memory. Tried to allocate 124.00 MiB"),
+        ("cpu-vllm0.32-startup-kv-too-small.log", 1, Phase.LOADING, FailureKind.STARTUP_MEMORY,
+         "estimated maximum model length is 896"),
+        ("cpu-vllm0.32-startup-no-cache-blocks.log", 1, Phase.LOADING, FailureKind.STARTUP_MEMORY,
+         "No available memory for the cache blocks"),
+        ("cpu-vllm0.32-enginecore-sigkill.log", 0, Phase.SERVING, FailureKind.ENGINE_DEAD,
+         "engine core exited unexpectedly"),
+        ("cpu-vllm0.32-unknown-flag.log", 2, Phase.LOADING, FailureKind.CONFIG_ERROR,
+         "error: unrecognized arguments: --swap-space"),
+    ],
+)
+def test_real_vllm_logs_classify(log: str, rc: int, phase: Phase, kind: FailureKind, evidence: str) -> None:
+    f = classify(events=[], lines=lines(log), exit=ExitInfo(rc), phase=phase)
+    assert f.kind is kind
+    assert evidence in f.evidence
+
+
+def test_exit_status_zero_after_engine_death_is_a_failure() -> None:
+    f = classify(events=[], lines=lines("cpu-vllm0.32-enginecore-sigkill.log"), exit=ExitInfo(0), phase=Phase.SERVING)
+    assert f.kind is FailureKind.ENGINE_DEAD
+
+
+def test_kv_too_small_suggests_vllms_estimate() -> None:
+    f = classify(events=[], lines=lines("cpu-vllm0.32-startup-kv-too-small.log"), exit=ExitInfo(1),
+                 phase=Phase.LOADING)
+    assert (f.knob, f.suggested) == ("max_model_len", 896)
+
+
+def test_runtime_oom_names_the_suspect_request_from_the_scheduler_dump() -> None:
+    f = classify(events=[], lines=lines("cpu-vllm0.32-runtime-alloc-failure.log"), exit=ExitInfo(0),
+                 phase=Phase.SERVING)
+    assert f.suspect_request == "cmpl-84fc292819fb9d39-0-920537d2"
+
+
+def test_cuda_oom_points_at_the_chunk_knob() -> None:
+    f = classify(events=[], lines=lines("h200-vllm0.26-runtime-cuda-oom.log"), exit=ExitInfo(0), phase=Phase.SERVING)
+    assert f.knob == "max_num_batched_tokens"
+
+
+def test_graph_capture_oom_at_startup_points_at_utilization() -> None:
+    f = classify(events=[], lines=lines("h200-vllm0.26-startup-graph-capture-oom.log"), exit=ExitInfo(1),
+                 phase=Phase.LOADING)
+    assert f.knob == "gpu_memory_utilization"
+
+
+def test_healthy_start_log_has_no_death_evidence() -> None:
+    assert all(death_evidence(x) is None for x in lines("h200-vllm0.26-startup-ok.log"))
+
+
+def test_keepalive_hang_then_death_log_reports_death() -> None:
+    found = [death_evidence(x) for x in lines("cpu-vllm0.32-keepalive-hang-then-death.log")]
+    assert any(found)
+
+
+OLD_ENGINE = [
+    "ERROR 07-12 10:01:02 async_llm_engine.py:61] Engine background task failed",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 10.78 GiB. GPU 0 has a total capacity of 79.15 GiB",
+    "vllm.engine.async_llm_engine.AsyncEngineDeadError: Background loop has errored already.",
+]
+
+
+@pytest.mark.parametrize(
+    ("corpus", "rc", "phase", "kind"),
+    [
+        (OLD_ENGINE, 0, Phase.SERVING, FailureKind.RUNTIME_OOM),
+        (OLD_ENGINE[2:], 0, Phase.SERVING, FailureKind.ENGINE_DEAD),
+        (["RuntimeError: CUDA error: an illegal memory access was encountered"], 1, Phase.SERVING,
+         FailureKind.DEVICE_FATAL),
+        (["NVRM: Xid (PCI:0000:17:00): 79, GPU has fallen off the bus."], 1, Phase.SERVING, FailureKind.DEVICE_FATAL),
+        ([], -11, Phase.SERVING, FailureKind.SIGNAL),
+        (["Fatal Python error: Segmentation fault"], 0, Phase.SERVING, FailureKind.SIGNAL),
+        ([], 0, Phase.SERVING, FailureKind.ENGINE_DEAD),
+        (["usage: api_server.py [-h]"], 2, Phase.LOADING, FailureKind.CONFIG_ERROR),
+        (["ValueError: Invalid repository ID or local directory specified: '/nope'"], 1, Phase.LOADING,
+         FailureKind.CONFIG_ERROR),
+        (["ValueError: Free memory on device cuda:0 (10.1/79.2 GiB) on startup is less than desired GPU memory "
+          "utilization (0.9, 71.3 GiB). Decrease GPU memory utilization"], 1, Phase.LOADING,
+         FailureKind.STARTUP_MEMORY),
+        (["RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 68 bytes"], 1,
+         Phase.LOADING, FailureKind.STARTUP_MEMORY),
+    ],
+)
+def test_classification_table(corpus: list[str], rc: int, phase: Phase, kind: FailureKind) -> None:
+    assert classify(events=[], lines=corpus, exit=ExitInfo(rc), phase=phase).kind is kind
+
+
+def test_old_engine_oom_keeps_the_seeds_evidence() -> None:
+    f = classify(events=[], lines=OLD_ENGINE, exit=ExitInfo(0), phase=Phase.SERVING)
+    assert "Tried to allocate 10.78 GiB" in f.evidence
+
+
+def test_sigkill_hints_at_the_oom_killer() -> None:
+    f = classify(events=[], lines=[], exit=ExitInfo(-9), phase=Phase.SERVING)
+    assert "SIGKILL" in f.evidence and "OOM killer" in f.evidence
+
+
+def test_hang_evidence_wins_over_log_lines() -> None:
+    f = classify(events=[], lines=lines("cpu-vllm0.32-enginecore-sigkill.log"), exit=ExitInfo(None),
+                 phase=Phase.SERVING, hang="no token progress for 60s")
+    assert (f.kind, f.evidence) == (FailureKind.HANG, "no token progress for 60s")
+
+
+def test_ipc_events_alone_are_enough() -> None:
+    events = [{"msg": "EngineCore encountered a fatal error.", "exc_type": "OutOfMemoryError",
+               "exc_msg": "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB"}]
+    f = classify(events=events, lines=[], exit=ExitInfo(0), phase=Phase.SERVING)
+    assert f.kind is FailureKind.RUNTIME_OOM and "Tried to allocate 2.00 GiB" in f.evidence
+
+
+def test_strip_prefix_removes_vllm_header() -> None:
+    line = "(EngineCore pid=15062) ERROR 11-30 07:19:35 [core.py:1512] EngineCore encountered a fatal error."
+    assert strip_prefix(line) == "EngineCore encountered a fatal error."

@@ -1,0 +1,112 @@
+"""Config parsing: defaults, every error names its field, and `check` prints the engine command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import ConfigError, load, parse
+from supervisor.launch import arg_flags, build_argv, build_env
+
+MINIMAL = {"engine": {"model": "/models/llama"}}
+
+
+def test_minimal_config_gets_documented_defaults() -> None:
+    cfg = parse(MINIMAL)
+    assert cfg.engine.port == 18000
+    assert cfg.profile.max_num_batched_tokens == 8192
+    assert cfg.ladder.max_num_batched_tokens == (8192, 6144, 4096, 2048)
+    assert cfg.restart.max_restarts == 5
+    assert cfg.admin.listen == "127.0.0.1:8001"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "words"),
+    [
+        ({}, "engine.model", "required"),
+        ({**MINIMAL, "restart": {"max_restart": 3}}, "restart.max_restart", "unknown key"),
+        ({**MINIMAL, "restart": {"max_restarts": "five"}}, "restart.max_restarts", "integer"),
+        ({**MINIMAL, "profile": {"gpu_memory_utilization": 1.5}}, "profile.gpu_memory_utilization", "(0, 1]"),
+        ({**MINIMAL, "profile": {"max_num_batched_tokens": 100}}, "profile.max_num_batched_tokens", "floor"),
+        ({**MINIMAL, "ladder": {"max_num_batched_tokens": [2048, 4096]}}, "ladder.max_num_batched_tokens",
+         "descending"),
+        ({"engine": {"model": "m", "port": 70000}}, "engine.port", "1-65535"),
+        ({"engine": {"model": "m", "host": "0.0.0.0"}}, "engine.host", "loopback"),
+        ({"engine": {"model": "m", "args": {"max_num_seqs": 4}}}, "engine.args.max_num_seqs", "[profile]"),
+        ({"engine": {"model": "m", "args": {"port": 4}}}, "engine.args.port", "[engine] port"),
+        ({**MINIMAL, "admin": {"listen": "8001"}}, "admin.listen", "HOST:PORT"),
+        ({**MINIMAL, "admin": {"listen": "0.0.0.0:8001"}}, "admin.listen", "loopback"),
+        ({**MINIMAL, "bogus": {}}, "bogus", "unknown section"),
+        ({**MINIMAL, "warmup": {"enabled": "yes"}}, "warmup.enabled", "true or false"),
+    ],
+)
+def test_errors_name_the_field_and_what_is_allowed(raw: dict, field: str, words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(raw)
+    names = [name for name, _ in err.value.problems]
+    assert field in names, err.value
+    assert words in str(err.value)
+
+
+def test_all_errors_are_reported_together() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse({**MINIMAL, "restart": {"max_restarts": -1, "window_s": 0}})
+    assert {"restart.max_restarts", "restart.window_s"} <= {n for n, _ in err.value.problems}
+
+
+def test_config_is_frozen() -> None:
+    cfg = parse(MINIMAL)
+    with pytest.raises(AttributeError):
+        cfg.engine.port = 1  # type: ignore[misc]
+
+
+def test_engine_command_renders_profile_then_passthrough_flags() -> None:
+    cfg = parse({"engine": {"model": "/m", "port": 18001, "command": ["vllm", "serve"],
+                            "args": {"kv_cache_memory_bytes": 268435456, "enforce_eager": True, "trust_remote_code": False}},
+                 "profile": {"max_num_batched_tokens": 6144, "max_num_seqs": 10, "gpu_memory_utilization": 0.9,
+                             "max_model_len": 4096}})
+    assert build_argv(cfg.engine, cfg.profile) == [
+        "vllm", "serve", "--model", "/m", "--host", "127.0.0.1", "--port", "18001",
+        "--max-num-batched-tokens", "6144", "--max-num-seqs", "10", "--gpu-memory-utilization", "0.9",
+        "--max-model-len", "4096", "--enable-chunked-prefill",
+        "--kv-cache-memory-bytes", "268435456", "--enforce-eager"]
+
+
+def test_arg_flags_dash_keys_and_bare_booleans() -> None:
+    assert arg_flags({"a_b": 1, "c": True, "d": False}) == ["--a-b", "1", "--c"]
+
+
+def test_notify_socket_is_not_passed_to_the_engine() -> None:
+    cfg = parse({"engine": {"model": "m", "env": {"CUDA_VISIBLE_DEVICES": "0"}}})
+    env = build_env(cfg.engine, {"X": "1"}, "/hook",
+                    base={"NOTIFY_SOCKET": "/run/n", "WATCHDOG_USEC": "1", "PATH": "/bin", "PYTHONPATH": "/a"})
+    assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["X"] == "1"
+    assert env["PYTHONPATH"].split(":")[:2] == ["/hook", "/a"]
+
+
+def test_load_reports_bad_toml_with_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("[engine\nmodel=")
+    with pytest.raises(ConfigError) as err:
+        load(p)
+    assert str(p) in str(err.value) and "TOML" in str(err.value)
+
+
+def test_check_command_prints_the_effective_engine_command(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(f'[engine]\nmodel = "/m"\n[state]\ndir = "{tmp_path}/s"\n[profile]\nmax_num_seqs = 8\n')
+    out = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--model /m" in out and "--max-num-seqs 8" in out
+
+
+def test_check_command_rejects_bad_config_with_exit_2(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[engine]\nmodel = "/m"\n[restart]\nmax_restarts = "x"\n')
+    r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "restart.max_restarts" in r.stderr

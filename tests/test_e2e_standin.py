@@ -1,0 +1,213 @@
+"""End to end: the real `vllm-supervisor run` over the stand-in engine (tests/fake_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import Sup, http_json
+
+LONG_PROMPT = "word " * 30_000
+
+
+def send_long_prompt(sup: Sup) -> int:
+    code, _ = http_json(sup.engine_url + "/v1/completions",
+                        {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30)
+    return code
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def spawned_pids(sup: Sup) -> list[int]:
+    return [e["pid"] for e in sup.events("engine.spawned")]
+
+
+def test_30k_prompt_that_ooms_at_8192_is_served_after_stepping_down(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}})
+    sup.wait_ready()
+    codes = []
+    for _ in range(4):
+        code = send_long_prompt(sup)
+        codes.append(code)
+        if code == 200:
+            break
+        sup.wait_ready(restarts=len(codes))
+    assert codes == [500, 500, 200]  # 8192 and 6144 die exactly like vLLM; 4096 serves it
+    st = sup.status()
+    assert st is not None
+    assert st["profile"]["max_num_batched_tokens"] == 4096
+    assert st["restarts"] == 2
+    assert st["last_failure"]["kind"] == "runtime_oom"
+    assert "Tried to allocate" in st["last_failure"]["evidence"]
+    assert st["last_failure"]["suspect_request"].startswith("cmpl-")
+    lowered = sup.events("engine.profile_lowered")
+    assert [e["diff"]["max_num_batched_tokens"] for e in lowered] == [[8192, 6144], [6144, 4096]]
+    saved = json.loads((sup.state_dir / "state.json").read_text())
+    assert saved["profile"]["max_num_batched_tokens"] == 4096
+    assert list((sup.state_dir / "incidents").glob("*runtime_oom.json"))
+    assert all(gone(p) for p in spawned_pids(sup)[:-1])
+
+    # The next start of the supervisor begins from what was learned.
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(30) == 0
+    again = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}, "state": {"dir": str(sup.state_dir)}})
+    st2 = again.wait_ready()
+    assert st2["profile"]["max_num_batched_tokens"] == 4096
+    assert send_long_prompt(again) == 200
+
+
+def test_poison_loop_exhausts_the_budget_and_exits_non_zero(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_DIE_AFTER_READY": "0.3"}},
+                     "restart": {"max_restarts": 2}})
+    assert sup.wait_exit(60) == 4  # ExitCode.RESTART_BUDGET_SPENT
+    fatal = sup.events("supervisor.fatal")
+    assert fatal and "restart budget spent" in fatal[0]["reason"]
+    assert len(spawned_pids(sup)) == 3
+    assert all(gone(p) for p in spawned_pids(sup))
+
+
+def test_api_server_sigkill_leaves_no_orphan(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    sup.wait_ready()
+    tree = sup.engine_tree()
+    assert len(tree) == 2, tree  # API server + EngineCore
+    api, core = tree[0].pid, tree[1].pid
+    os.kill(api, signal.SIGKILL)
+    st = sup.wait_ready(restarts=1)
+    assert gone(core), "the orphaned EngineCore survived"
+    assert st["last_failure"]["kind"] == "signal"
+    assert "SIGKILL" in st["last_failure"]["evidence"]
+    assert st["engine_pid"] != api
+
+
+def test_engine_core_sigkill_is_engine_dead_and_recovered(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    sup.wait_ready()
+    core = sup.engine_tree()[1].pid
+    os.kill(core, signal.SIGKILL)
+    st = sup.wait_ready(restarts=1)
+    assert st["last_failure"]["kind"] == "engine_dead"
+    assert "engine core exited unexpectedly" in st["last_failure"]["evidence"]
+
+
+def test_hung_engine_core_is_detected_within_the_timeout_and_restarted(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    sup.wait_ready()
+    core = sup.engine_tree()[1].pid
+    t0 = time.time()
+    os.kill(core, signal.SIGSTOP)  # /health stays 200, nothing else moves
+    st = sup.wait_ready(restarts=1, timeout=60)
+    lf = st["last_failure"]
+    assert lf["kind"] == "hang"
+    # hang_timeout_s=3 plus at most one canary interval and one probe interval
+    assert lf["detected_at"] - t0 < 3 + 0.5 + 0.2 + 1.5
+    assert gone(core)
+
+
+def test_startup_memory_failure_lowers_max_model_len_to_vllms_estimate(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_KV_TOKENS": "3000"}},
+                     "warmup": {"prompt_tokens": [1000, 2000]}})
+    st = sup.wait_ready(restarts=1)
+    assert st["profile"]["max_model_len"] == 3000
+    assert st["last_failure"]["kind"] == "startup_memory"
+    assert "estimated maximum model length is 3000" in st["last_failure"]["evidence"]
+
+
+def test_startup_utilization_failure_lowers_gpu_memory_utilization(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_FREE_UTIL": "0.82"}}})
+    st = sup.wait_ready(restarts=2)
+    assert st["profile"]["gpu_memory_utilization"] == 0.8
+    assert st["last_failure"]["kind"] == "startup_memory"
+
+
+def test_bad_flag_is_a_config_error_never_retried(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"args": {"swap_space": 4}}})
+    assert sup.wait_exit(30) == 3  # ExitCode.ENGINE_CONFIG_ERROR
+    assert len(spawned_pids(sup)) == 1
+    fatal = sup.events("supervisor.fatal")
+    assert "unrecognized arguments: --swap-space" in fatal[0]["failure"]["evidence"]
+
+
+def test_missing_engine_command_is_a_config_error(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"command": ["/nonexistent/vllm", "serve"]}})
+    assert sup.wait_exit(30) == 3
+
+
+def test_sigterm_stops_everything_and_exits_zero(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    sup.wait_ready()
+    pids = [p.pid for p in sup.engine_tree()]
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(30) == 0
+    assert all(gone(p) for p in pids)
+    assert sup.events("engine.state_changed")[-1]["to"] == "STOPPED"
+
+
+def test_systemd_gets_ready_after_warmup_and_the_engine_gets_no_notify_socket(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        s.settimeout(30)
+        sup = supervise(env={"NOTIFY_SOCKET": str(path)})
+        messages = []
+        while not any("READY=1" in m for m in messages):
+            messages.append(s.recv(65536).decode())
+    st = sup.status()
+    assert st is not None and st["state"] == "READY"
+    ready = next(m for m in messages if "READY=1" in m)
+    assert "STATUS=READY" in ready
+    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in messages)
+    assert "NOTIFY_SOCKET=None" in sup.log_path.read_text()
+
+
+def test_corrupt_state_file_is_reported_and_ignored(supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    state = tmp_path / "state0"
+    state.mkdir()
+    (state / "state.json").write_text("{garbage")
+    sup = supervise()
+    st = sup.wait_ready()
+    assert st["profile"]["max_num_batched_tokens"] == 8192
+    assert sup.events("state.corrupt_ignored")
+
+
+def test_admin_endpoints(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    st = sup.wait_ready()
+    assert set(st) >= {"state", "ready", "profile", "restarts", "last_failure", "engine_pid"}
+    assert http_json(f"http://{sup.admin}/readyz")[0] == 200
+    assert http_json(f"http://{sup.admin}/healthz")[0] == 200
+    core = sup.engine_tree()[1].pid
+    os.kill(core, signal.SIGSTOP)
+    sup.wait_for(lambda s: not s["ready"], 30, "not ready after the hang")
+    assert http_json(f"http://{sup.admin}/readyz")[0] == 503
+
+
+def test_climbs_back_after_a_stable_period_and_remembers_a_rung_that_failed_twice(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}},
+                     "profile": {"max_num_batched_tokens": 6144},
+                     "ladder": {"climb_after_s": 1.0}})
+    sup.wait_ready()
+    assert send_long_prompt(sup) == 500  # 6144 fails once -> 4096
+    sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 6144 and s["restarts"] == 1,
+                 30, "climb back to 6144")
+    assert sup.events("engine.profile_raised")
+    assert send_long_prompt(sup) == 500  # 6144 fails a second time
+    st = sup.wait_ready(restarts=2)
+    assert st["profile"]["max_num_batched_tokens"] == 4096
+    saved = json.loads((sup.state_dir / "state.json").read_text())
+    key = next(k for k in saved["rung_failures"] if "max_num_batched_tokens=6144" in k)
+    assert saved["rung_failures"][key] == 2

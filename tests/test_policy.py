@@ -1,0 +1,142 @@
+"""The restart policy as tables: budget, backoff, ladder down and up, floors, FATAL."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.config import LadderConfig, RestartConfig
+from supervisor.lifecycle import ExitCode, Failure, FailureKind
+from supervisor.policy import Policy, backoff_delay, clamp_to_configured, step_down, step_up
+from supervisor.profile import Profile
+
+LADDER = LadderConfig()
+P = Profile(max_num_batched_tokens=8192, max_num_seqs=16, gpu_memory_utilization=0.9)
+OOM = Failure(FailureKind.RUNTIME_OOM, "CUDA out of memory. Tried to allocate 176.00 MiB", knob="max_num_batched_tokens")
+
+
+def policy(**restart: float) -> Policy:
+    return Policy(RestartConfig(**restart), LADDER, P, rand=lambda: 0.0)  # type: ignore[arg-type]
+
+
+def test_runtime_oom_walks_the_default_ladder_then_seqs_then_utilization() -> None:
+    seen = []
+    p: Profile | None = P
+    while p is not None:
+        seen.append((p.max_num_batched_tokens, p.max_num_seqs, p.gpu_memory_utilization))
+        p = step_down(p, LADDER)
+    assert [s[0] for s in seen[:6]] == [8192, 6144, 4096, 2048, 512, 512]
+    assert seen[5][1] == 8  # after the chunk floor, max_num_seqs halves
+    assert seen[-1] == (512, 1, 0.5)  # every knob at its floor
+    assert all(b <= a for a, b in zip([s[2] for s in seen], [s[2] for s in seen[1:]], strict=False))
+
+
+def test_step_down_never_goes_below_floors() -> None:
+    floor = Profile(max_num_batched_tokens=512, max_num_seqs=1, gpu_memory_utilization=0.5)
+    assert step_down(floor, LADDER) is None
+
+
+def test_chunk_step_keeps_max_num_seqs_within_the_token_budget() -> None:
+    p = step_down(Profile(max_num_batched_tokens=1024, max_num_seqs=1000), LADDER)
+    assert p is not None and p.max_num_seqs <= p.max_num_batched_tokens
+
+
+def test_startup_utilization_evidence_lowers_utilization_first() -> None:
+    p = step_down(P, LADDER, prefer="gpu_memory_utilization")
+    assert p == P.with_(gpu_memory_utilization=0.85)
+
+
+@pytest.mark.parametrize(("n", "expected"), [(0, 0.0), (1, 1.0), (2, 2.0), (3, 4.0), (10, 60.0)])
+def test_backoff_is_exponential_and_capped(n: int, expected: float) -> None:
+    assert backoff_delay(n, RestartConfig(backoff_initial_s=1, backoff_max_s=60), lambda: 0.0) == expected
+
+
+def test_backoff_jitter_only_shortens() -> None:
+    cfg = RestartConfig(backoff_initial_s=10, backoff_max_s=60, backoff_jitter=0.2)
+    assert backoff_delay(1, cfg, lambda: 1.0) == pytest.approx(8.0)
+
+
+def test_restart_budget_spent_is_fatal() -> None:
+    pol = policy(max_restarts=2, window_s=60)
+    dead = Failure(FailureKind.ENGINE_DEAD, "EngineDeadError")
+    assert pol.on_failure(dead, P, 0).restart
+    assert pol.on_failure(dead, P, 1).restart
+    d = pol.on_failure(dead, P, 2)
+    assert not d.restart and d.exit_code is ExitCode.RESTART_BUDGET_SPENT
+
+
+def test_restarts_outside_the_window_do_not_count() -> None:
+    pol = policy(max_restarts=1, window_s=10)
+    dead = Failure(FailureKind.ENGINE_DEAD, "x")
+    assert pol.on_failure(dead, P, 0).restart
+    assert pol.on_failure(dead, P, 11).restart
+
+
+def test_config_error_is_never_retried() -> None:
+    d = policy().on_failure(Failure(FailureKind.CONFIG_ERROR, "unrecognized arguments"), P, 0)
+    assert not d.restart and d.exit_code is ExitCode.ENGINE_CONFIG_ERROR
+
+
+def test_device_fatal_is_retried_once_then_fatal() -> None:
+    pol = policy()
+    f = Failure(FailureKind.DEVICE_FATAL, "illegal memory access")
+    assert pol.on_failure(f, P, 0).restart
+    d = pol.on_failure(f, P, 1)
+    assert not d.restart and d.exit_code is ExitCode.DEVICE_FATAL
+
+
+def test_runtime_oom_lowers_chunk_and_counts_the_rung() -> None:
+    pol = policy()
+    d = pol.on_failure(OOM, P, 0)
+    assert d.restart and d.profile.max_num_batched_tokens == 6144
+    assert pol.rung_failures[P.key()] == 1
+
+
+def test_memory_failure_at_floors_is_fatal() -> None:
+    floor = Profile(max_num_batched_tokens=512, max_num_seqs=1, gpu_memory_utilization=0.5)
+    d = policy().on_failure(OOM, floor, 0)
+    assert not d.restart and d.exit_code is ExitCode.NOTHING_LEFT_TO_LOWER
+
+
+def test_startup_memory_max_model_len_takes_vllms_estimate() -> None:
+    p = P.with_(max_model_len=4096)
+    f = Failure(FailureKind.STARTUP_MEMORY, "estimated maximum model length is 896", knob="max_model_len",
+                suggested=896)
+    assert policy().on_failure(f, p, 0).profile.max_model_len == 896
+
+
+def test_startup_memory_max_model_len_estimate_below_floor_is_fatal() -> None:
+    p = P.with_(max_model_len=4096)
+    f = Failure(FailureKind.STARTUP_MEMORY, "estimated maximum model length is 16", knob="max_model_len", suggested=16)
+    assert not policy().on_failure(f, p, 0).restart
+
+
+def test_climb_undoes_one_rung_at_a_time_toward_configured() -> None:
+    low = P.with_(max_num_batched_tokens=4096, max_num_seqs=8, gpu_memory_utilization=0.85)
+    up1 = step_up(low, P, LADDER)
+    assert up1 == low.with_(gpu_memory_utilization=0.9)
+    assert up1 is not None
+    up2 = step_up(up1, P, LADDER)
+    assert up2 == up1.with_(max_num_seqs=16)
+    assert up2 is not None
+    assert step_up(up2, P, LADDER) == up2.with_(max_num_batched_tokens=6144)
+    assert step_up(P, P, LADDER) is None
+
+
+def test_a_rung_that_failed_twice_is_not_climbed_to_again() -> None:
+    pol = policy()
+    at_6144 = P.with_(max_num_batched_tokens=6144)
+    pol.rung_failures[P.key()] = 2
+    assert pol.climb_target(at_6144) is None
+    pol.rung_failures[P.key()] = 1
+    assert pol.climb_target(at_6144) == P
+
+
+def test_a_rung_that_failed_twice_is_skipped_going_down() -> None:
+    pol = policy()
+    pol.rung_failures[P.with_(max_num_batched_tokens=6144).key()] = 2
+    assert pol.on_failure(OOM, P, 0).profile.max_num_batched_tokens == 4096
+
+
+def test_saved_profile_is_clamped_to_what_is_configured_now() -> None:
+    saved = P.with_(max_num_batched_tokens=6144, max_num_seqs=64)
+    assert clamp_to_configured(saved, P) == P.with_(max_num_batched_tokens=6144)

@@ -1,0 +1,138 @@
+"""Process-tree handling and the IPC channel, against real tiny child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from supervisor import ipc, proctree
+from supervisor.probe import Progress, ProgressWatch, parse_progress
+
+TREE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    # A grandchild that ignores SIGTERM, like a wedged GPU worker.
+    g = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('grandchild', flush=True); time.sleep(600)"])
+    print("child", os.getpid(), g.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+async def spawn_tree() -> tuple[proctree.Child, int]:
+    child = await proctree.spawn([sys.executable, "-c", TREE], os.environ, 0.0)
+    assert child.proc.stdout is not None
+    seen: dict[str, list[str]] = {}
+    while len(seen) < 2:  # both ready: the grandchild has installed its SIGTERM handler
+        words = (await child.proc.stdout.readline()).decode().split()
+        seen[words[0]] = words
+    return child, int(seen["child"][2])
+
+
+async def test_terminate_tree_escalates_to_sigkill_and_leaves_nothing() -> None:
+    child, grandchild = await spawn_tree()
+    try:
+        report = await proctree.terminate_tree(child, grace_s=0.5, kill_wait_s=5)
+        assert grandchild in report.killed
+        assert report.survivors == ()
+        assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    finally:
+        _cleanup(child.sid)
+
+
+async def test_orphans_of_a_sigkilled_leader_are_swept() -> None:
+    child, grandchild = await spawn_tree()
+    try:
+        os.kill(child.pid, signal.SIGKILL)  # someone else kills the API server
+        await child.wait_exit()  # noticed although the orphan still holds the pipes
+        assert psutil.pid_exists(grandchild)  # the orphan survives its parent...
+        report = await proctree.terminate_tree(child, grace_s=0.3, kill_wait_s=5)
+        assert report.survivors == ()  # ...but not the sweep
+        assert not proctree.session_members(child.sid)
+    finally:
+        _cleanup(child.sid)
+
+
+def _cleanup(sid: int) -> None:
+    for p in proctree.session_members(sid):
+        p.kill()
+
+
+async def test_vllm_processes_send_typed_events_over_the_logging_config(tmp_path: Path) -> None:
+    got: list[dict[str, Any]] = []
+    arrived = asyncio.Event()
+
+    def on_event(ev: dict[str, Any]) -> None:
+        got.append(ev)
+        if ev.get("exc_type"):
+            arrived.set()
+
+    sock = tmp_path / "ev.sock"
+    server = ipc.EventServer(sock, on_event)
+    await server.start()
+    env = {**os.environ, **ipc.prepare_child_env(tmp_path / "run", str(sock)),
+           "PYTHONPATH": str(tmp_path / "run")}
+    # What vllm/logger.py does with VLLM_LOGGING_CONFIG_PATH, in a child and a forked grandchild.
+    code = textwrap.dedent("""
+        import json, logging, logging.config, os
+        logging.config.dictConfig(json.load(open(os.environ["VLLM_LOGGING_CONFIG_PATH"])))
+        log = logging.getLogger("vllm.v1.engine.core")
+        log.info("not an event")
+        if os.fork() == 0:
+            log.warning("from the worker")
+            os._exit(0)
+        os.wait()
+        try:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 10.78 GiB. GPU 0 has a total capacity")
+        except RuntimeError:
+            log.exception("EngineCore encountered a fatal error.")
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        await asyncio.wait_for(arrived.wait(), 10)
+    finally:
+        server.close()
+    assert "not an event" in out.stdout  # console output kept, in vLLM's format
+    assert "ERROR" in out.stdout and "[<string>:" in out.stdout
+    msgs = [e["msg"] for e in got]
+    assert "not an event" not in msgs and "from the worker" in msgs
+    fatal = next(e for e in got if e.get("exc_type"))
+    assert fatal["exc_type"] == "RuntimeError"
+    assert fatal["alloc"] == "Tried to allocate 10.78 GiB"
+    assert len({e["pid"] for e in got}) == 2
+    json.dumps(got)
+
+
+METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 50.0
+"""
+
+
+def test_parse_progress_sums_vllm_metrics() -> None:
+    assert parse_progress(METRICS) == Progress(2.0, 1.0, 150.0)
+
+
+def test_progress_watch_sees_a_hang_only_when_work_is_pending_and_tokens_freeze() -> None:
+    w = ProgressWatch(timeout_s=10)
+    busy = Progress(1, 0, 100)
+    assert w.observe(0, busy) is None
+    assert w.observe(9, busy) is None
+    assert "no token progress for 10s" in (w.observe(10, busy) or "")
+    w2 = ProgressWatch(timeout_s=10)
+    for t in range(0, 30, 5):
+        assert w2.observe(t, Progress(0, 0, 100)) is None  # idle is not hung
+    for t in range(30, 60, 5):
+        assert w2.observe(t, Progress(1, 0, 100 + t)) is None  # busy and progressing
