@@ -157,46 +157,65 @@ def kill_sessions(pids: set[int]) -> None:
             pass
 
 
-@pytest.fixture
-def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
-    """Start `vllm-supervisor run` with a stand-in engine (or any engine via overrides)."""
-    started: list[Sup] = []
+class Launcher:
+    """Starts `vllm-supervisor run` processes from config overrides and cleans every one up."""
 
-    def start(overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Sup:
-        n = len(started)
+    def __init__(self, workdir: Path, base: dict[str, Any]) -> None:
+        self.workdir = workdir
+        self.base = base
+        self.started: list[Sup] = []
+
+    def start(self, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Sup:
+        n = len(self.started)
         port, admin_port = free_port(), free_port()
-        doc: dict[str, Any] = {
-            "engine": {"model": "fake-model", "port": port,
-                       "command": [sys.executable, str(FAKE_VLLM)], "env": {},
-                       "stop_timeout_s": 5.0, "kill_timeout_s": 5.0, "dead_grace_s": 2.0},
-            "profile": {"max_num_batched_tokens": 8192, "max_num_seqs": 16, "max_model_len": 32768},
-            "restart": {"max_restarts": 5, "window_s": 600.0, "backoff_initial_s": 0.05, "backoff_max_s": 0.2},
-            "health": {"hang_timeout_s": 3.0, "probe_interval_s": 0.2, "canary_interval_s": 0.5},
-            "warmup": {"max_tokens": 4, "timeout_s": 30.0},
-            "gpu": {"release_timeout_s": 5.0, "free_wait_s": 0.0},
-            "state": {"dir": str(tmp_path / f"state{n}")},
+        doc = deep_merge(self.base, {
+            "engine": {"port": port},
+            "state": {"dir": str(self.workdir / f"state{n}")},
             "admin": {"listen": f"127.0.0.1:{admin_port}"},
-            "log": {"format": "json"},
-        }
+        })
         doc = deep_merge(doc, overrides or {})
-        cfg = tmp_path / f"sup{n}.toml"
+        cfg = self.workdir / f"sup{n}.toml"
         cfg.write_text(to_toml(doc))
-        log_path = tmp_path / f"sup{n}.log"
+        log_path = self.workdir / f"sup{n}.log"
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
                                     stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         sup = Sup(proc, cfg, doc["admin"]["listen"], f"http://127.0.0.1:{doc['engine']['port']}",
                   Path(doc["state"]["dir"]), log_path)
-        started.append(sup)
+        self.started.append(sup)
         return sup
 
-    yield start
-    for sup in started:
-        if sup.proc.poll() is None:
-            sup.proc.send_signal(signal.SIGTERM)
-            try:
-                sup.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                sup.proc.kill()
-                sup.proc.wait()
-        kill_sessions(sup.engine_pids)
+    def cleanup(self) -> None:
+        for sup in self.started:
+            if sup.proc.poll() is None:
+                sup.proc.send_signal(signal.SIGTERM)
+                try:
+                    sup.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    sup.proc.kill()
+                    sup.proc.wait()
+            kill_sessions(sup.engine_pids | set(spawned_pids(sup)))
+
+
+def spawned_pids(sup: Sup) -> list[int]:
+    return [e["pid"] for e in sup.events("engine.spawned")]
+
+
+STANDIN_BASE: dict[str, Any] = {
+    "engine": {"model": "fake-model", "command": [sys.executable, str(FAKE_VLLM)], "env": {},
+               "stop_timeout_s": 5.0, "kill_timeout_s": 5.0, "dead_grace_s": 2.0},
+    "profile": {"max_num_batched_tokens": 8192, "max_num_seqs": 16, "max_model_len": 32768},
+    "restart": {"max_restarts": 5, "window_s": 600.0, "backoff_initial_s": 0.05, "backoff_max_s": 0.2},
+    "health": {"hang_timeout_s": 3.0, "probe_interval_s": 0.2, "canary_interval_s": 0.5},
+    "warmup": {"max_tokens": 4, "timeout_s": 30.0},
+    "gpu": {"release_timeout_s": 5.0, "free_wait_s": 0.0},
+    "log": {"format": "json"},
+}
+
+
+@pytest.fixture
+def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
+    """Start `vllm-supervisor run` over the stand-in engine (overrides merge into its config)."""
+    launcher = Launcher(tmp_path, STANDIN_BASE)
+    yield launcher.start
+    launcher.cleanup()

