@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SPEC = {
@@ -45,7 +46,7 @@ def build(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SPEC["seed"])
 
-    def corpus():  # type: ignore[no-untyped-def]
+    def corpus() -> Iterator[str]:
         for _ in range(5000):
             yield " ".join(rng.choice(WORDS) + (str(rng.randint(0, 99)) if rng.random() < 0.2 else "")
                            for _ in range(rng.randint(5, 30)))

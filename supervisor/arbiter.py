@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO, TypeVar
@@ -67,7 +67,8 @@ class Trigger:
 
 class Arbiter:
     def __init__(self, cfg: Config, host: Host, *, notifier: Notifier | None = None,
-                 echo: TextIO | None = None, install_signals: bool = True) -> None:
+                 echo: TextIO | None = None, install_signals: bool = True,
+                 client: EngineClient | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.notifier = notifier or Notifier()
@@ -90,7 +91,7 @@ class Arbiter:
         self.child: Child | None = None
         self.tail = LogTail(cfg.log.tail_lines)
         self.events: deque[dict[str, Any]] = deque(maxlen=1000)
-        self.client = EngineClient(cfg.engine.base_url)
+        self.client = client or EngineClient(cfg.engine.base_url)
         self.ready_once = False
         self.ready_at: float | None = None
         self.timings: dict[str, float] = {}
@@ -185,7 +186,8 @@ class Arbiter:
         if self.install_signals:
             loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
             loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT")
-        self._run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-"))
+        # systemd's RuntimeDirectory= when there is one: private, and removed with the unit.
+        self._run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
         host, port = self.cfg.admin.host_port
         admin = AdminServer(make_app(self.status, self._loop_alive), host, port)
         await admin.start()
@@ -238,9 +240,12 @@ class Arbiter:
                 return ExitCode.OK
 
     async def _sleep_or_stop(self, seconds: float) -> bool:
-        """Sleep ``seconds``; True if a stop was requested meanwhile."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        """Sleep ``seconds`` on the host's clock; True if a stop was requested meanwhile."""
+        sleeper = asyncio.ensure_future(self.host.sleep(seconds))
+        stopper = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (sleeper, stopper):
+            t.cancel()
         return self._stop.is_set()
 
     # ---- one engine's life ---------------------------------------------------------------------------
@@ -288,6 +293,8 @@ class Arbiter:
         if isinstance(healthy, Trigger):
             return healthy
         self._phase = Phase.SERVING
+        # EngineCore and workers exist by now: remember them, they are the GPU memory holders.
+        self.host.tree_pids(self.child)
         t_healthy = self.host.monotonic()
         self.change_state(S.WARMING, healthy_after_s=round(t_healthy - t_start, 3))
         sizes = warmup.plan(self.profile, self.cfg.warmup)
@@ -422,10 +429,13 @@ class Arbiter:
         child = self.child
         if child is None:
             return None
+        t0 = self.host.monotonic()
         report = await self.host.terminate_tree(child, self.cfg.engine.stop_timeout_s, self.cfg.engine.kill_timeout_s)
+        t1 = self.host.monotonic()
         # With every holder of the pipes gone they reach EOF; bounded in case a grandchild escaped.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*self._drains, return_exceptions=True), 5.0)
+        t2 = self.host.monotonic()
         for t in (*self._drains, self._exit_watch):
             t.cancel()
         self._server.close()
@@ -434,11 +444,14 @@ class Arbiter:
             log.error("gpu.not_released", held={str(k): v for k, v in held.items()},
                       timeout_s=self.cfg.gpu.release_timeout_s)
         log.info("engine.stopped", pids=list(report.pids), sigkilled=list(report.killed),
-                 survivors=list(report.survivors), returncode=report.returncode)
+                 survivors=list(report.survivors), returncode=report.returncode, kill_s=round(t1 - t0, 3),
+                 drain_s=round(t2 - t1, 3), gpu_release_s=round(self.host.monotonic() - t2, 3))
         return report
 
     async def _handle_failure(self, trigger: Trigger) -> Failure:
         phase = self._phase
+        if self.child is not None:
+            self.host.tree_pids(self.child)
         rc_before: int | None = self.child.proc.returncode if self.child else None
         if trigger.kind == "death" and self.child is not None and rc_before is None:
             # vLLM exits by itself within seconds of its engine dying; let it finish logging.

@@ -17,7 +17,8 @@ from supervisor.lifecycle import Failure, FailureKind, Phase
 # vLLM's console prefix: "(EngineCore pid=15062) ERROR 11-30 07:19:35 [core.py:1512] " (and the
 # older "(EngineCore_DP0 pid=1) " stdout decoration); stripped so evidence reads cleanly.
 _PREFIX = re.compile(
-    r"^(?:\([\w:\-. ]+ pid=\d+\)\s*)*(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?"
+    r"^(?:\([\w:\-. ]+ pid=\d+\)\s*)*"
+    r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?"
 )
 
 CONFIG_PATTERNS = [
@@ -185,8 +186,9 @@ def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: str | None) ->
                            suggested=int(m.group(1)))
     for text in corpus:
         m = MAX_LEN_NEEDED.search(text)
-        if m:
-            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="max_model_len")
+        if m:  # no estimate printed: halve the length vLLM could not serve
+            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="max_model_len",
+                           suggested=int(m.group(1)) // 2)
     for text in corpus:
         m = FREE_BELOW_UTIL.search(text)
         if m:

@@ -61,7 +61,7 @@ class RealHost:
             try:
                 data, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
                 out[pid] = data.decode(errors="replace")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
                 await proc.wait()
                 out[pid] = "py-spy timed out"

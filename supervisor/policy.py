@@ -33,7 +33,7 @@ def backoff_delay(consecutive: int, cfg: RestartConfig, rand: Callable[[], float
     """Exponential backoff capped at backoff_max_s, minus up to ``backoff_jitter`` of itself."""
     if consecutive <= 0:
         return 0.0
-    base = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (consecutive - 1))
+    base: float = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2.0 ** (consecutive - 1))
     return base * (1.0 - cfg.backoff_jitter * rand())
 
 
@@ -60,12 +60,12 @@ def _lower(p: Profile, knob: str, ladder: LadderConfig) -> Profile | None:
         return p.with_(max_num_batched_tokens=nxt, enable_chunked_prefill=True,
                        max_num_seqs=min(p.max_num_seqs, nxt))
     if knob == "max_num_seqs":
-        nxt = max(ladder.max_num_seqs_floor, p.max_num_seqs // 2)
-        return p.with_(max_num_seqs=nxt) if nxt < p.max_num_seqs else None
+        seqs = max(ladder.max_num_seqs_floor, p.max_num_seqs // 2)
+        return p.with_(max_num_seqs=seqs) if seqs < p.max_num_seqs else None
     if knob == "gpu_memory_utilization":
-        nxt = round(max(ladder.gpu_memory_utilization_floor,
-                        p.gpu_memory_utilization - ladder.gpu_memory_utilization_step), 4)
-        return p.with_(gpu_memory_utilization=nxt) if nxt < p.gpu_memory_utilization else None
+        util = round(max(ladder.gpu_memory_utilization_floor,
+                         p.gpu_memory_utilization - ladder.gpu_memory_utilization_step), 4)
+        return p.with_(gpu_memory_utilization=util) if util < p.gpu_memory_utilization else None
     if knob == "max_model_len":
         if p.max_model_len is None:
             return None
@@ -153,18 +153,12 @@ class Policy:
 
     def _lower_for(self, failure: Failure, profile: Profile) -> Profile | None:
         if failure.knob == "max_model_len":
-            cur = profile.max_model_len
             target = failure.suggested
-            if target is not None and cur is not None:
-                target = min(target, cur - 1)
             if target is None:
-                lowered = _lower(profile, "max_model_len", self.ladder)
-                if lowered is not None or profile.max_model_len is not None:
-                    return lowered
-                return None
-            if target < self.ladder.max_model_len_floor:
-                return None
-            return profile.with_(max_model_len=target)
+                return _lower(profile, "max_model_len", self.ladder)
+            if profile.max_model_len is not None:
+                target = min(target, profile.max_model_len - 1)
+            return profile.with_(max_model_len=target) if target >= self.ladder.max_model_len_floor else None
         prefer = failure.knob if failure.knob in ("gpu_memory_utilization", "max_num_batched_tokens") \
             else "max_num_batched_tokens"
         candidate = step_down(profile, self.ladder, prefer)

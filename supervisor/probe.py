@@ -6,7 +6,6 @@ token progress from /metrics while busy and by a real, timed canary generation w
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -71,7 +70,7 @@ class EngineClient:
             async with self._s().get(self.base_url + "/health",
                                      timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 return r.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return None
 
     async def metrics(self, timeout: float = 5.0) -> Progress:
@@ -96,7 +95,8 @@ class EngineClient:
         payload = {"model": await self.served_model(), "prompt": prompt, "max_tokens": max_tokens,
                    "temperature": 0.0}
         headers = {"X-Request-Id": request_id or f"sup-{uuid.uuid4().hex[:12]}"}
-        return await self._json("POST", "/v1/completions", payload, timeout, headers)
+        body: dict[str, Any] = await self._json("POST", "/v1/completions", payload, timeout, headers)
+        return body
 
     async def _json(self, method: str, path: str, payload: Any, timeout: float,
                     headers: dict[str, str] | None = None) -> Any:
@@ -106,7 +106,7 @@ class EngineClient:
                 if r.status != 200:
                     raise EngineError(f"{method} {path} returned {r.status}: {(await r.text())[:300]}")
                 return await r.json()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineError(f"{method} {path} gave no answer within {timeout:g}s") from None
         except aiohttp.ClientError as exc:
             raise EngineError(f"{method} {path} failed: {exc}") from None

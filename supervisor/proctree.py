@@ -58,7 +58,11 @@ class Child:
                 fd = -1
             if fd >= 0:
                 fut: asyncio.Future[None] = loop.create_future()
-                loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+                def readable() -> None:
+                    if not fut.done():
+                        fut.set_result(None)
+
+                loop.add_reader(fd, readable)
                 try:
                     await fut
                 finally:

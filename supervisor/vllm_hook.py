@@ -44,12 +44,16 @@ class SupervisorEventHandler(logging.Handler):
             event = record_to_event(record)
             data = json.dumps(event, default=str).encode()
             if len(data) > MAX_DATAGRAM:
-                event["msg"] = event["msg"][:2000] + " ...[truncated]"
+                event["msg"] = msg_of(event)[:2000] + " ...[truncated]"
                 event.pop("exc_tail", None)
                 data = json.dumps(event, default=str).encode()[:MAX_DATAGRAM]
             self._socket().sendto(data, self.path)
         except Exception:  # noqa: BLE001 - see module docstring
             pass
+
+
+def msg_of(event: dict[str, object]) -> str:
+    return str(event.get("msg", ""))
 
 
 def record_to_event(record: logging.LogRecord) -> dict[str, object]:

@@ -61,7 +61,7 @@ async def run(client: EngineClient, sizes: list[int], cfg: WarmupConfig) -> Warm
 
     try:
         await asyncio.wait_for(asyncio.gather(*(one(i, t) for i, t in enumerate(sizes))), cfg.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise WarmupFailed(f"warm-up did not finish within {cfg.timeout_s:g}s") from None
     except EngineError as exc:
         raise WarmupFailed(f"warm-up could not size its prompts: {exc}") from None

@@ -145,7 +145,7 @@ class Server:
 
     async def start_core(self) -> None:
         parent, child = socket.socketpair()
-        self.core = subprocess.Popen(
+        self.core = subprocess.Popen(  # noqa: ASYNC220 - a stand-in; Popen returns at once
             [sys.executable, __file__, *sys.argv[1:], "--engine-core-fd", str(child.fileno())],
             pass_fds=[child.fileno()])
         child.close()
@@ -159,7 +159,7 @@ class Server:
             except RuntimeError:
                 self.log.exception("Engine core initialization failed")
             sys.exit(1)
-        asyncio.create_task(self.read_outputs())
+        self.reader_task = asyncio.create_task(self.read_outputs())
         self.healthy = True
 
     async def read_outputs(self) -> None:
@@ -172,7 +172,8 @@ class Server:
                 if msg is None:
                     clog.warning("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")
                 try:
-                    raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+                    raise EngineDeadError(
+                        "EngineCore encountered an issue. See stack trace (above) for the root cause.")
                 except EngineDeadError as exc:
                     alog.exception("AsyncLLM output_handler failed.")
                     self.dead = True

@@ -65,7 +65,8 @@ def test_config_is_frozen() -> None:
 
 def test_engine_command_renders_profile_then_passthrough_flags() -> None:
     cfg = parse({"engine": {"model": "/m", "port": 18001, "command": ["vllm", "serve"],
-                            "args": {"kv_cache_memory_bytes": 268435456, "enforce_eager": True, "trust_remote_code": False}},
+                            "args": {"kv_cache_memory_bytes": 268435456, "enforce_eager": True,
+                                     "trust_remote_code": False}},
                  "profile": {"max_num_batched_tokens": 6144, "max_num_seqs": 10, "gpu_memory_utilization": 0.9,
                              "max_model_len": 4096}})
     assert build_argv(cfg.engine, cfg.profile) == [

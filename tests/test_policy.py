@@ -11,7 +11,8 @@ from supervisor.profile import Profile
 
 LADDER = LadderConfig()
 P = Profile(max_num_batched_tokens=8192, max_num_seqs=16, gpu_memory_utilization=0.9)
-OOM = Failure(FailureKind.RUNTIME_OOM, "CUDA out of memory. Tried to allocate 176.00 MiB", knob="max_num_batched_tokens")
+OOM = Failure(FailureKind.RUNTIME_OOM, "CUDA out of memory. Tried to allocate 176.00 MiB",
+              knob="max_num_batched_tokens")
 
 
 def policy(**restart: float) -> Policy:
@@ -140,3 +141,14 @@ def test_a_rung_that_failed_twice_is_skipped_going_down() -> None:
 def test_saved_profile_is_clamped_to_what_is_configured_now() -> None:
     saved = P.with_(max_num_batched_tokens=6144, max_num_seqs=64)
     assert clamp_to_configured(saved, P) == P.with_(max_num_batched_tokens=6144)
+
+
+def test_startup_memory_max_model_len_without_estimate_halves_the_length() -> None:
+    f = Failure(FailureKind.STARTUP_MEMORY, "max seq len (4096)", knob="max_model_len", suggested=2048)
+    assert policy().on_failure(f, P.with_(max_model_len=4096), 0).profile.max_model_len == 2048
+
+
+def test_startup_memory_max_model_len_unset_and_no_suggestion_is_fatal() -> None:
+    f = Failure(FailureKind.STARTUP_MEMORY, "?", knob="max_model_len")
+    d = policy().on_failure(f, P, 0)
+    assert not d.restart and d.exit_code is ExitCode.NOTHING_LEFT_TO_LOWER

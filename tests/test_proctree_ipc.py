@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,7 +20,8 @@ TREE = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     # A grandchild that ignores SIGTERM, like a wedged GPU worker.
     g = subprocess.Popen([sys.executable, "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('grandchild', flush=True); time.sleep(600)"])
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('grandchild', flush=True); time.sleep(600)"])
     print("child", os.getpid(), g.pid, flush=True)
     time.sleep(600)
 """)
@@ -96,12 +96,16 @@ async def test_vllm_processes_send_typed_events_over_the_logging_config(tmp_path
             log.exception("EngineCore encountered a fatal error.")
     """)
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, env=env,
+                                                    stdout=asyncio.subprocess.PIPE)
+        stdout, _ = await proc.communicate()
+        assert proc.returncode == 0
         await asyncio.wait_for(arrived.wait(), 10)
     finally:
         server.close()
-    assert "not an event" in out.stdout  # console output kept, in vLLM's format
-    assert "ERROR" in out.stdout and "[<string>:" in out.stdout
+    console = stdout.decode()
+    assert "not an event" in console  # console output kept, in vLLM's format
+    assert "ERROR" in console and "[<string>:" in console
     msgs = [e["msg"] for e in got]
     assert "not an event" not in msgs and "from the worker" in msgs
     fatal = next(e for e in got if e.get("exc_type"))

@@ -93,7 +93,7 @@ def complete(sup: Sup, **body: Any) -> tuple[int, dict[str, Any]]:
 def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> None:
     st = sup.status()
     assert st is not None and st["state"] == "READY"
-    warm = [h for h in st["history"] if h["to"] == "READY"][0]
+    warm = next(h for h in st["history"] if h["to"] == "READY")
     assert warm["warmup_prompts"] == [512, 682, 853, 1024]  # a quarter to a half of the 2048 chunk
     code, body = complete(sup, prompt="hello world the quick brown fox")
     assert code == 200 and body["choices"][0]["text"] is not None

@@ -1,0 +1,79 @@
+"""Shared helpers for the benchmarks: run a supervisor, read its /status, find the engine tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def status(admin: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://{admin}/status", timeout=5) as r:
+            doc: dict[str, Any] = json.load(r)
+            return doc
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def wait_ready(admin: str, restarts: int, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = status(admin)
+        if st and st["ready"] and st["restarts"] >= restarts:
+            return st
+        time.sleep(0.01)
+    raise SystemExit(f"supervisor not READY (restarts >= {restarts}) within {timeout}s")
+
+
+def engine_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+class Supervisor:
+    """`vllm-supervisor run` in the background, with its output in a temp file."""
+
+    def __init__(self, toml: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="vsup-bench-"))
+        self.admin = f"127.0.0.1:{free_port()}"
+        self.port = free_port()
+        cfg = self.dir / "c.toml"
+        cfg.write_text(toml.format(port=self.port, admin=self.admin, state=self.dir / "state"))
+        self.log = open(self.dir / "sup.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--quiet-engine", "--config",
+                                      str(cfg)], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def here() -> Path:
+    return Path(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,162 @@
+"""On a lent H200: the seed's incident, end to end, under vllm-supervisor with real vLLM and CUDA.
+
+1. the supervisor starts vLLM (0.9B random Llama, chunk 8192, gpu_memory_utilization 0.5) and warms it up;
+2. another process takes all but 16 MiB of the card (the seed's "other process");
+3. a 30,000-token prompt kills the engine with a real CUDA OOM;
+4. the supervisor classifies it, steps the chunk down, waits for NVML to show the memory released,
+   restarts (and handles whatever the still-occupied card does to that start), warms up;
+5. the same prompt is sent again.
+Everything it saw goes to $OUT: the supervisor's JSON events, /status snapshots, incidents, a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+MODEL = os.path.expanduser(os.environ.get("MODEL", "~/tinyllama"))
+DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "540"))
+T0 = time.monotonic()
+ADMIN, PORT = "127.0.0.1:8001", 18000
+notes: list[str] = []
+
+
+def note(msg: str) -> None:
+    line = f"[{time.monotonic() - T0:7.1f}s] {msg}"
+    print(line, flush=True)
+    notes.append(line)
+
+
+def http(url: str, body: Any = None, timeout: float = 300) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()[:300].decode(errors="replace")
+    except (urllib.error.URLError, OSError) as e:
+        return 0, str(e)
+
+
+def status() -> dict[str, Any] | None:
+    code, st = http(f"http://{ADMIN}/status", timeout=5)
+    return st if code == 200 else None
+
+
+def wait(pred: Any, what: str) -> dict[str, Any] | None:
+    while time.monotonic() < DEADLINE:
+        st = status()
+        if st and pred(st):
+            return st
+        time.sleep(0.5)
+    note(f"gave up waiting for {what}; last status: {json.dumps(status())[:600]}")
+    return None
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    state = Path("/tmp/sup-state")
+    shutil.rmtree(state, ignore_errors=True)
+    cfg = Path("/tmp/sup.toml")
+    cfg.write_text(f"""
+[engine]
+model = "{MODEL}"
+port = {PORT}
+env = {{ HF_HUB_OFFLINE = "1", VLLM_USE_FLASHINFER_SAMPLER = "0", VLLM_NO_USAGE_STATS = "1" }}
+start_timeout_s = 400.0
+[engine.args]
+served_model_name = "tiny"
+[profile]
+max_num_batched_tokens = 8192
+max_num_seqs = 16
+gpu_memory_utilization = 0.5
+max_model_len = 32768
+[restart]
+backoff_initial_s = 1.0
+[health]
+hang_timeout_s = 60.0
+probe_interval_s = 1.0
+canary_interval_s = 10.0
+[gpu]
+release_timeout_s = 30.0
+free_wait_s = 20.0
+[state]
+dir = "{state}"
+[admin]
+listen = "{ADMIN}"
+[log]
+format = "json"
+""")
+    log = open(OUT / "supervisor.log", "w")  # noqa: SIM115
+    sup = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                           stdout=log, stderr=subprocess.STDOUT)
+    hog: subprocess.Popen[str] | None = None
+    snaps: list[dict[str, Any]] = []
+    try:
+        st = wait(lambda s: s["ready"], "first READY")
+        if not st:
+            return 1
+        snaps.append(st)
+        note(f"READY: timings {st['timings']} profile {st['profile']}")
+        hog = hog_proc = subprocess.Popen([sys.executable, "-c", (
+            "import torch, time, sys\n"
+            "free, total = torch.cuda.mem_get_info()\n"
+            "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
+            "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
+            "time.sleep(3600)\n")], stdout=subprocess.PIPE, text=True)
+        assert hog_proc.stdout is not None
+        note(hog_proc.stdout.readline().strip())
+        t = time.monotonic()
+        code, body = http(f"http://127.0.0.1:{PORT}/v1/completions",
+                          {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4})
+        note(f"30k-token prompt at chunk 8192 -> HTTP {code} after {time.monotonic() - t:.2f}s")
+        st = wait(lambda s: s["restarts"] >= 1 and s["last_failure"] is not None, "first failure")
+        if st:
+            note(f"failure seen: {json.dumps(st['last_failure'])[:500]}")
+        st = wait(lambda s: s["ready"] and s["restarts"] >= 1, "READY after the OOM")
+        if st:
+            snaps.append(st)
+            note(f"READY again: restarts {st['restarts']} profile {st['profile']} "
+                 f"last {st['last_failure']['kind']}: {st['last_failure']['evidence'][:200]}")
+            t = time.monotonic()
+            code, body = http(f"http://127.0.0.1:{PORT}/v1/completions",
+                              {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4})
+            usage = body.get("usage") if isinstance(body, dict) else body
+            note(f"same 30k-token prompt now -> HTTP {code} after {time.monotonic() - t:.2f}s usage {usage}")
+            st2 = wait(lambda s: s["ready"] or s["state"] == "FATAL" or s["restarts"] > st["restarts"], "settle")
+            if st2:
+                snaps.append(st2)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        sup.send_signal(signal.SIGTERM)
+        try:
+            rc = sup.wait(60)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            rc = sup.wait()
+        log.close()
+        note(f"supervisor exit status {rc}")
+        (OUT / "status.json").write_text(json.dumps(snaps, indent=1))
+        (OUT / "summary.txt").write_text("\n".join(notes) + "\n")
+        incidents = sorted((state / "incidents").glob("*.json")) if (state / "incidents").exists() else []
+        for p in incidents[:4]:
+            shutil.copy(p, OUT / p.name)
+        subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv"], check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

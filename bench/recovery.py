@@ -1,0 +1,93 @@
+"""Real vLLM (CPU): cold start vs recovery after a real out-of-memory death, side by side.
+
+Cold start = spawn -> READY of the first engine. Recovery = death detected -> READY again after a
+real allocation failure (prlimit on the worker + prompt_logprobs). Own share = recovery minus the
+new engine's own start and warm-up. Goal: recovery <= 1.1x cold start; own share <= 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from common import Supervisor, engine_tree, wait_ready
+
+TOML = """
+[engine]
+model = "{model}"
+port = {{port}}
+command = ["{python}", "-m", "vllm.entrypoints.openai.api_server"]
+env = {{{{ HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1" }}}}
+start_timeout_s = 600.0
+[engine.args]
+kv_cache_memory_bytes = 268435456
+served_model_name = "tiny-llama"
+[profile]
+max_num_batched_tokens = 2048
+max_num_seqs = 8
+max_model_len = 4096
+[ladder]
+max_num_batched_tokens = [2048, 1024, 512]
+max_num_batched_tokens_floor = 256
+[restart]
+backoff_initial_s = 0.0
+backoff_max_s = 0.0
+[gpu]
+free_wait_s = 0.0
+[state]
+dir = "{{state}}"
+[admin]
+listen = "{{admin}}"
+[log]
+format = "json"
+"""
+
+
+def inject_oom(engine_pid: int, port: int) -> None:
+    worker = next(p for p in engine_tree(engine_pid) if "Worker" in p.name())
+    subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={worker.memory_info().vms + 4 * 2**20}"],
+                   check=True)
+    body = json.dumps({"model": "tiny-llama", "prompt": "word " * 3000, "max_tokens": 2,
+                       "prompt_logprobs": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=120)
+    except urllib.error.HTTPError as e:
+        assert e.code == 500, e.code
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    ap.add_argument("--model", default=".cache/tiny-llama")
+    ap.add_argument("--ooms", type=int, default=2)
+    a = ap.parse_args()
+    toml = TOML.format(model=Path(a.model).resolve(), python=Path(a.vllm_python).absolute())
+    sup = Supervisor(toml)
+    rows = []
+    try:
+        st = wait_ready(sup.admin, 0, 900)
+        cold = st["timings"]["start_to_ready_s"]
+        for i in range(a.ooms):
+            inject_oom(st["engine_pid"], sup.port)
+            st = wait_ready(sup.admin, i + 1, 900)
+            lf = st["last_failure"]
+            assert lf["kind"] == "runtime_oom", lf
+            rows.append((lf["recovered_after_s"], st["timings"]["start_to_ready_s"], st["profile"]))
+            time.sleep(0.5)
+    finally:
+        sup.stop()
+    print("real vLLM CPU, tiny model; times in seconds")
+    print(f"cold start (spawn -> READY)          {cold:8.2f}")
+    for i, (rec, eng, prof) in enumerate(rows, 1):
+        print(f"OOM {i}: recovery (detected -> READY) {rec:8.2f}   ratio to cold start {rec / cold:5.2f}x"
+              f"   own share {rec - eng:6.3f}   chunk now {prof['max_num_batched_tokens']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""The arbiter's state machine with a fake clock, a fake OS seam and a fake engine client."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.arbiter import Arbiter
+from supervisor.config import parse
+from supervisor.lifecycle import ExitCode
+from supervisor.notify import Notifier
+from supervisor.probe import EngineError, Progress
+from supervisor.proctree import StopReport
+
+
+class FakeProc:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = asyncio.StreamReader()
+        self.stderr = asyncio.StreamReader()
+        self.exited = asyncio.Event()
+
+    def exit(self, rc: int) -> None:
+        if self.returncode is None:
+            self.returncode = rc
+            self.exited.set()
+            self.stdout.feed_eof()
+            self.stderr.feed_eof()
+
+
+class FakeChild:
+    def __init__(self, pid: int, argv: list[str]) -> None:
+        self.proc = FakeProc(pid)
+        self.argv = argv
+        self.known_pids = {pid}
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def wait_exit(self) -> int:
+        await self.proc.exited.wait()
+        assert self.proc.returncode is not None
+        return self.proc.returncode
+
+
+class FakeHost:
+    """Records every OS effect; the clock moves only when the arbiter sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+        self.children: list[FakeChild] = []
+        self.spawned = asyncio.Queue[FakeChild]()
+        self.terminated: list[int] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    async def spawn(self, argv: list[str], env: dict[str, str]) -> FakeChild:
+        child = FakeChild(100 + len(self.children), argv)
+        self.children.append(child)
+        self.spawned.put_nowait(child)
+        return child
+
+    async def terminate_tree(self, child: FakeChild, grace_s: float, kill_wait_s: float) -> StopReport:
+        self.terminated.append(child.pid)
+        child.proc.exit(-15)
+        return StopReport((child.pid,), (), (), child.proc.returncode)
+
+    def tree_pids(self, child: FakeChild) -> set[int]:
+        return set(child.known_pids)
+
+    def gpu_snapshot(self) -> list[Any]:
+        return []
+
+    async def wait_gpu_released(self, pids: Any, timeout_s: float) -> dict[int, int]:
+        return {}
+
+    async def wait_gpu_free(self, indices: Any, fraction: float, timeout_s: float) -> list[Any]:
+        return []
+
+    async def dump_stacks(self, pids: Any, timeout_s: float = 20.0) -> dict[int, str]:
+        return {}
+
+
+class FakeClient:
+    """Answers like a healthy engine: 200s, progress, and completions."""
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.completions = 0
+        self.healthy = True
+
+    async def health(self, timeout: float = 2.0) -> int | None:
+        return 200 if self.healthy else None
+
+    async def metrics(self, timeout: float = 5.0) -> Progress:
+        return Progress(0, 0, float(self.completions))
+
+    async def count_tokens(self, text: str, timeout: float = 30.0) -> int:
+        return len(text.split())
+
+    async def complete(self, prompt: str, max_tokens: int, timeout: float, request_id: str | None = None) -> Any:
+        self.completions += 1
+        return {"choices": [{"text": "x"}]}
+
+    async def close(self) -> None:
+        pass
+
+
+def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Arbiter, FakeHost, FakeClient]:
+    raw: dict[str, Any] = {"engine": {"model": "m", "command": ["fake-vllm"]},
+                           "profile": {"max_num_seqs": 16},
+                           "restart": {"backoff_initial_s": 2.0, "backoff_max_s": 8.0, "backoff_jitter": 0.0},
+                           "health": {"probe_interval_s": 1.0, "canary_interval_s": 1000.0},
+                           "state": {"dir": str(tmp_path / "state")},
+                           "admin": {"listen": "127.0.0.1:0"}}
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    host, client = FakeHost(), FakeClient()
+    arb = Arbiter(parse(raw), host, notifier=Notifier(), install_signals=False, client=client)  # type: ignore[arg-type]
+    return arb, host, client
+
+
+async def until(pred: Any, what: str) -> None:
+    for _ in range(10_000):
+        if pred():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never reached: {what}")
+
+
+def states(arb: Arbiter) -> list[str]:
+    return [h["to"] for h in arb.history]
+
+
+async def test_ready_to_backoff_on_runtime_oom_then_restart_with_a_lower_chunk(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path)
+    run = asyncio.create_task(arb.run())
+    first = await host.spawned.get()
+    await until(lambda: arb.state.value == "READY", "READY")
+    first.proc.stdout.feed_data(b"(EngineCore pid=7) ERROR 11-30 07:36:17 [core.py:1332] "
+                                b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 176.00 MiB.\n")
+    first.proc.stdout.feed_data(b"(EngineCore pid=7) ERROR 11-30 07:36:17 [core.py:1332] "
+                                b"EngineCore encountered a fatal error.\n")
+    first.proc.exit(0)  # vLLM exits 0 after its engine died
+    second = await host.spawned.get()
+    await until(lambda: arb.state.value == "READY", "READY again")
+    assert states(arb) == ["STARTING", "WARMING", "READY", "STOPPING", "BACKOFF", "STARTING", "WARMING", "READY"]
+    assert "--max-num-batched-tokens" in second.argv
+    assert second.argv[second.argv.index("--max-num-batched-tokens") + 1] == "6144"
+    assert arb.last_failure is not None and arb.last_failure["kind"] == "runtime_oom"
+    assert 2.0 in host.slept  # the first backoff, on the fake clock
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
+    assert states(arb)[-2:] == ["STOPPING", "STOPPED"]
+    assert host.terminated == [first.pid, second.pid]
+
+
+async def test_starting_to_fatal_on_a_bad_flag(tmp_path: Path) -> None:
+    arb, host, client = make(tmp_path)
+    client.healthy = False
+    run = asyncio.create_task(arb.run())
+    child = await host.spawned.get()
+    child.proc.stderr.feed_data(b"api_server.py: error: unrecognized arguments: --swap-space\n")
+    child.proc.exit(2)
+    assert await run == ExitCode.ENGINE_CONFIG_ERROR
+    assert states(arb) == ["STARTING", "STOPPING", "FATAL"]
+    assert len(host.children) == 1
+
+
+async def test_backoff_grows_on_the_fake_clock_until_the_budget_is_spent(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, restart={"max_restarts": 3})
+    run = asyncio.create_task(arb.run())
+    for _ in range(4):
+        child = await host.spawned.get()
+        await until(lambda c=child: arb.state.value == "READY" and arb.child is c, "READY")
+        child.proc.exit(-11)  # SIGSEGV
+    assert await run == ExitCode.RESTART_BUDGET_SPENT
+    backoffs = [h["delay_s"] for h in arb.history if h["to"] == "BACKOFF"]
+    assert backoffs == [2.0, 4.0, 8.0]
+    assert arb.last_failure is not None and arb.last_failure["kind"] == "signal"
+
+
+async def test_warmup_failure_is_a_startup_failure(tmp_path: Path) -> None:
+    arb, host, client = make(tmp_path, restart={"max_restarts": 0})
+
+    async def broken(*a: Any, **k: Any) -> Any:
+        raise EngineError("POST /v1/completions returned 500: boom")
+
+    client.complete = broken  # type: ignore[method-assign]
+    run = asyncio.create_task(arb.run())
+    await host.spawned.get()
+    assert await run == ExitCode.RESTART_BUDGET_SPENT
+    assert "READY" not in states(arb)
+    assert arb.last_failure is not None and "warm-up" in arb.last_failure["evidence"]
+
+
+async def test_stop_during_backoff_exits_zero_without_another_start(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, restart={"backoff_initial_s": 1e6, "backoff_max_s": 1e6})
+    host_sleep = host.sleep
+
+    async def slow_sleep(seconds: float) -> None:
+        if seconds >= 1e5:
+            await asyncio.Event().wait()  # a backoff that only a stop ends
+        await host_sleep(seconds)
+
+    host.sleep = slow_sleep  # type: ignore[method-assign]
+    run = asyncio.create_task(arb.run())
+    child = await host.spawned.get()
+    await until(lambda: arb.state.value == "READY", "READY")
+    child.proc.exit(1)
+    await until(lambda: arb.state.value == "BACKOFF", "BACKOFF")
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
+    assert states(arb)[-2:] == ["BACKOFF", "STOPPED"]
+    assert len(host.children) == 1
+
+
+@pytest.mark.parametrize("hang_after", [3])
+async def test_ready_to_stopping_on_frozen_token_progress(tmp_path: Path, hang_after: int) -> None:
+    arb, host, client = make(tmp_path, health={"hang_timeout_s": 5.0, "probe_interval_s": 1.0},
+                             restart={"max_restarts": 0})
+
+    async def stuck(timeout: float = 5.0) -> Progress:
+        return Progress(running=1, waiting=2, tokens=42)  # busy, but no token moves
+
+    client.metrics = stuck  # type: ignore[method-assign]
+    run = asyncio.create_task(arb.run())
+    await host.spawned.get()
+    assert await run == ExitCode.RESTART_BUDGET_SPENT
+    assert arb.last_failure is not None and arb.last_failure["kind"] == "hang"
+    assert "no token progress for 5s" in arb.last_failure["evidence"]
