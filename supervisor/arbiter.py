@@ -430,7 +430,11 @@ class Arbiter:
         if child is None:
             return None
         t0 = self.host.monotonic()
-        report = await self.host.terminate_tree(child, self.cfg.engine.stop_timeout_s, self.cfg.engine.kill_timeout_s)
+        # A dead or hung engine has nothing to finish: a short grace, then SIGKILL. vLLM's API server
+        # ignores SIGTERM while its start is failing, and multiprocessing's resource tracker always does.
+        planned = trigger.kind in ("stop", "climb")
+        grace = self.cfg.engine.stop_timeout_s if planned else self.cfg.engine.failed_stop_timeout_s
+        report = await self.host.terminate_tree(child, grace, self.cfg.engine.kill_timeout_s)
         t1 = self.host.monotonic()
         # With every holder of the pipes gone they reach EOF; bounded in case a grandchild escaped.
         with contextlib.suppress(asyncio.TimeoutError):

@@ -45,6 +45,7 @@ class EngineConfig:
     args: dict[str, Scalar] = field(default_factory=dict)
     start_timeout_s: float = 900.0
     stop_timeout_s: float = 20.0
+    failed_stop_timeout_s: float = 3.0
     kill_timeout_s: float = 10.0
     dead_grace_s: float = 2.0
 
@@ -267,7 +268,7 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("port", 1 <= obj.port <= 65535, f"must be a TCP port 1-65535, got {obj.port}")
         need("host", obj.host in ("127.0.0.1", "::1", "localhost"),
              f"must be a loopback address (the engine is internal; the public port is the gateway's), got {obj.host!r}")
-        for key in ("start_timeout_s", "stop_timeout_s", "kill_timeout_s", "dead_grace_s"):
+        for key in ("start_timeout_s", "stop_timeout_s", "failed_stop_timeout_s", "kill_timeout_s", "dead_grace_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
         for reserved in ("model", "host", "port"):
             need(f"args.{reserved}", reserved not in obj.args, f"set [engine] {reserved} instead")

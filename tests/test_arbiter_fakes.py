@@ -57,6 +57,7 @@ class FakeHost:
         self.children: list[FakeChild] = []
         self.spawned = asyncio.Queue[FakeChild]()
         self.terminated: list[int] = []
+        self.graces: list[float] = []
 
     def monotonic(self) -> float:
         return self.now
@@ -77,6 +78,7 @@ class FakeHost:
 
     async def terminate_tree(self, child: FakeChild, grace_s: float, kill_wait_s: float) -> StopReport:
         self.terminated.append(child.pid)
+        self.graces.append(grace_s)
         child.proc.exit(-15)
         return StopReport((child.pid,), (), (), child.proc.returncode)
 
@@ -168,6 +170,7 @@ async def test_ready_to_backoff_on_runtime_oom_then_restart_with_a_lower_chunk(t
     assert await run == ExitCode.OK
     assert states(arb)[-2:] == ["STOPPING", "STOPPED"]
     assert host.terminated == [first.pid, second.pid]
+    assert host.graces == [3.0, 20.0]  # a dead engine gets the short grace, a requested stop the long one
 
 
 async def test_starting_to_fatal_on_a_bad_flag(tmp_path: Path) -> None:
