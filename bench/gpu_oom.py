@@ -90,7 +90,7 @@ probe_interval_s = 1.0
 canary_interval_s = 10.0
 [gpu]
 release_timeout_s = 30.0
-free_wait_s = 20.0
+free_wait_s = 10.0
 [state]
 dir = "{state}"
 [admin]

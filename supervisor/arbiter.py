@@ -25,7 +25,7 @@ import structlog
 
 from supervisor import incident, ipc, launch, statefile, warmup
 from supervisor.admin import AdminServer, make_app
-from supervisor.classify import ExitInfo, classify, death_evidence, event_texts
+from supervisor.classify import ExitInfo, classify, death_evidence, event_texts, fraction_that_fits
 from supervisor.config import Config
 from supervisor.gpu import DeviceSnapshot
 from supervisor.lifecycle import EngineState, ExitCode, Failure, FailureKind, Phase, check_transition
@@ -38,6 +38,7 @@ from supervisor.proctree import Child, StopReport
 log = structlog.get_logger("supervisor.arbiter")
 S = EngineState
 T = TypeVar("T")
+GIB = 2**30
 
 
 class Host(Protocol):
@@ -51,7 +52,8 @@ class Host(Protocol):
     def tree_pids(self, child: Child) -> set[int]: ...
     def gpu_snapshot(self) -> list[DeviceSnapshot]: ...
     async def wait_gpu_released(self, pids: Any, timeout_s: float) -> dict[int, int]: ...
-    async def wait_gpu_free(self, indices: Any, fraction: float, timeout_s: float) -> list[DeviceSnapshot]: ...
+    async def wait_gpu_free(self, indices: Any, fraction: float, headroom: int,
+                            timeout_s: float) -> list[DeviceSnapshot]: ...
     async def dump_stacks(self, pids: Any, timeout_s: float = 20.0) -> dict[int, str]: ...
 
 
@@ -264,9 +266,9 @@ class Arbiter:
         if not self.ready_once:
             self.notifier.extend_timeout(self.cfg.engine.start_timeout_s + self.cfg.warmup.timeout_s)
 
-        waited = await self._race(self._gpu_gate())
-        if isinstance(waited, Trigger):
-            return waited
+        gated = await self._race(self._gpu_gate())
+        if gated is not None:
+            return gated
         assert self._run_dir is not None
         run_dir = self._run_dir / f"start-{self._starts}"
         sock = run_dir / "events.sock"
@@ -326,15 +328,27 @@ class Arbiter:
             with contextlib.suppress(asyncio.CancelledError):
                 await monitor
 
-    async def _gpu_gate(self) -> None:
-        """Before a start: wait (bounded) until the devices have the memory vLLM will ask for."""
+    async def _gpu_gate(self) -> Trigger | None:
+        """Before a start: wait (bounded) until the devices have the memory vLLM will ask for.
+
+        Still short after ``free_wait_s``: vLLM's own start check would fail a minute into
+        loading, so the start is failed here, with NVML's numbers as evidence.
+        """
         indices = launch.visible_devices({**self.cfg.engine.env})
-        short = await self.host.wait_gpu_free(indices, self.profile.gpu_memory_utilization,
-                                              self.cfg.gpu.free_wait_s)
-        if short:
-            log.warning("gpu.not_enough_free", devices=[s.as_dict() for s in short],
-                        wanted_fraction=self.profile.gpu_memory_utilization,
-                        hint="another process holds GPU memory; starting anyway, vLLM may refuse")
+        util = self.profile.gpu_memory_utilization
+        headroom = int(self.cfg.gpu.start_headroom_gib * GIB)
+        short = await self.host.wait_gpu_free(indices, util, headroom, self.cfg.gpu.free_wait_s)
+        if not short:
+            return None
+        s = min(short, key=lambda d: d.free / d.total)
+        holders = ", ".join(f"pid {pid} ({used / GIB:.2f} GiB)" for pid, used in s.processes) or "unknown"
+        evidence = (f"GPU {s.index}: {s.free / GIB:.2f} of {s.total / GIB:.2f} GiB free after waiting "
+                    f"{self.cfg.gpu.free_wait_s:g}s, below gpu_memory_utilization {util:g} + "
+                    f"{self.cfg.gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
+        log.warning("gpu.not_enough_free", devices=[d.as_dict() for d in short], evidence=evidence)
+        self._gate_failure = Failure(FailureKind.STARTUP_MEMORY, evidence, knob="gpu_memory_utilization",
+                                     suggested=fraction_that_fits(max(0, s.free - headroom), s.total))
+        return Trigger("gpu_short", evidence, self.host.wall(), self.host.monotonic())
 
     async def _watch_exit(self, child: Child) -> None:
         rc = await child.wait_exit()
@@ -469,6 +483,8 @@ class Arbiter:
         report = await self._stop_engine(trigger)
         if trigger.kind == "spawn_failed":
             failure = Failure(FailureKind.CONFIG_ERROR, trigger.evidence)
+        elif trigger.kind == "gpu_short":
+            failure = self._gate_failure
         else:
             failure = classify(events=list(self.events), lines=self.tail.snapshot(), exit=ExitInfo(rc_before),
                                phase=phase, trigger=trigger.evidence,

@@ -49,7 +49,9 @@ DEVICE_FATAL_PATTERNS = [
 MAX_LEN_ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
 MAX_LEN_NEEDED = re.compile(r"To serve at least one request with the model's max seq len \((\d+)\)")
 NO_CACHE_BLOCKS = re.compile(r"No available memory for the cache blocks")
-FREE_BELOW_UTIL = re.compile(r"Free memory on device.*?is less than desired GPU memory utilization[^.]*")
+FREE_BELOW_UTIL = re.compile(
+    r"Free memory on device \S+ \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory "
+    r"utilization \([\d.]+, [\d.]+ GiB\)")
 
 OOM_PATTERNS = [
     re.compile(r"CUDA out of memory\. Tried to allocate [\d.]+ [KMGT]i?B"),
@@ -191,8 +193,9 @@ def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: str | None) ->
                            suggested=int(m.group(1)) // 2)
     for text in corpus:
         m = FREE_BELOW_UTIL.search(text)
-        if m:
-            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="gpu_memory_utilization")
+        if m:  # another process holds memory: ask for no more than what is free now
+            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="gpu_memory_utilization",
+                           suggested=fraction_that_fits(float(m.group(1)), float(m.group(2))))
     for text in corpus:
         if NO_CACHE_BLOCKS.search(text):
             # The profiling run (weights + one max_num_batched_tokens forward) left nothing for the
@@ -231,6 +234,11 @@ def _suspect(corpus: Sequence[str]) -> str | None:
             if best is None or int(n) > best[0]:
                 best = (int(n), req)
     return best[1] if best else None
+
+
+def fraction_that_fits(free: float, total: float) -> float:
+    """The largest utilization (in hundredths, one below) that fits in ``free`` of ``total``."""
+    return max(0.0, int(free / total * 100) / 100 - 0.01)
 
 
 def alloc_amount(evidence: str) -> str | None:

@@ -64,7 +64,7 @@ class LadderConfig:
     max_num_batched_tokens_floor: int = 512
     max_num_seqs_floor: int = 1
     gpu_memory_utilization_step: float = 0.05
-    gpu_memory_utilization_floor: float = 0.5
+    gpu_memory_utilization_floor: float = 0.3
     max_model_len_floor: int = 256
     climb_after_s: float = 1800.0
     max_rung_failures: int = 2
@@ -103,6 +103,7 @@ class WarmupConfig:
 class GpuConfig:
     release_timeout_s: float = 60.0
     free_wait_s: float = 120.0
+    start_headroom_gib: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,7 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
     elif isinstance(obj, GpuConfig):
         need("release_timeout_s", obj.release_timeout_s >= 0, "must be >= 0 seconds")
         need("free_wait_s", obj.free_wait_s >= 0, "must be >= 0 seconds")
+        need("start_headroom_gib", obj.start_headroom_gib >= 0, "must be >= 0 GiB")
     elif isinstance(obj, StateConfig):
         need("dir", bool(obj.dir.strip()), "must be a directory path")
     elif isinstance(obj, AdminConfig):

@@ -87,9 +87,13 @@ def holders(snaps: Sequence[DeviceSnapshot], pids: Collection[int]) -> dict[int,
     return out
 
 
-def short_of(snaps: Sequence[DeviceSnapshot], fraction: float) -> list[DeviceSnapshot]:
-    """Devices whose free memory is below ``fraction`` of their total (vLLM's own start check)."""
-    return [s for s in snaps if s.free < fraction * s.total]
+def short_of(snaps: Sequence[DeviceSnapshot], fraction: float, headroom: int = 0) -> list[DeviceSnapshot]:
+    """Devices whose free memory is below ``fraction`` of their total plus ``headroom`` bytes.
+
+    vLLM checks free >= fraction x total after its own CUDA context exists, which takes some
+    hundreds of MiB that NVML still counts as free now: hence the headroom.
+    """
+    return [s for s in snaps if s.free < fraction * s.total + headroom]
 
 
 async def wait_released(nvml: Nvml, pids: Collection[int], timeout_s: float, poll_s: float = 0.25) -> dict[int, int]:
@@ -105,15 +109,15 @@ async def wait_released(nvml: Nvml, pids: Collection[int], timeout_s: float, pol
     return held
 
 
-async def wait_free(nvml: Nvml, indices: Sequence[int] | None, fraction: float, timeout_s: float,
-                    poll_s: float = 1.0) -> list[DeviceSnapshot]:
-    """Wait until each device has ``fraction`` of its memory free; returns the devices still short."""
+async def wait_free(nvml: Nvml, indices: Sequence[int] | None, fraction: float, headroom: int,
+                    timeout_s: float, poll_s: float = 1.0) -> list[DeviceSnapshot]:
+    """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still short."""
     if not nvml.available:
         return []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    short = short_of(nvml.snapshot(indices), fraction)
+    short = short_of(nvml.snapshot(indices), fraction, headroom)
     while short and loop.time() < deadline:
         await asyncio.sleep(poll_s)
-        short = short_of(nvml.snapshot(indices), fraction)
+        short = short_of(nvml.snapshot(indices), fraction, headroom)
     return short

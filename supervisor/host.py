@@ -45,9 +45,9 @@ class RealHost:
     async def wait_gpu_released(self, pids: Collection[int], timeout_s: float) -> dict[int, int]:
         return await gpu.wait_released(self.nvml, pids, timeout_s)
 
-    async def wait_gpu_free(self, indices: Sequence[int] | None, fraction: float,
+    async def wait_gpu_free(self, indices: Sequence[int] | None, fraction: float, headroom: int,
                             timeout_s: float) -> list[DeviceSnapshot]:
-        return await gpu.wait_free(self.nvml, indices, fraction, timeout_s)
+        return await gpu.wait_free(self.nvml, indices, fraction, headroom, timeout_s)
 
     async def dump_stacks(self, pids: Collection[int], timeout_s: float = 20.0) -> dict[int, str]:
         """py-spy stacks of each PID when py-spy is installed; {} otherwise."""

@@ -68,7 +68,7 @@ class Failure:
     evidence: str
     # For memory failures: the managed knob the evidence points at, and a value it suggests.
     knob: str | None = None
-    suggested: int | None = None
+    suggested: float | None = None
     # Engine request id of the largest request in the failing batch, when vLLM dumped it.
     suspect_request: str | None = None
 

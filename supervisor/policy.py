@@ -156,9 +156,17 @@ class Policy:
             target = failure.suggested
             if target is None:
                 return _lower(profile, "max_model_len", self.ladder)
+            length = int(target)
             if profile.max_model_len is not None:
-                target = min(target, profile.max_model_len - 1)
-            return profile.with_(max_model_len=target) if target >= self.ladder.max_model_len_floor else None
+                length = min(length, profile.max_model_len - 1)
+            return profile.with_(max_model_len=length) if length >= self.ladder.max_model_len_floor else None
+        if failure.knob == "gpu_memory_utilization" and failure.suggested is not None:
+            # vLLM's free-memory check failed because another process holds memory: no other knob
+            # changes that check, so only a utilization that fits in what is free will start.
+            util = round(failure.suggested, 4)
+            if util < self.ladder.gpu_memory_utilization_floor or util >= profile.gpu_memory_utilization:
+                return None
+            return profile.with_(gpu_memory_utilization=util)
         prefer = failure.knob if failure.knob in ("gpu_memory_utilization", "max_num_batched_tokens") \
             else "max_num_batched_tokens"
         candidate = step_down(profile, self.ladder, prefer)

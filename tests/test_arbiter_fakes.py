@@ -10,6 +10,7 @@ import pytest
 
 from supervisor.arbiter import Arbiter
 from supervisor.config import parse
+from supervisor.gpu import DeviceSnapshot
 from supervisor.lifecycle import ExitCode
 from supervisor.notify import Notifier
 from supervisor.probe import EngineError, Progress
@@ -58,6 +59,8 @@ class FakeHost:
         self.spawned = asyncio.Queue[FakeChild]()
         self.terminated: list[int] = []
         self.graces: list[float] = []
+        self.gate_asks: list[float] = []
+        self.short: list[DeviceSnapshot] = []
 
     def monotonic(self) -> float:
         return self.now
@@ -91,8 +94,9 @@ class FakeHost:
     async def wait_gpu_released(self, pids: Any, timeout_s: float) -> dict[int, int]:
         return {}
 
-    async def wait_gpu_free(self, indices: Any, fraction: float, timeout_s: float) -> list[Any]:
-        return []
+    async def wait_gpu_free(self, indices: Any, fraction: float, headroom: int, timeout_s: float) -> list[Any]:
+        self.gate_asks.append(fraction)
+        return [self.short.pop(0)] if self.short else []
 
     async def dump_stacks(self, pids: Any, timeout_s: float = 20.0) -> dict[int, str]:
         return {}
@@ -247,3 +251,20 @@ async def test_ready_to_stopping_on_frozen_token_progress(tmp_path: Path, hang_a
     assert await run == ExitCode.RESTART_BUDGET_SPENT
     assert arb.last_failure is not None and arb.last_failure["kind"] == "hang"
     assert "no token progress for 5s" in arb.last_failure["evidence"]
+
+
+async def test_a_card_held_by_another_process_fails_the_start_before_spawning(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, profile={"gpu_memory_utilization": 0.5})
+    gib = 2**30
+    # The seed's situation: another process holds half of the card.
+    host.short = [DeviceSnapshot(0, 140 * gib, 70 * gib, 70 * gib, ((1000, 69 * gib),))]
+    run = asyncio.create_task(arb.run())
+    child = await host.spawned.get()
+    await until(lambda: arb.state.value == "READY", "READY")
+    assert host.gate_asks == [0.5, 0.48]  # (70 - 1 GiB headroom) / 140 = 0.493, in hundredths one below
+    assert child.argv[child.argv.index("--gpu-memory-utilization") + 1] == "0.48"
+    assert len(host.children) == 1  # no doomed start was spawned
+    assert arb.last_failure is not None and arb.last_failure["kind"] == "startup_memory"
+    assert "held by pid 1000 (69.00 GiB)" in arb.last_failure["evidence"]
+    arb.request_stop("test")
+    assert await run == ExitCode.OK

@@ -63,6 +63,19 @@ def test_cuda_oom_points_at_the_chunk_knob() -> None:
     assert f.knob == "max_num_batched_tokens"
 
 
+def test_supervised_h200_free_memory_check_suggests_a_utilization_that_fits() -> None:
+    f = classify(events=[], lines=lines("h200-vllm0.26-supervised-startup-free-below-utilization.log"),
+                 exit=ExitInfo(None), phase=Phase.LOADING)
+    assert (f.kind, f.knob, f.suggested) == (FailureKind.STARTUP_MEMORY, "gpu_memory_utilization", 0.48)
+
+
+def test_supervised_h200_runtime_oom_log_is_runtime_oom() -> None:
+    f = classify(events=[], lines=lines("h200-vllm0.26-supervised-runtime-cuda-oom.log"), exit=ExitInfo(0),
+                 phase=Phase.SERVING)
+    assert f.kind is FailureKind.RUNTIME_OOM and "Tried to allocate 64.00 MiB" in f.evidence
+    assert f.suspect_request == "cmpl-8adba13db66efe90-0-bda7bc58"
+
+
 def test_graph_capture_oom_at_startup_points_at_utilization() -> None:
     f = classify(events=[], lines=lines("h200-vllm0.26-startup-graph-capture-oom.log"), exit=ExitInfo(1),
                  phase=Phase.LOADING)

@@ -27,12 +27,12 @@ def test_runtime_oom_walks_the_default_ladder_then_seqs_then_utilization() -> No
         p = step_down(p, LADDER)
     assert [s[0] for s in seen[:6]] == [8192, 6144, 4096, 2048, 512, 512]
     assert seen[5][1] == 8  # after the chunk floor, max_num_seqs halves
-    assert seen[-1] == (512, 1, 0.5)  # every knob at its floor
+    assert seen[-1] == (512, 1, 0.3)  # every knob at its floor
     assert all(b <= a for a, b in zip([s[2] for s in seen], [s[2] for s in seen[1:]], strict=False))
 
 
 def test_step_down_never_goes_below_floors() -> None:
-    floor = Profile(max_num_batched_tokens=512, max_num_seqs=1, gpu_memory_utilization=0.5)
+    floor = Profile(max_num_batched_tokens=512, max_num_seqs=1, gpu_memory_utilization=0.3)
     assert step_down(floor, LADDER) is None
 
 
@@ -93,7 +93,7 @@ def test_runtime_oom_lowers_chunk_and_counts_the_rung() -> None:
 
 
 def test_memory_failure_at_floors_is_fatal() -> None:
-    floor = Profile(max_num_batched_tokens=512, max_num_seqs=1, gpu_memory_utilization=0.5)
+    floor = Profile(max_num_batched_tokens=512, max_num_seqs=1, gpu_memory_utilization=0.3)
     d = policy().on_failure(OOM, floor, 0)
     assert not d.restart and d.exit_code is ExitCode.NOTHING_LEFT_TO_LOWER
 
@@ -150,5 +150,21 @@ def test_startup_memory_max_model_len_without_estimate_halves_the_length() -> No
 
 def test_startup_memory_max_model_len_unset_and_no_suggestion_is_fatal() -> None:
     f = Failure(FailureKind.STARTUP_MEMORY, "?", knob="max_model_len")
+    d = policy().on_failure(f, P, 0)
+    assert not d.restart and d.exit_code is ExitCode.NOTHING_LEFT_TO_LOWER
+
+
+FREE_BELOW = Failure(FailureKind.STARTUP_MEMORY, "Free memory on device cuda:0 (69.79/139.8 GiB) ...",
+                     knob="gpu_memory_utilization", suggested=0.48)
+
+
+def test_free_memory_check_lowers_utilization_to_what_fits_and_nothing_else() -> None:
+    p = P.with_(gpu_memory_utilization=0.5)
+    d = policy().on_failure(FREE_BELOW, p, 0)
+    assert d.restart and d.profile == p.with_(gpu_memory_utilization=0.48)
+
+
+def test_free_memory_check_below_the_floor_is_fatal_not_a_chunk_step() -> None:
+    f = Failure(FailureKind.STARTUP_MEMORY, "Free memory ...", knob="gpu_memory_utilization", suggested=0.1)
     d = policy().on_failure(f, P, 0)
     assert not d.restart and d.exit_code is ExitCode.NOTHING_LEFT_TO_LOWER
