@@ -238,7 +238,7 @@ def _suspect(corpus: Sequence[str]) -> str | None:
 
 def fraction_that_fits(free: float, total: float) -> float:
     """The largest utilization (in hundredths, one below) that fits in ``free`` of ``total``."""
-    return max(0.0, int(free / total * 100) / 100 - 0.01)
+    return max(0.0, round(int(free / total * 100) / 100 - 0.01, 2))
 
 
 def alloc_amount(evidence: str) -> str | None:
