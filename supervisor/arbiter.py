@@ -467,6 +467,8 @@ class Arbiter:
         return report
 
     async def _handle_failure(self, trigger: Trigger) -> Failure:
+        log.warning("engine.failure_detected", trigger=trigger.kind, evidence=trigger.evidence,
+                    state=self.state.value)
         phase = self._phase
         if self.child is not None:
             self.host.tree_pids(self.child)
