@@ -1,5 +1,5 @@
 """The loopback admin API: /healthz (the supervisor's loop is alive), /readyz (engine READY),
-/status (JSON, see docs/interface.md)."""
+/status (JSON, see docs/interface.md), /metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 from aiohttp import web
 
 
-def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool]) -> web.Application:
+def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool],
+             metrics: Callable[[], bytes]) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         ok = loop_alive()
         return web.json_response({"ok": ok}, status=200 if ok else 503)
@@ -21,7 +22,11 @@ def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool
     async def status_(_: web.Request) -> web.Response:
         return web.json_response(status())
 
+    async def metrics_(_: web.Request) -> web.Response:
+        return web.Response(body=metrics(), content_type="text/plain", charset="utf-8")
+
     app = web.Application()
+    app.router.add_get("/metrics", metrics_)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status_)

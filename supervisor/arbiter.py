@@ -30,6 +30,7 @@ from supervisor.config import Config
 from supervisor.gpu import DeviceSnapshot
 from supervisor.lifecycle import EngineState, ExitCode, Failure, FailureKind, Phase, check_transition
 from supervisor.logtail import LogTail
+from supervisor.metrics import Metrics
 from supervisor.notify import Notifier
 from supervisor.policy import Policy, clamp_to_configured
 from supervisor.probe import EngineClient, EngineError, ProgressWatch
@@ -104,6 +105,8 @@ class Arbiter:
         self._run_dir: Path | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop_beat = host.monotonic()
+        self.metrics = Metrics()
+        self.metrics.set_profile(self.profile)
 
     # ---- state -------------------------------------------------------------------------------
     def change_state(self, new: EngineState, **info: Any) -> None:
@@ -115,6 +118,7 @@ class Arbiter:
         log.info("engine.state_changed", **{"from": old.value, "to": new.value}, **info,
                  after_s=round(now - self.state_since, 3))
         self.state_since = now
+        self.metrics.transition(old, new)
         self.notifier.status(self.status_line())
 
     def status_line(self) -> str:
@@ -191,7 +195,7 @@ class Arbiter:
         # systemd's RuntimeDirectory= when there is one: private, and removed with the unit.
         self._run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
         host, port = self.cfg.admin.host_port
-        admin = AdminServer(make_app(self.status, self._loop_alive), host, port)
+        admin = AdminServer(make_app(self.status, self._loop_alive, self.metrics.render), host, port)
         await admin.start()
         log.info("supervisor.started", admin=self.cfg.admin.listen, engine=self.cfg.engine.base_url,
                  profile=self.profile.knobs(), state_dir=self.cfg.state.dir)
@@ -233,6 +237,8 @@ class Arbiter:
                 log.warning("engine.profile_lowered", diff=self.profile.diff(decision.profile),
                             kind=failure.kind.value, evidence=failure.evidence)
             self.profile = decision.profile
+            self.metrics.set_profile(self.profile)
+            self.metrics.restarts.inc()
             self.restarts += 1
             self.restarts_total += 1
             self._persist()
@@ -311,6 +317,7 @@ class Arbiter:
                         "warmup_s": round(t_ready - t_healthy, 3),
                         "start_to_ready_s": round(t_ready - t_start, 3)}
         self.change_state(S.READY, warmup_prompts=sizes, **self.timings)
+        self.metrics.start.set(t_ready - t_start)
         self.ready_at = t_ready
         if not self.ready_once:
             self.ready_once = True
@@ -318,6 +325,7 @@ class Arbiter:
         if self.restarts and self.last_failure and "recovered_after_s" not in self.last_failure:
             detected = float(self.last_failure.get("detected_at_mono", t_ready))
             self.last_failure["recovered_after_s"] = round(t_ready - detected, 3)
+            self.metrics.recovery.set(t_ready - detected)
             log.info("engine.recovered", kind=self.last_failure.get("kind"),
                      recovered_after_s=self.last_failure["recovered_after_s"], profile=self.profile.knobs())
         monitor = asyncio.create_task(self._monitor())
@@ -494,6 +502,7 @@ class Arbiter:
         detection = round(trigger.at_mono - self.state_since, 3)
         self.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "detected_at_mono": trigger.at_mono,
                              "trigger": trigger.kind, "phase": phase.value, "profile": self.profile.knobs()}
+        self.metrics.failures.labels(failure.kind.value).inc()
         log.warning("engine.failed", kind=failure.kind.value, evidence=failure.evidence, trigger=trigger.kind,
                     phase=phase.value, returncode=rc_before, suspect_request=failure.suspect_request)
         try:
@@ -515,6 +524,7 @@ class Arbiter:
         await self._stop_engine(trigger)
         log.info("engine.profile_raised", diff=self.profile.diff(target), reason=trigger.evidence)
         self.profile = target
+        self.metrics.set_profile(self.profile)
         self._persist()
 
     def _persist(self) -> None:

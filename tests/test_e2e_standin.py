@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,10 +187,19 @@ def test_admin_endpoints(supervise: Callable[..., Sup]) -> None:
     assert set(st) >= {"state", "ready", "profile", "restarts", "last_failure", "engine_pid"}
     assert http_json(f"http://{sup.admin}/readyz")[0] == 200
     assert http_json(f"http://{sup.admin}/healthz")[0] == 200
+    with urllib.request.urlopen(f"http://{sup.admin}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert 'vllm_supervisor_engine_state{state="READY"} 1.0' in text
+    assert 'vllm_supervisor_profile{knob="max_num_batched_tokens"} 8192.0' in text
     core = sup.engine_tree()[1].pid
     os.kill(core, signal.SIGSTOP)
     sup.wait_for(lambda s: not s["ready"], 30, "not ready after the hang")
     assert http_json(f"http://{sup.admin}/readyz")[0] == 503
+    sup.wait_ready(restarts=1)
+    with urllib.request.urlopen(f"http://{sup.admin}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert 'vllm_supervisor_engine_failures_total{kind="hang"} 1.0' in text
+    assert "vllm_supervisor_engine_restarts_total 1.0" in text
 
 
 def test_climbs_back_after_a_stable_period_and_remembers_a_rung_that_failed_twice(
