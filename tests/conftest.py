@@ -149,6 +149,14 @@ class Sup:
             return []
 
 
+def gone(pid: int) -> bool:
+    """The process no longer runs (exited, or a zombie waiting for its parent)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def kill_sessions(pids: set[int]) -> None:
     for pid in pids:
         try:

@@ -11,9 +11,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
-
-from tests.conftest import Sup, http_json, spawned_pids
+from tests.conftest import Sup, gone, http_json, spawned_pids
 
 LONG_PROMPT = "word " * 30_000
 
@@ -22,13 +20,6 @@ def send_long_prompt(sup: Sup) -> int:
     code, _ = http_json(sup.engine_url + "/v1/completions",
                         {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30)
     return code
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_30k_prompt_that_ooms_at_8192_is_served_after_stepping_down(supervise: Callable[..., Sup]) -> None:

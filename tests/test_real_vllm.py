@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import Launcher, Sup, http_json, spawned_pids
+from tests.conftest import Launcher, Sup, gone, http_json, spawned_pids
 
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "")
 TINY_MODEL = os.environ.get("TINY_MODEL", "")
@@ -76,13 +76,6 @@ def tree(sup: Sup) -> dict[str, psutil.Process]:
             out["worker"] = p
     assert {"api", "core"} <= set(out), [p.name() for p in procs]
     return out
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def complete(sup: Sup, **body: Any) -> tuple[int, dict[str, Any]]:
