@@ -149,3 +149,25 @@ def test_ipc_events_alone_are_enough() -> None:
 def test_strip_prefix_removes_vllm_header() -> None:
     line = "(EngineCore pid=15062) ERROR 11-30 07:19:35 [core.py:1512] EngineCore encountered a fatal error."
     assert strip_prefix(line) == "EngineCore encountered a fatal error."
+
+
+def test_supervised_cpu_api_server_sigkill_leaves_no_message_only_the_signal() -> None:
+    log = lines("cpu-vllm0.32-supervised-apiserver-sigkill.log")
+    assert not any(death_evidence(x) for x in log)  # SIGKILL: vLLM could not say a word
+    f = classify(events=[], lines=log, exit=ExitInfo(-9), phase=Phase.SERVING)
+    assert f.kind is FailureKind.SIGNAL and "SIGKILL" in f.evidence
+
+
+def test_supervised_cpu_sigstop_hang_is_a_hang_although_the_kill_made_vllm_report_engine_death() -> None:
+    log = lines("cpu-vllm0.32-supervised-enginecore-sigstop.log")
+    assert any(death_evidence(x) for x in log)  # written after the supervisor killed the hung tree
+    f = classify(events=[], lines=log, exit=ExitInfo(None), phase=Phase.SERVING,
+                 hang="canary generation (1 token) gave no answer within hang_timeout_s=10s")
+    assert f.kind is FailureKind.HANG
+
+
+def test_supervised_cpu_runtime_alloc_failure_names_the_request() -> None:
+    f = classify(events=[], lines=lines("cpu-vllm0.32-supervised-runtime-alloc-failure.log"), exit=ExitInfo(0),
+                 phase=Phase.SERVING)
+    assert f.kind is FailureKind.RUNTIME_OOM
+    assert f.suspect_request == "cmpl-b9324b1587e49b97-0-8ea28cd4"
