@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sys
 import time
+from pathlib import Path
 from collections.abc import Collection, Mapping, Sequence
 
 from supervisor import gpu, proctree
 from supervisor.gpu import DeviceSnapshot, Nvml
 from supervisor.proctree import Child, StopReport
+
+
+def py_spy() -> str | None:
+    """py-spy on PATH, or installed beside the supervisor's interpreter (same virtualenv)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
 
 
 class RealHost:
@@ -51,13 +59,15 @@ class RealHost:
 
     async def dump_stacks(self, pids: Collection[int], timeout_s: float = 20.0) -> dict[int, str]:
         """py-spy stacks of each PID when py-spy is installed; {} otherwise."""
-        exe = shutil.which("py-spy")
+        exe = py_spy()
         if not exe:
             return {}
         out: dict[int, str] = {}
         for pid in sorted(pids):
+            # --nonblocking: a hung (even SIGSTOPped) process cannot be paused by ptrace, only read.
             proc = await asyncio.create_subprocess_exec(
-                exe, "dump", "--pid", str(pid), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                exe, "dump", "--nonblocking", "--pid", str(pid),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             try:
                 data, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
                 out[pid] = data.decode(errors="replace")

@@ -102,6 +102,8 @@ def test_hung_engine_core_is_detected_within_the_timeout_and_restarted(supervise
     # hang_timeout_s=3 plus at most one canary interval and one probe interval
     assert lf["detected_at"] - t0 < 3 + 0.5 + 0.2 + 1.5
     assert gone(core)
+    bundle = json.loads(Path(lf["incident"]).read_text())
+    assert "engine_core_main" in bundle["stacks"][str(core)]  # py-spy read the frozen EngineCore
 
 
 def test_startup_memory_failure_lowers_max_model_len_to_vllms_estimate(supervise: Callable[..., Sup]) -> None:
