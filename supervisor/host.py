@@ -9,8 +9,8 @@ import asyncio
 import shutil
 import sys
 import time
-from pathlib import Path
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 
 from supervisor import gpu, proctree
 from supervisor.gpu import DeviceSnapshot, Nvml
