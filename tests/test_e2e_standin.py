@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -211,3 +213,21 @@ def test_climbs_back_after_a_stable_period_and_remembers_a_rung_that_failed_twic
     saved = json.loads((sup.state_dir / "state.json").read_text())
     key = next(k for k in saved["rung_failures"] if "max_num_batched_tokens=6144" in k)
     assert saved["rung_failures"][key] == 2
+
+
+def test_status_command_reads_a_running_supervisor(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    sup.wait_ready()
+    out = subprocess.run([sys.executable, "-m", "supervisor", "status", "--config", str(sup.config), "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    doc = json.loads(out)
+    assert doc["state"] == "READY" and doc["profile"]["max_num_batched_tokens"] == 8192
+    human = subprocess.run([sys.executable, "-m", "supervisor", "status", "--admin", sup.admin],
+                           capture_output=True, text=True, check=True).stdout
+    assert "READY" in human and "max_num_batched_tokens=8192" in human
+
+
+def test_status_command_says_clearly_when_nothing_answers() -> None:
+    r = subprocess.run([sys.executable, "-m", "supervisor", "status", "--admin", "127.0.0.1:9"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "no supervisor answers on 127.0.0.1:9" in r.stderr
