@@ -268,3 +268,29 @@ async def test_a_card_held_by_another_process_fails_the_start_before_spawning(tm
     assert "held by pid 1000 (69.00 GiB)" in arb.last_failure["evidence"]
     arb.request_stop("test")
     assert await run == ExitCode.OK
+
+
+async def test_warmup_without_tokenize_estimates_prompt_sizes(tmp_path: Path) -> None:
+    arb, host, client = make(tmp_path)
+
+    async def no_tokenize(text: str, timeout: float = 30.0) -> int:
+        raise EngineError("POST /tokenize returned 404: Not Found")
+
+    client.count_tokens = no_tokenize  # type: ignore[method-assign]
+    run = asyncio.create_task(arb.run())
+    await host.spawned.get()
+    await until(lambda: arb.state.value == "READY", "READY")
+    assert client.completions == 4
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
+
+
+def test_warmup_plan_spans_a_quarter_to_a_half_of_the_chunk_and_fits_the_model() -> None:
+    from supervisor.config import WarmupConfig
+    from supervisor.profile import Profile
+    from supervisor.warmup import plan
+
+    assert plan(Profile(max_num_batched_tokens=8192), WarmupConfig()) == [2048, 2730, 3413, 4096]
+    assert max(plan(Profile(max_num_batched_tokens=8192, max_model_len=1024), WarmupConfig())) <= 1024 - 8
+    assert plan(Profile(), WarmupConfig(enabled=False)) == []
+    assert plan(Profile(), WarmupConfig(prompt_tokens=(10, 20))) == [10, 20]
