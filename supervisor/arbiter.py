@@ -106,6 +106,7 @@ class Arbiter:
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop_beat = host.monotonic()
         self.metrics = Metrics()
+        self._outage_since: float | None = None
         self.metrics.set_profile(self.profile)
 
     # ---- state -------------------------------------------------------------------------------
@@ -145,8 +146,11 @@ class Arbiter:
         }
 
     # ---- triggers ------------------------------------------------------------------------------
+    def _trigger_now(self, kind: str, evidence: str) -> Trigger:
+        return Trigger(kind, evidence, self.host.wall(), self.host.monotonic())
+
     def trigger(self, kind: str, evidence: str) -> None:
-        self._triggers.put_nowait(Trigger(kind, evidence, self.host.wall(), self.host.monotonic()))
+        self._triggers.put_nowait(self._trigger_now(kind, evidence))
 
     def request_stop(self, why: str = "stop requested") -> None:
         if not self._stop.is_set():
@@ -286,8 +290,7 @@ class Arbiter:
             self.child = await self.host.spawn(argv, env)
         except OSError as exc:
             server.close()
-            return Trigger("spawn_failed", f"could not start the engine command {argv[0]!r}: {exc}",
-                           self.host.wall(), self.host.monotonic())
+            return self._trigger_now("spawn_failed", f"could not start the engine command {argv[0]!r}: {exc}")
         self._server = server
         log.info("engine.spawned", pid=self.child.pid, argv=argv)
         self.tail = LogTail(self.cfg.log.tail_lines, on_line=self._on_line, echo=self.echo)
@@ -309,7 +312,7 @@ class Arbiter:
         try:
             warmed = await self._race(warmup.run(self.client, sizes, self.cfg.warmup))
         except warmup.WarmupFailed as exc:
-            return Trigger("warmup_failed", str(exc), self.host.wall(), self.host.monotonic())
+            return self._trigger_now("warmup_failed", str(exc))
         if isinstance(warmed, Trigger):
             return warmed
         t_ready = self.host.monotonic()
@@ -322,12 +325,13 @@ class Arbiter:
         if not self.ready_once:
             self.ready_once = True
             self.notifier.ready(self.status_line())
-        if self.restarts and self.last_failure and "recovered_after_s" not in self.last_failure:
-            detected = float(self.last_failure.get("detected_at_mono", t_ready))
-            self.last_failure["recovered_after_s"] = round(t_ready - detected, 3)
-            self.metrics.recovery.set(t_ready - detected)
+        if self._outage_since is not None and self.last_failure is not None:
+            # From the first failure of this outage, however many failed starts followed it.
+            self.last_failure["recovered_after_s"] = round(t_ready - self._outage_since, 3)
+            self.metrics.recovery.set(t_ready - self._outage_since)
             log.info("engine.recovered", kind=self.last_failure.get("kind"),
                      recovered_after_s=self.last_failure["recovered_after_s"], profile=self.profile.knobs())
+            self._outage_since = None
         monitor = asyncio.create_task(self._monitor())
         try:
             return await self._triggers.get()
@@ -356,7 +360,7 @@ class Arbiter:
         log.warning("gpu.not_enough_free", devices=[d.as_dict() for d in short], evidence=evidence)
         self._gate_failure = Failure(FailureKind.STARTUP_MEMORY, evidence, knob="gpu_memory_utilization",
                                      suggested=fraction_that_fits(max(0, s.free - headroom), s.total))
-        return Trigger("gpu_short", evidence, self.host.wall(), self.host.monotonic())
+        return self._trigger_now("gpu_short", evidence)
 
     async def _watch_exit(self, child: Child) -> None:
         rc = await child.wait_exit()
@@ -477,6 +481,8 @@ class Arbiter:
     async def _handle_failure(self, trigger: Trigger) -> Failure:
         log.warning("engine.failure_detected", trigger=trigger.kind, evidence=trigger.evidence,
                     state=self.state.value)
+        if self._outage_since is None:
+            self._outage_since = trigger.at_mono
         phase = self._phase
         if self.child is not None:
             self.host.tree_pids(self.child)
@@ -500,7 +506,7 @@ class Arbiter:
                                phase=phase, trigger=trigger.evidence,
                                hang=trigger.evidence if trigger.kind == "hang" else None)
         detection = round(trigger.at_mono - self.state_since, 3)
-        self.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "detected_at_mono": trigger.at_mono,
+        self.last_failure = {**failure.as_dict(), "detected_at": trigger.at,
                              "trigger": trigger.kind, "phase": phase.value, "profile": self.profile.knobs()}
         self.metrics.failures.labels(failure.kind.value).inc()
         log.warning("engine.failed", kind=failure.kind.value, evidence=failure.evidence, trigger=trigger.kind,
@@ -531,7 +537,7 @@ class Arbiter:
         try:
             statefile.save(self.cfg.state.dir, statefile.Learned(
                 self.profile, dict(self.policy.rung_failures),
-                {k: v for k, v in (self.last_failure or {}).items() if k != "detected_at_mono"} or None,
+                self.last_failure,
                 self.restarts_total))
         except OSError as exc:
             log.error("state.save_failed", dir=self.cfg.state.dir, error=str(exc))

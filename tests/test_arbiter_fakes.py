@@ -294,3 +294,21 @@ def test_warmup_plan_spans_a_quarter_to_a_half_of_the_chunk_and_fits_the_model()
     assert max(plan(Profile(max_num_batched_tokens=8192, max_model_len=1024), WarmupConfig())) <= 1024 - 8
     assert plan(Profile(), WarmupConfig(enabled=False)) == []
     assert plan(Profile(), WarmupConfig(prompt_tokens=(10, 20))) == [10, 20]
+
+
+async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, profile={"gpu_memory_utilization": 0.5}, restart={"backoff_jitter": 0.0})
+    gib = 2**30
+    run = asyncio.create_task(arb.run())
+    first = await host.spawned.get()
+    await until(lambda: arb.state.value == "READY", "READY")
+    t_fail = host.now
+    host.short = [DeviceSnapshot(0, 140 * gib, 70 * gib, 70 * gib, ())]  # the restart finds the card taken
+    first.proc.exit(-9)
+    await host.spawned.get()
+    await until(lambda: arb.state.value == "READY" and arb.restarts == 2, "READY after two failures")
+    assert arb.last_failure is not None and arb.last_failure["kind"] == "startup_memory"
+    # backoffs of 2 s and 4 s on the fake clock lie between the first failure and READY
+    assert 6.0 <= arb.last_failure["recovered_after_s"] <= host.now - t_fail
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
