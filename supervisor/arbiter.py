@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO, TypeVar
 
+import psutil
 import structlog
 
-from supervisor import incident, ipc, launch, statefile, warmup
+from supervisor import incident, ipc, launch, leftovers, statefile, warmup
 from supervisor.admin import AdminServer, make_app
 from supervisor.classify import ExitInfo, classify, death_evidence, event_texts, fraction_that_fits
 from supervisor.config import Config
@@ -51,6 +52,8 @@ class Host(Protocol):
     async def spawn(self, argv: list[str], env: dict[str, str]) -> Child: ...
     async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport: ...
     def tree_pids(self, child: Child) -> set[int]: ...
+    def create_time(self, pid: int) -> float: ...
+    async def stop_leftover(self, sid: int, born_after: float, grace_s: float, kill_wait_s: float) -> list[int]: ...
     def gpu_snapshot(self) -> list[DeviceSnapshot]: ...
     async def wait_gpu_released(self, pids: Any, timeout_s: float) -> dict[int, int]: ...
     async def wait_gpu_free(self, indices: Any, fraction: float, headroom: int,
@@ -205,6 +208,7 @@ class Arbiter:
                  profile=self.profile.knobs(), state_dir=self.cfg.state.dir)
         self._tasks.append(asyncio.create_task(self._heartbeat()))
         try:
+            await self._stop_leftover_engine()
             return await self._lifecycle()
         finally:
             for t in self._tasks:
@@ -212,6 +216,7 @@ class Arbiter:
             if self.child is not None and self.child.proc.returncode is None:
                 await self.host.terminate_tree(self.child, self.cfg.engine.stop_timeout_s,
                                                self.cfg.engine.kill_timeout_s)
+            leftovers.clear(self.cfg.state.dir)
             await self.client.close()
             await admin.close()
             shutil.rmtree(self._run_dir, ignore_errors=True)
@@ -293,6 +298,11 @@ class Arbiter:
             return self._trigger_now("spawn_failed", f"could not start the engine command {argv[0]!r}: {exc}")
         self._server = server
         log.info("engine.spawned", pid=self.child.pid, argv=argv)
+        try:
+            leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
+                self.child.sid, self.host.create_time(self.child.pid), os.getpid()))
+        except (OSError, psutil.Error) as exc:
+            log.warning("state.engine_record_failed", error=str(exc))
         self.tail = LogTail(self.cfg.log.tail_lines, on_line=self._on_line, echo=self.echo)
         child = self.child
         assert child.proc.stdout is not None and child.proc.stderr is not None
@@ -339,6 +349,21 @@ class Arbiter:
             monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await monitor
+
+    async def _stop_leftover_engine(self) -> None:
+        """An engine left by a supervisor that died holds the port and the GPU: stop it first."""
+        rec = leftovers.read(self.cfg.state.dir)
+        if rec is None or rec.supervisor_pid == os.getpid():
+            return
+        pids = await self.host.stop_leftover(rec.sid, rec.create_time, self.cfg.engine.failed_stop_timeout_s,
+                                             self.cfg.engine.kill_timeout_s)
+        if pids:
+            log.warning("engine.leftover_stopped", pids=pids, sid=rec.sid,
+                        hint="a previous supervisor died without stopping its engine")
+            held = await self.host.wait_gpu_released(pids, self.cfg.gpu.release_timeout_s)
+            if held:
+                log.error("gpu.not_released", held={str(k): v for k, v in held.items()})
+        leftovers.clear(self.cfg.state.dir)
 
     async def _gpu_gate(self) -> Trigger | None:
         """Before a start: wait (bounded) until the devices have the memory vLLM will ask for.

@@ -12,6 +12,8 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 from supervisor import gpu, proctree
 from supervisor.gpu import DeviceSnapshot, Nvml
 from supervisor.proctree import Child, StopReport
@@ -43,6 +45,13 @@ class RealHost:
 
     async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
         return await proctree.terminate_tree(child, grace_s, kill_wait_s)
+
+    def create_time(self, pid: int) -> float:
+        return float(psutil.Process(pid).create_time())
+
+    async def stop_leftover(self, sid: int, born_after: float, grace_s: float, kill_wait_s: float) -> list[int]:
+        seen, _, _ = await proctree.stop_session(sid, grace_s, kill_wait_s, born_after=born_after)
+        return seen
 
     def tree_pids(self, child: Child) -> set[int]:
         return proctree.remember_descendants(child)

@@ -152,30 +152,49 @@ class StopReport:
     returncode: int | None
 
 
-async def terminate_tree(child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
-    """SIGTERM the group, wait ``grace_s``, SIGKILL what is left, sweep the session, reap."""
-    members = session_members(child.sid)
-    for p in members:
-        child.known_pids.add(p.pid)
+async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
+                       born_after: float = 0.0) -> tuple[list[int], list[int], list[int]]:
+    """SIGTERM every process of session ``sid``, wait ``grace_s``, SIGKILL the rest, sweep again.
+
+    Returns (pids seen, pids that needed SIGKILL, survivors). ``born_after`` (a create time)
+    keeps a recycled session id from taking down processes that are not ours.
+    """
+
+    def members() -> list[psutil.Process]:
+        out = []
+        for p in session_members(sid):
+            with contextlib.suppress(psutil.Error):
+                if p.create_time() >= born_after:
+                    out.append(p)
+        return out
+
+    first = members()
+    seen = {p.pid for p in first}
     killed: list[int] = []
-    if child.proc.returncode is None or members:
-        _signal_group(child.sid, signal.SIGTERM)
-        left = await _wait_gone(members, grace_s)
-        # Children started later than our snapshot (a worker mid-spawn) are caught by the sweep.
-        left = _alive(left + [p for p in session_members(child.sid) if p not in left])
+    if first:
+        _signal_group(sid, signal.SIGTERM)
+        left = await _wait_gone(first, grace_s)
+        # Processes started after the snapshot (a worker mid-spawn) are caught by the sweep.
+        left = _alive(left + [p for p in members() if p not in left])
+        seen |= {p.pid for p in left}
         if left:
             killed = [p.pid for p in left]
             log.warning("engine.stop_escalated", signal="SIGKILL", pids=killed, grace_s=grace_s)
-            _signal_group(child.sid, signal.SIGKILL)
+            _signal_group(sid, signal.SIGKILL)
             for p in left:
                 with contextlib.suppress(psutil.Error):
                     p.kill()
-            left = await _wait_gone(left, kill_wait_s)
-    else:
-        left = []
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(child.wait_exit(), timeout=max(kill_wait_s, 1.0))
-    survivors = tuple(p.pid for p in _alive(left + session_members(child.sid)))
+            await _wait_gone(left, kill_wait_s)
+    survivors = [p.pid for p in members()]
     if survivors:
         log.error("engine.survivors", pids=survivors, hint="processes ignored SIGKILL (D state?)")
-    return StopReport(tuple(sorted(child.known_pids)), tuple(killed), survivors, child.proc.returncode)
+    return sorted(seen), killed, survivors
+
+
+async def terminate_tree(child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
+    """Stop the engine's whole session (see stop_session) and reap the API server."""
+    seen, killed, survivors = await stop_session(child.sid, grace_s, kill_wait_s)
+    child.known_pids.update(seen)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(child.wait_exit(), timeout=max(kill_wait_s, 1.0))
+    return StopReport(tuple(sorted(child.known_pids)), tuple(killed), tuple(survivors), child.proc.returncode)

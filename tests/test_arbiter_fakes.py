@@ -43,6 +43,10 @@ class FakeChild:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def sid(self) -> int:
+        return self.proc.pid
+
     async def wait_exit(self) -> int:
         await self.proc.exited.wait()
         assert self.proc.returncode is not None
@@ -60,6 +64,7 @@ class FakeHost:
         self.terminated: list[int] = []
         self.graces: list[float] = []
         self.gate_asks: list[float] = []
+        self.leftover_stops: list[int] = []
         self.short: list[DeviceSnapshot] = []
 
     def monotonic(self) -> float:
@@ -84,6 +89,13 @@ class FakeHost:
         self.graces.append(grace_s)
         child.proc.exit(-15)
         return StopReport((child.pid,), (), (), child.proc.returncode)
+
+    def create_time(self, pid: int) -> float:
+        return 1.0
+
+    async def stop_leftover(self, sid: int, born_after: float, grace_s: float, kill_wait_s: float) -> list[int]:
+        self.leftover_stops.append(sid)
+        return [sid]
 
     def tree_pids(self, child: FakeChild) -> set[int]:
         return set(child.known_pids)
@@ -312,3 +324,18 @@ async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path
     assert 6.0 <= arb.last_failure["recovered_after_s"] <= host.now - t_fail
     arb.request_stop("test")
     assert await run == ExitCode.OK
+
+
+async def test_an_engine_left_by_a_dead_supervisor_is_stopped_before_the_first_start(tmp_path: Path) -> None:
+    from supervisor import leftovers
+
+    leftovers.write(tmp_path / "state", leftovers.EngineRecord(sid=4242, create_time=1.0, supervisor_pid=1))
+    arb, host, _ = make(tmp_path)
+    run = asyncio.create_task(arb.run())
+    await host.spawned.get()
+    assert host.leftover_stops == [4242]
+    rec = leftovers.read(tmp_path / "state")
+    assert rec is not None and rec.sid == host.children[0].sid  # now the new engine is on record
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
+    assert leftovers.read(tmp_path / "state") is None  # a clean stop leaves no record

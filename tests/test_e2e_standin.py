@@ -231,3 +231,18 @@ def test_status_command_says_clearly_when_nothing_answers() -> None:
     r = subprocess.run([sys.executable, "-m", "supervisor", "status", "--admin", "127.0.0.1:9"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "no supervisor answers on 127.0.0.1:9" in r.stderr
+
+
+def test_engine_left_by_a_killed_supervisor_is_stopped_by_the_next_one(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    sup.wait_ready()
+    old = [p.pid for p in sup.engine_tree()]
+    sup.proc.kill()  # the supervisor dies (OOM killer, a crash); its engine keeps the port and the GPU
+    sup.wait_exit(10)
+    assert not any(gone(p) for p in old)
+    port = int(sup.engine_url.rsplit(":", 1)[1])
+    again = supervise({"state": {"dir": str(sup.state_dir)}, "engine": {"port": port}})
+    st = again.wait_ready()
+    assert all(gone(p) for p in old)
+    assert again.events("engine.leftover_stopped")[0]["pids"] == sorted(old)
+    assert st["engine_pid"] not in old
