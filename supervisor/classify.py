@@ -61,7 +61,6 @@ OOM_PATTERNS = [
     re.compile(r"std::bad_alloc"),
     re.compile(r"Cannot allocate memory"),
 ]
-ALLOC_AMOUNT = re.compile(r"(?:Tried|tried) to allocate ([\d.]+ ?(?:[KMGT]i?B|bytes))")
 
 # Any of these means the engine is dead (or dying) even while the API server still answers.
 DEATH_PATTERNS = [
@@ -240,8 +239,3 @@ def fraction_that_fits(free: float, total: float) -> float:
     """The largest utilization (in hundredths, one below) that fits in ``free`` of ``total``."""
     return max(0.0, round(int(free / total * 100) / 100 - 0.01, 2))
 
-
-def alloc_amount(evidence: str) -> str | None:
-    """'176.00 MiB' out of an allocation failure message."""
-    m = ALLOC_AMOUNT.search(evidence)
-    return m.group(1) if m else None

@@ -7,7 +7,6 @@ exactly like a hung vLLM. So both pipes are read from spawn to EOF, whatever els
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections import deque
 from collections.abc import Callable
 from typing import TextIO
@@ -48,6 +47,3 @@ class LogTail:
     def snapshot(self) -> list[str]:
         return list(self.lines)
 
-
-def default_echo() -> TextIO:
-    return sys.stderr

@@ -16,11 +16,9 @@ class Notifier:
         self._n = sdnotify.SystemdNotifier() if self.enabled else None
         usec = os.environ.get("WATCHDOG_USEC", "")
         self.watchdog_interval_s = int(usec) / 1e6 / 2 if usec.isdigit() and int(usec) > 0 else None
-        self.sent: list[str] = []
 
     def send(self, *fields: str) -> None:
         msg = "\n".join(fields)
-        self.sent.append(msg)
         if self._n is not None:
             self._n.notify(msg)
 

@@ -6,7 +6,6 @@ token progress from /metrics while busy and by a real, timed canary generation w
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +133,3 @@ class ProgressWatch:
                     f"{p.waiting:g} waiting requests (vllm:*_tokens_total frozen at {p.tokens:g})")
         return None
 
-
-def monotonic() -> float:
-    return time.monotonic()
