@@ -137,6 +137,22 @@ format = "json"
             st2 = wait(lambda s: s["ready"] or s["state"] == "FATAL" or s["restarts"] > st["restarts"], "settle")
             if st2:
                 snaps.append(st2)
+            # Part two: SIGKILL the API server; its orphaned EngineCore still holds GPU memory, which
+            # the supervisor must see released (NVML) before the next start.
+            hog.kill()
+            hog.wait()
+            hog = None
+            if st2 and st2["ready"]:
+                os.kill(st2["engine_pid"], signal.SIGKILL)
+                note(f"SIGKILLed the API server pid {st2['engine_pid']}")
+                st3 = wait(lambda s: s["ready"] and s["restarts"] > st2["restarts"], "READY after the SIGKILL")
+                if st3:
+                    snaps.append(st3)
+                    note(f"READY again after the SIGKILL: last {st3['last_failure']['kind']}: "
+                         f"{st3['last_failure']['evidence']}; recovered in {st3['last_failure']['recovered_after_s']}s")
+                    for line in (OUT / "supervisor.log").read_text().splitlines():
+                        if '"engine.stopped"' in line or '"gpu.' in line:
+                            note(line[:400])
     finally:
         if hog is not None:
             hog.kill()
