@@ -52,6 +52,8 @@ def _describe(ev: dict[str, Any], name: Any) -> Any:
         return f"{ev['from']} -> {ev['to']}" + (f"  ({extra})" if extra else "")
     if name == "engine.spawned":
         return f"spawned vLLM API server pid {ev['pid']}"
+    if name == "engine.failure_detected":
+        return f"detected ({ev['trigger']}): {ev['evidence']}"
     if name == "engine.failed":
         return f"FAILURE {ev['kind']}: {ev['evidence']}  (trigger {ev['trigger']}, exit {ev['returncode']})"
     if name == "engine.profile_lowered":
