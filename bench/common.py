@@ -48,15 +48,28 @@ def engine_tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
+# Every bench run: no GPU gate, its own state dir and admin port, JSON events.
+TAIL = """
+[gpu]
+free_wait_s = 0.0
+[state]
+dir = "{state}"
+[admin]
+listen = "{admin}"
+[log]
+format = "json"
+"""
+
+
 class Supervisor:
-    """`vllm-supervisor run` in the background, with its output in a temp file."""
+    """`vllm-supervisor run` in the background, with its output in a temp file; ``toml`` has {port}."""
 
     def __init__(self, toml: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="vsup-bench-"))
         self.admin = f"127.0.0.1:{free_port()}"
         self.port = free_port()
         cfg = self.dir / "c.toml"
-        cfg.write_text(toml.format(port=self.port, admin=self.admin, state=self.dir / "state"))
+        cfg.write_text(toml.format(port=self.port) + TAIL.format(admin=self.admin, state=self.dir / "state"))
         self.log = open(self.dir / "sup.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--quiet-engine", "--config",
                                       str(cfg)], stdout=self.log, stderr=subprocess.STDOUT)

@@ -31,14 +31,6 @@ backoff_max_s = 0.0
 probe_interval_s = 0.5
 [warmup]
 max_tokens = 2
-[gpu]
-free_wait_s = 0.0
-[state]
-dir = "{{state}}"
-[admin]
-listen = "{{admin}}"
-[log]
-format = "json"
 """.format(sys.executable, here().parent / "tests" / "fake_vllm.py")
 
 

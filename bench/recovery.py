@@ -36,14 +36,6 @@ max_num_batched_tokens_floor = 256
 [restart]
 backoff_initial_s = 0.0
 backoff_max_s = 0.0
-[gpu]
-free_wait_s = 0.0
-[state]
-dir = "{{state}}"
-[admin]
-listen = "{{admin}}"
-[log]
-format = "json"
 """
 
 
