@@ -111,3 +111,14 @@ def test_check_command_rejects_bad_config_with_exit_2(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "restart.max_restarts" in r.stderr
+
+
+def test_every_config_key_is_documented_with_its_default() -> None:
+    import dataclasses
+
+    from supervisor.config import _SECTIONS
+
+    doc = (Path(__file__).parents[1] / "docs" / "interface.md").read_text()
+    missing = [f"{section}.{f.name}" for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+               if f"`{f.name}`" not in doc and f"`{section}.{f.name}`" not in doc]
+    assert missing == []
