@@ -65,10 +65,12 @@ class Host(Protocol):
 class Trigger:
     """Why the current engine's life is ending."""
 
-    kind: str  # exit | death | hang | unhealthy | warmup_failed | stop | climb
+    kind: str  # exit | death | hang | warmup_failed | spawn_failed | gpu_short | stop | climb
     evidence: str
     at: float  # wall clock, for detection latency
     at_mono: float
+    # Set when the trigger already is the verdict (nothing ran that left logs to classify).
+    failure: Failure | None = None
 
 
 class Arbiter:
@@ -149,8 +151,8 @@ class Arbiter:
         }
 
     # ---- triggers ------------------------------------------------------------------------------
-    def _trigger_now(self, kind: str, evidence: str) -> Trigger:
-        return Trigger(kind, evidence, self.host.wall(), self.host.monotonic())
+    def _trigger_now(self, kind: str, evidence: str, failure: Failure | None = None) -> Trigger:
+        return Trigger(kind, evidence, self.host.wall(), self.host.monotonic(), failure)
 
     def trigger(self, kind: str, evidence: str) -> None:
         self._triggers.put_nowait(self._trigger_now(kind, evidence))
@@ -295,7 +297,8 @@ class Arbiter:
             self.child = await self.host.spawn(argv, env)
         except OSError as exc:
             server.close()
-            return self._trigger_now("spawn_failed", f"could not start the engine command {argv[0]!r}: {exc}")
+            evidence = f"could not start the engine command {argv[0]!r}: {exc}"
+            return self._trigger_now("spawn_failed", evidence, Failure(FailureKind.CONFIG_ERROR, evidence))
         self._server = server
         log.info("engine.spawned", pid=self.child.pid, argv=argv)
         try:
@@ -360,9 +363,7 @@ class Arbiter:
         if pids:
             log.warning("engine.leftover_stopped", pids=pids, sid=rec.sid,
                         hint="a previous supervisor died without stopping its engine")
-            held = await self.host.wait_gpu_released(pids, self.cfg.gpu.release_timeout_s)
-            if held:
-                log.error("gpu.not_released", held={str(k): v for k, v in held.items()})
+            await self._wait_gpu_released(pids)
         leftovers.clear(self.cfg.state.dir)
 
     async def _gpu_gate(self) -> Trigger | None:
@@ -383,9 +384,9 @@ class Arbiter:
                     f"{self.cfg.gpu.free_wait_s:g}s, below gpu_memory_utilization {util:g} + "
                     f"{self.cfg.gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
         log.warning("gpu.not_enough_free", devices=[d.as_dict() for d in short], evidence=evidence)
-        self._gate_failure = Failure(FailureKind.STARTUP_MEMORY, evidence, knob="gpu_memory_utilization",
-                                     suggested=fraction_that_fits(max(0, s.free - headroom), s.total))
-        return self._trigger_now("gpu_short", evidence)
+        return self._trigger_now("gpu_short", evidence, Failure(
+            FailureKind.STARTUP_MEMORY, evidence, knob="gpu_memory_utilization",
+            suggested=fraction_that_fits(max(0, s.free - headroom), s.total)))
 
     async def _watch_exit(self, child: Child) -> None:
         rc = await child.wait_exit()
@@ -429,7 +430,7 @@ class Arbiter:
                 try:
                     progress = await self.client.metrics(timeout=min(h.hang_timeout_s, 5.0))
                     unresponsive_since = None
-                except (EngineError, Exception) as exc:  # noqa: BLE001 - any failure is "no answer"
+                except Exception as exc:  # noqa: BLE001 - any failure is "no answer"
                     unresponsive_since = unresponsive_since or now
                     if now - unresponsive_since >= h.hang_timeout_s:
                         self.trigger("hang", f"/metrics unanswered for {now - unresponsive_since:.0f}s ({exc})")
@@ -494,14 +495,18 @@ class Arbiter:
         for t in (*self._drains, self._exit_watch):
             t.cancel()
         self._server.close()
-        held = await self.host.wait_gpu_released(report.pids, self.cfg.gpu.release_timeout_s)
-        if held:
-            log.error("gpu.not_released", held={str(k): v for k, v in held.items()},
-                      timeout_s=self.cfg.gpu.release_timeout_s)
+        await self._wait_gpu_released(report.pids)
         log.info("engine.stopped", pids=list(report.pids), sigkilled=list(report.killed),
                  survivors=list(report.survivors), returncode=report.returncode, kill_s=round(t1 - t0, 3),
                  drain_s=round(t2 - t1, 3), gpu_release_s=round(self.host.monotonic() - t2, 3))
         return report
+
+    async def _wait_gpu_released(self, pids: tuple[int, ...] | list[int]) -> None:
+        """Bounded wait until NVML shows none of ``pids`` holding GPU memory; an error event if not."""
+        held = await self.host.wait_gpu_released(pids, self.cfg.gpu.release_timeout_s)
+        if held:
+            log.error("gpu.not_released", held={str(k): v for k, v in held.items()},
+                      timeout_s=self.cfg.gpu.release_timeout_s)
 
     async def _handle_failure(self, trigger: Trigger) -> Failure:
         log.warning("engine.failure_detected", trigger=trigger.kind, evidence=trigger.evidence,
@@ -522,14 +527,9 @@ class Arbiter:
             if not stacks:
                 log.info("engine.no_stack_dump", hint="install py-spy to capture stacks of a hung engine")
         report = await self._stop_engine(trigger)
-        if trigger.kind == "spawn_failed":
-            failure = Failure(FailureKind.CONFIG_ERROR, trigger.evidence)
-        elif trigger.kind == "gpu_short":
-            failure = self._gate_failure
-        else:
-            failure = classify(events=list(self.events), lines=self.tail.snapshot(), exit=ExitInfo(rc_before),
-                               phase=phase, trigger=trigger.evidence,
-                               hang=trigger.evidence if trigger.kind == "hang" else None)
+        failure = trigger.failure or classify(
+            events=list(self.events), lines=self.tail.snapshot(), exit=ExitInfo(rc_before), phase=phase,
+            trigger=trigger.evidence, hang=trigger.evidence if trigger.kind == "hang" else None)
         detection = round(trigger.at_mono - self.state_since, 3)
         self.last_failure = {**failure.as_dict(), "detected_at": trigger.at,
                              "trigger": trigger.kind, "phase": phase.value, "profile": self.profile.knobs()}
