@@ -12,9 +12,10 @@ import urllib.request
 from typing import Any
 
 from supervisor import config as config_mod
-from supervisor import launch, logs
-from supervisor.lifecycle import ExitCode
-from supervisor.profile import Profile
+from supervisor.decide.lifecycle import ExitCode
+from supervisor.decide.profile import Profile
+from supervisor.engine import launch
+from supervisor.ops import logs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,13 +45,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check(cfg: config_mod.Config) -> int:
-    from supervisor import statefile
-    from supervisor.policy import clamp_to_configured
+    """Validate what can be seen before a start; print the engine command with secrets masked."""
+    from supervisor.decide.policy import clamp_to_configured
+    from supervisor.ops import statefile
 
     learned = statefile.load(cfg.state.dir)
     profile: Profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
+    errors, warnings = config_mod.preflight(cfg)
+    argv = launch.masked(launch.build_argv(cfg.engine, profile), launch.secrets(cfg.engine))
+    for name, msg in warnings:
+        print(f"warning: {name}: {msg}", file=sys.stderr)
+    if errors:
+        print("vllm-supervisor: the engine cannot start as configured", file=sys.stderr)
+        for name, msg in errors:
+            print(f"{name}: {msg}", file=sys.stderr)
+        print("engine command:", shlex.join(argv), file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
     print("config OK")
-    print("engine command:", shlex.join(launch.build_argv(cfg.engine, profile)))
+    print("engine command:", shlex.join(argv))
     if learned and profile != cfg.profile:
         print("profile learned from", statefile.path_in(cfg.state.dir), "->",
               json.dumps(cfg.profile.diff(profile)))
@@ -59,12 +71,12 @@ def _check(cfg: config_mod.Config) -> int:
 
 def _run(cfg: config_mod.Config, echo_engine: bool) -> int:
     logs.configure(cfg.log.format, cfg.log.level)
-    from supervisor.arbiter import Arbiter
-    from supervisor.host import RealHost
+    from supervisor.arbiter import Supervisor
+    from supervisor.host.real import RealHost
 
     async def go() -> int:
-        arbiter = Arbiter(cfg, RealHost(), echo=sys.stderr if echo_engine else None)
-        return await arbiter.run()
+        supervisor = Supervisor(cfg, RealHost(), echo=sys.stderr if echo_engine else None)
+        return await supervisor.run()
 
     try:
         return int(asyncio.run(go()))

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.profile import Profile
+from supervisor.decide.lifecycle import Knob
+from supervisor.decide.profile import Profile
 
 Scalar = str | int | float | bool
+# An [engine.args] value: a scalar, a list (a flag taking several values, e.g. lora_modules),
+# or a table (passed as JSON, e.g. compilation_config).
+ArgValue = Scalar | list[Scalar] | dict[str, Any]
+
+# These switch off the logging config that carries vLLM's typed events to the supervisor.
+IPC_ENV = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")
+IPC_ARGS = ("logging_config", "log_config_file")
 
 
 class ConfigError(ValueError):
@@ -42,8 +50,9 @@ class EngineConfig:
     port: int = 18000
     command: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
-    args: dict[str, Scalar] = field(default_factory=dict)
+    args: dict[str, ArgValue] = field(default_factory=dict)
     start_timeout_s: float = 900.0
+    model_wait_s: float = 300.0
     stop_timeout_s: float = 20.0
     failed_stop_timeout_s: float = 3.0
     kill_timeout_s: float = 10.0
@@ -68,6 +77,12 @@ class LadderConfig:
     max_model_len_floor: int = 256
     climb_after_s: float = 1800.0
     max_rung_failures: int = 2
+    # Which knob a memory failure lowers first, then next; the evidence may put one knob first.
+    order: tuple[str, ...] = ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
+
+    @property
+    def knob_order(self) -> tuple[Knob, ...]:
+        return tuple(Knob(k) for k in self.order)
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,7 @@ class RestartConfig:
     backoff_max_s: float = 60.0
     backoff_jitter: float = 0.2
     device_fatal_retries: int = 1
+    max_consecutive_failures: int = 5
 
 
 @dataclass(frozen=True)
@@ -182,12 +198,11 @@ def parse(raw: dict[str, Any], source: str = "") -> Config:
             continue
         if name == "engine" and "model" not in table:
             problems.append(("engine.model", "required: the model path or name vLLM serves"))
-            continue
+            table = {**table, "model": "(missing)"}  # still check every other [engine] key
         obj = _build(cls, name, table, problems)
         if obj is not None:
             built[name] = obj
-    if not problems:
-        problems.extend(_cross_checks(built))
+    problems.extend(_cross_checks(built))
     if problems:
         raise ConfigError(problems, source)
     return Config(**built)
@@ -221,6 +236,12 @@ class _FieldError(ValueError):
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if tp == ArgValue:
+        if isinstance(value, (str, int, float, bool, dict)):
+            return value
+        if isinstance(value, list) and all(isinstance(v, (str, int, float, bool)) for v in value):
+            return value
+        raise _FieldError("must be a string, number, boolean, list of those, or a table")
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
             return None
@@ -271,6 +292,16 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
              f"must be a loopback address (the engine is internal; the public port is the gateway's), got {obj.host!r}")
         for key in ("start_timeout_s", "stop_timeout_s", "failed_stop_timeout_s", "kill_timeout_s", "dead_grace_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
+        need("model_wait_s", obj.model_wait_s >= 0, "must be >= 0 seconds")
+        need("command", all(bool(x) for x in obj.command), "must not contain empty strings")
+        for var in IPC_ENV:
+            need(f"env.{var}", var not in obj.env,
+                 "refused: it would switch off the logging config that carries vLLM's error events to the "
+                 "supervisor; set vLLM's log level with [engine.args] log_level or env VLLM_LOGGING_LEVEL")
+        for key in obj.args:
+            if key.split(".")[0].replace("-", "_") in IPC_ARGS:
+                need(f"args.{key}", False, "refused: the supervisor owns vLLM's logging config (it carries "
+                                           "the error events); use log_level to change vLLM's verbosity")
         for reserved in ("model", "host", "port"):
             need(f"args.{reserved}", reserved not in obj.args, f"set [engine] {reserved} instead")
         for knob in Profile.MANAGED:
@@ -291,6 +322,10 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("max_model_len_floor", obj.max_model_len_floor >= 1, "must be >= 1")
         need("climb_after_s", obj.climb_after_s >= 0, "must be >= 0 (0 disables climbing back)")
         need("max_rung_failures", obj.max_rung_failures >= 1, "must be >= 1")
+        known = [k.value for k in Knob]
+        bad = [k for k in obj.order if k not in known]
+        need("order", not bad and len(set(obj.order)) == len(obj.order) and len(obj.order) > 0,
+             f"must list distinct knobs among {', '.join(known)}; got {list(obj.order)}")
     elif isinstance(obj, RestartConfig):
         need("max_restarts", obj.max_restarts >= 0, "must be >= 0")
         need("window_s", obj.window_s > 0, "must be > 0 seconds")
@@ -298,6 +333,8 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("backoff_max_s", obj.backoff_max_s >= obj.backoff_initial_s, "must be >= backoff_initial_s")
         need("backoff_jitter", 0 <= obj.backoff_jitter <= 1, "must be a fraction in [0, 1]")
         need("device_fatal_retries", obj.device_fatal_retries >= 0, "must be >= 0")
+        need("max_consecutive_failures", obj.max_consecutive_failures >= 1,
+             "must be >= 1 (failures in a row without a READY between them before FATAL)")
     elif isinstance(obj, HealthConfig):
         for key in ("hang_timeout_s", "probe_interval_s", "canary_interval_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
@@ -331,20 +368,51 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
 
 def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
-    profile: Profile = built["profile"]
-    ladder: LadderConfig = built["ladder"]
-    if profile.max_num_batched_tokens < ladder.max_num_batched_tokens_floor:
-        out.append(("profile.max_num_batched_tokens",
-                    f"{profile.max_num_batched_tokens} is below ladder.max_num_batched_tokens_floor "
-                    f"({ladder.max_num_batched_tokens_floor})"))
-    if profile.max_num_seqs < ladder.max_num_seqs_floor:
-        out.append(("profile.max_num_seqs", f"{profile.max_num_seqs} is below ladder.max_num_seqs_floor"))
-    if profile.gpu_memory_utilization < ladder.gpu_memory_utilization_floor:
-        out.append(("profile.gpu_memory_utilization",
-                    f"{profile.gpu_memory_utilization} is below ladder.gpu_memory_utilization_floor "
-                    f"({ladder.gpu_memory_utilization_floor})"))
-    if profile.max_model_len is not None and profile.max_model_len < ladder.max_model_len_floor:
-        out.append(("profile.max_model_len", f"{profile.max_model_len} is below ladder.max_model_len_floor"))
-    if built["engine"].port == built["admin"].host_port[1]:
+    profile: Profile | None = built.get("profile")
+    ladder: LadderConfig | None = built.get("ladder")
+    if profile is not None and ladder is not None:
+        floors = {"max_num_batched_tokens": ladder.max_num_batched_tokens_floor,
+                  "max_num_seqs": ladder.max_num_seqs_floor,
+                  "gpu_memory_utilization": ladder.gpu_memory_utilization_floor,
+                  "max_model_len": ladder.max_model_len_floor}
+        for knob, floor in floors.items():
+            v = getattr(profile, knob)
+            if v is not None and v < floor:
+                out.append((f"profile.{knob}", f"{v} is below ladder.{knob}_floor ({floor})"))
+    engine, admin = built.get("engine"), built.get("admin")
+    if engine is not None and admin is not None and engine.port == admin.host_port[1]:
         out.append(("admin.listen", "must not use the engine's internal port"))
     return out
+
+
+Problems = list[tuple[str, str]]
+
+
+def preflight(cfg: Config, which: Any = None, exists: Any = None) -> tuple[Problems, Problems]:
+    """What can be seen before a start: (errors, warnings), each (field, message).
+
+    Errors: the engine command cannot be found; a local model path does not exist.
+    Warnings: a relative state.dir (under systemd the working directory is /).
+    """
+    import os
+    import shutil
+
+    which = which or shutil.which
+    exists = exists or os.path.exists
+    errors: Problems = []
+    warnings: Problems = []
+    exe = cfg.engine.argv_prefix[0]
+    if not which(exe):
+        errors.append(("engine.command", f"{exe!r} is not an executable file nor found on PATH"))
+    if is_local_path(cfg.engine.model) and not exists(cfg.engine.model):
+        errors.append(("engine.model", f"local model path {cfg.engine.model!r} does not exist "
+                                       f"(`run` waits up to engine.model_wait_s={cfg.engine.model_wait_s:g}s for it)"))
+    if not os.path.isabs(cfg.state.dir):
+        warnings.append(("state.dir", f"{cfg.state.dir!r} is relative: it depends on the working directory "
+                                      "(/ under systemd); use an absolute path"))
+    return errors, warnings
+
+
+def is_local_path(model: str) -> bool:
+    """A model given as a filesystem path rather than a hub id ("org/name")."""
+    return model.startswith(("/", "./", "../", "~")) or model.startswith(".")

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from supervisor.arbiter import Arbiter
+from supervisor.arbiter import Supervisor
 from supervisor.config import parse
-from supervisor.gpu import DeviceSnapshot
-from supervisor.lifecycle import ExitCode
-from supervisor.notify import Notifier
-from supervisor.probe import EngineError, Progress
-from supervisor.proctree import StopReport
+from supervisor.decide.lifecycle import ExitCode
+from supervisor.engine.probe import EngineError, Progress
+from supervisor.host.gpu import DeviceSnapshot
+from supervisor.host.proctree import StopReport
+from supervisor.ops.notify import Notifier
 
 
 class FakeProc:
@@ -66,6 +66,7 @@ class FakeHost:
         self.gate_asks: list[float] = []
         self.leftover_stops: list[int] = []
         self.short: list[DeviceSnapshot] = []
+        self.missing_paths: set[str] = set()
 
     def monotonic(self) -> float:
         return self.now
@@ -100,7 +101,10 @@ class FakeHost:
     def tree_pids(self, child: FakeChild) -> set[int]:
         return set(child.known_pids)
 
-    def gpu_snapshot(self) -> list[Any]:
+    def path_exists(self, path: str) -> bool:
+        return path not in self.missing_paths
+
+    async def gpu_snapshot(self, devices: Any = None) -> list[Any]:
         return []
 
     async def wait_gpu_released(self, pids: Any, timeout_s: float) -> dict[int, int]:
@@ -139,7 +143,7 @@ class FakeClient:
         pass
 
 
-def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Arbiter, FakeHost, FakeClient]:
+def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Supervisor, FakeHost, FakeClient]:
     raw: dict[str, Any] = {"engine": {"model": "m", "command": ["fake-vllm"]},
                            "profile": {"max_num_seqs": 16},
                            "restart": {"backoff_initial_s": 2.0, "backoff_max_s": 8.0, "backoff_jitter": 0.0},
@@ -149,7 +153,8 @@ def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Arbiter, FakeHost,
     for k, v in sections.items():
         raw[k] = {**raw.get(k, {}), **v}
     host, client = FakeHost(), FakeClient()
-    arb = Arbiter(parse(raw), host, notifier=Notifier(), install_signals=False, client=client)  # type: ignore[arg-type]
+    arb = Supervisor(parse(raw), host, notifier=Notifier(), install_signals=False,  # type: ignore[arg-type]
+                     client_factory=lambda: client)  # type: ignore[arg-type,return-value]
     return arb, host, client
 
 
@@ -161,8 +166,10 @@ async def until(pred: Any, what: str) -> None:
     raise AssertionError(f"never reached: {what}")
 
 
-def states(arb: Arbiter) -> list[str]:
-    return [h["to"] for h in arb.history]
+async def states(arb: Supervisor) -> list[str]:
+    """The state transitions so far, once every subscriber has caught up."""
+    await arb.bus.drain()
+    return [h["to"] for h in arb.history.entries]
 
 
 async def test_ready_to_backoff_on_runtime_oom_then_restart_with_a_lower_chunk(tmp_path: Path) -> None:
@@ -177,14 +184,14 @@ async def test_ready_to_backoff_on_runtime_oom_then_restart_with_a_lower_chunk(t
     first.proc.exit(0)  # vLLM exits 0 after its engine died
     second = await host.spawned.get()
     await until(lambda: arb.state.value == "READY", "READY again")
-    assert states(arb) == ["STARTING", "WARMING", "READY", "STOPPING", "BACKOFF", "STARTING", "WARMING", "READY"]
+    assert await states(arb) == ["STARTING", "WARMING", "READY", "STOPPING", "BACKOFF", "STARTING", "WARMING", "READY"]
     assert "--max-num-batched-tokens" in second.argv
     assert second.argv[second.argv.index("--max-num-batched-tokens") + 1] == "6144"
     assert arb.last_failure is not None and arb.last_failure["kind"] == "runtime_oom"
     assert 2.0 in host.slept  # the first backoff, on the fake clock
     arb.request_stop("test")
     assert await run == ExitCode.OK
-    assert states(arb)[-2:] == ["STOPPING", "STOPPED"]
+    assert (await states(arb))[-2:] == ["STOPPING", "STOPPED"]
     assert host.terminated == [first.pid, second.pid]
     assert host.graces == [3.0, 20.0]  # a dead engine gets the short grace, a requested stop the long one
 
@@ -197,7 +204,7 @@ async def test_starting_to_fatal_on_a_bad_flag(tmp_path: Path) -> None:
     child.proc.stderr.feed_data(b"api_server.py: error: unrecognized arguments: --swap-space\n")
     child.proc.exit(2)
     assert await run == ExitCode.ENGINE_CONFIG_ERROR
-    assert states(arb) == ["STARTING", "STOPPING", "FATAL"]
+    assert await states(arb) == ["STARTING", "STOPPING", "FATAL"]
     assert len(host.children) == 1
 
 
@@ -206,10 +213,11 @@ async def test_backoff_grows_on_the_fake_clock_until_the_budget_is_spent(tmp_pat
     run = asyncio.create_task(arb.run())
     for _ in range(4):
         child = await host.spawned.get()
-        await until(lambda c=child: arb.state.value == "READY" and arb.child is c, "READY")
+        await until(lambda c=child: arb.state.value == "READY" and arb.engine_run is not None
+                    and arb.engine_run.child is c, "READY")
         child.proc.exit(-11)  # SIGSEGV
     assert await run == ExitCode.RESTART_BUDGET_SPENT
-    backoffs = [h["delay_s"] for h in arb.history if h["to"] == "BACKOFF"]
+    backoffs = [h["delay_s"] for h in arb.history.entries if h["to"] == "BACKOFF"]
     assert backoffs == [2.0, 4.0, 8.0]
     assert arb.last_failure is not None and arb.last_failure["kind"] == "signal"
 
@@ -224,7 +232,7 @@ async def test_warmup_failure_is_a_startup_failure(tmp_path: Path) -> None:
     run = asyncio.create_task(arb.run())
     await host.spawned.get()
     assert await run == ExitCode.RESTART_BUDGET_SPENT
-    assert "READY" not in states(arb)
+    assert "READY" not in await states(arb)
     assert arb.last_failure is not None and "warm-up" in arb.last_failure["evidence"]
 
 
@@ -245,7 +253,7 @@ async def test_stop_during_backoff_exits_zero_without_another_start(tmp_path: Pa
     await until(lambda: arb.state.value == "BACKOFF", "BACKOFF")
     arb.request_stop("test")
     assert await run == ExitCode.OK
-    assert states(arb)[-2:] == ["BACKOFF", "STOPPED"]
+    assert (await states(arb))[-2:] == ["BACKOFF", "STOPPED"]
     assert len(host.children) == 1
 
 
@@ -299,8 +307,8 @@ async def test_warmup_without_tokenize_estimates_prompt_sizes(tmp_path: Path) ->
 
 def test_warmup_plan_spans_a_quarter_to_a_half_of_the_chunk_and_fits_the_model() -> None:
     from supervisor.config import WarmupConfig
-    from supervisor.profile import Profile
-    from supervisor.warmup import plan
+    from supervisor.decide.profile import Profile
+    from supervisor.engine.warmup import plan
 
     assert plan(Profile(max_num_batched_tokens=8192), WarmupConfig()) == [2048, 2730, 3413, 4096]
     assert max(plan(Profile(max_num_batched_tokens=8192, max_model_len=1024), WarmupConfig())) <= 1024 - 8
@@ -327,7 +335,7 @@ async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path
 
 
 async def test_an_engine_left_by_a_dead_supervisor_is_stopped_before_the_first_start(tmp_path: Path) -> None:
-    from supervisor import leftovers
+    from supervisor.host import leftovers
 
     leftovers.write(tmp_path / "state", leftovers.EngineRecord(sid=4242, create_time=1.0, supervisor_pid=1))
     arb, host, _ = make(tmp_path)

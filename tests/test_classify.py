@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.classify import ExitInfo, classify, death_evidence, strip_prefix
-from supervisor.lifecycle import FailureKind, Phase
+from supervisor.decide.classify import ExitInfo, classify, death_evidence
+from supervisor.decide.evidence import strip_prefix
+from supervisor.decide.lifecycle import FailureKind, Knob, Phase
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-logs"
 
@@ -49,7 +50,7 @@ def test_exit_status_zero_after_engine_death_is_a_failure() -> None:
 def test_kv_too_small_suggests_vllms_estimate() -> None:
     f = classify(events=[], lines=lines("cpu-vllm0.32-startup-kv-too-small.log"), exit=ExitInfo(1),
                  phase=Phase.LOADING)
-    assert (f.knob, f.suggested) == ("max_model_len", 896)
+    assert (f.knob, f.suggested) == (Knob.MAX_MODEL_LEN, 896)
 
 
 def test_runtime_oom_names_the_suspect_request_from_the_scheduler_dump() -> None:
@@ -60,13 +61,13 @@ def test_runtime_oom_names_the_suspect_request_from_the_scheduler_dump() -> None
 
 def test_cuda_oom_points_at_the_chunk_knob() -> None:
     f = classify(events=[], lines=lines("h200-vllm0.26-runtime-cuda-oom.log"), exit=ExitInfo(0), phase=Phase.SERVING)
-    assert f.knob == "max_num_batched_tokens"
+    assert f.knob is Knob.MAX_NUM_BATCHED_TOKENS
 
 
 def test_supervised_h200_free_memory_check_suggests_a_utilization_that_fits() -> None:
     f = classify(events=[], lines=lines("h200-vllm0.26-supervised-startup-free-below-utilization.log"),
                  exit=ExitInfo(None), phase=Phase.LOADING)
-    assert (f.kind, f.knob, f.suggested) == (FailureKind.STARTUP_MEMORY, "gpu_memory_utilization", 0.48)
+    assert (f.kind, f.knob, f.suggested) == (FailureKind.STARTUP_MEMORY, Knob.GPU_MEMORY_UTILIZATION, 0.48)
 
 
 def test_supervised_h200_runtime_oom_log_is_runtime_oom() -> None:
@@ -79,7 +80,7 @@ def test_supervised_h200_runtime_oom_log_is_runtime_oom() -> None:
 def test_graph_capture_oom_at_startup_points_at_utilization() -> None:
     f = classify(events=[], lines=lines("h200-vllm0.26-startup-graph-capture-oom.log"), exit=ExitInfo(1),
                  phase=Phase.LOADING)
-    assert f.knob == "gpu_memory_utilization"
+    assert f.knob is Knob.GPU_MEMORY_UTILIZATION
 
 
 def test_healthy_start_log_has_no_death_evidence() -> None:
@@ -91,11 +92,17 @@ def test_keepalive_hang_then_death_log_reports_death() -> None:
     assert any(found)
 
 
+# The old (V0) engine: its own logger (header without brackets), then uvicorn's headerless traceback.
 OLD_ENGINE = [
     "ERROR 07-12 10:01:02 async_llm_engine.py:61] Engine background task failed",
-    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 10.78 GiB. GPU 0 has a total capacity of 79.15 GiB",
+    "ERROR 07-12 10:01:02 async_llm_engine.py:61] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+    "10.78 GiB. GPU 0 has a total capacity of 79.15 GiB",
+    "ERROR:    Exception in ASGI application",
+    "Traceback (most recent call last):",
+    '  File "/opt/vllm/lib/python3.10/site-packages/vllm/engine/async_llm_engine.py", line 700, in generate',
     "vllm.engine.async_llm_engine.AsyncEngineDeadError: Background loop has errored already.",
 ]
+E = "(EngineCore pid=7) ERROR 11-30 07:36:17 [core.py:1332] "
 
 
 @pytest.mark.parametrize(
@@ -103,19 +110,19 @@ OLD_ENGINE = [
     [
         (OLD_ENGINE, 0, Phase.SERVING, FailureKind.RUNTIME_OOM),
         (OLD_ENGINE[2:], 0, Phase.SERVING, FailureKind.ENGINE_DEAD),
-        (["RuntimeError: CUDA error: an illegal memory access was encountered"], 1, Phase.SERVING,
+        ([E + "RuntimeError: CUDA error: an illegal memory access was encountered"], 1, Phase.SERVING,
          FailureKind.DEVICE_FATAL),
-        (["NVRM: Xid (PCI:0000:17:00): 79, GPU has fallen off the bus."], 1, Phase.SERVING, FailureKind.DEVICE_FATAL),
+        ([E + "RuntimeError: NVML: GPU has fallen off the bus."], 1, Phase.SERVING, FailureKind.DEVICE_FATAL),
         ([], -11, Phase.SERVING, FailureKind.SIGNAL),
         (["Fatal Python error: Segmentation fault"], 0, Phase.SERVING, FailureKind.SIGNAL),
         ([], 0, Phase.SERVING, FailureKind.ENGINE_DEAD),
         (["usage: api_server.py [-h]"], 2, Phase.LOADING, FailureKind.CONFIG_ERROR),
-        (["ValueError: Invalid repository ID or local directory specified: '/nope'"], 1, Phase.LOADING,
+        ([E + "ValueError: Invalid repository ID or local directory specified: '/nope'"], 1, Phase.LOADING,
          FailureKind.CONFIG_ERROR),
-        (["ValueError: Free memory on device cuda:0 (10.1/79.2 GiB) on startup is less than desired GPU memory "
+        ([E + "ValueError: Free memory on device cuda:0 (10.1/79.2 GiB) on startup is less than desired GPU memory "
           "utilization (0.9, 71.3 GiB). Decrease GPU memory utilization"], 1, Phase.LOADING,
          FailureKind.STARTUP_MEMORY),
-        (["RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 68 bytes"], 1,
+        ([E + "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 68 bytes"], 1,
          Phase.LOADING, FailureKind.STARTUP_MEMORY),
     ],
 )
@@ -140,7 +147,8 @@ def test_hang_evidence_wins_over_log_lines() -> None:
 
 
 def test_ipc_events_alone_are_enough() -> None:
-    events = [{"msg": "EngineCore encountered a fatal error.", "exc_type": "OutOfMemoryError",
+    events = [{"level": "ERROR", "where": "core.py:1512", "msg": "EngineCore encountered a fatal error.",
+               "exc_type": "OutOfMemoryError",
                "exc_msg": "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB"}]
     f = classify(events=events, lines=[], exit=ExitInfo(0), phase=Phase.SERVING)
     assert f.kind is FailureKind.RUNTIME_OOM and "Tried to allocate 2.00 GiB" in f.evidence

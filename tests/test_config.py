@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import ConfigError, load, parse
-from supervisor.launch import arg_flags, build_argv, build_env
+from supervisor.engine.launch import arg_flags, build_argv, build_env
 
 MINIMAL = {"engine": {"model": "/models/llama"}}
 
@@ -17,7 +17,9 @@ MINIMAL = {"engine": {"model": "/models/llama"}}
 def test_minimal_config_gets_documented_defaults() -> None:
     cfg = parse(MINIMAL)
     assert cfg.engine.port == 18000
-    assert cfg.profile.max_num_batched_tokens == 8192
+    assert cfg.profile.max_num_batched_tokens is None  # left to vLLM unless set in [profile]
+    assert cfg.restart.max_consecutive_failures == 5
+    assert cfg.ladder.order == ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
     assert cfg.ladder.max_num_batched_tokens == (8192, 6144, 4096, 2048)
     assert cfg.restart.max_restarts == 5
     assert cfg.admin.listen == "127.0.0.1:8001"
@@ -70,14 +72,63 @@ def test_engine_command_renders_profile_then_passthrough_flags() -> None:
                  "profile": {"max_num_batched_tokens": 6144, "max_num_seqs": 10, "gpu_memory_utilization": 0.9,
                              "max_model_len": 4096}})
     assert build_argv(cfg.engine, cfg.profile) == [
-        "vllm", "serve", "--model", "/m", "--host", "127.0.0.1", "--port", "18001",
+        "vllm", "serve", "/m", "--host", "127.0.0.1", "--port", "18001",
         "--max-num-batched-tokens", "6144", "--max-num-seqs", "10", "--gpu-memory-utilization", "0.9",
-        "--max-model-len", "4096", "--enable-chunked-prefill",
-        "--kv-cache-memory-bytes", "268435456", "--enforce-eager"]
+        "--max-model-len", "4096",
+        "--kv-cache-memory-bytes", "268435456", "--enforce-eager", "--no-trust-remote-code"]
 
 
-def test_arg_flags_dash_keys_and_bare_booleans() -> None:
-    assert arg_flags({"a_b": 1, "c": True, "d": False}) == ["--a-b", "1", "--c"]
+def test_knobs_left_out_of_the_profile_keep_vllms_defaults() -> None:
+    cfg = parse({"engine": {"model": "/m", "command": ["/opt/vllm/bin/python", "-m",
+                                                       "vllm.entrypoints.openai.api_server"]}})
+    argv = build_argv(cfg.engine, cfg.profile)
+    assert argv[3:] == ["--model", "/m", "--host", "127.0.0.1", "--port", "18000"]
+
+
+def test_arg_flags_dash_keys_booleans_lists_and_tables() -> None:
+    assert arg_flags({"a_b": 1, "c": True, "enable_prefix_caching": False}) == [
+        "--a-b", "1", "--c", "--no-enable-prefix-caching"]
+    assert arg_flags({"disable_log_stats": False, "headless": True}) == ["--headless"]  # store_true only
+    assert arg_flags({"lora_modules": ["a=/l/a", "b=/l/b"]}) == ["--lora-modules", "a=/l/a", "b=/l/b"]
+    assert arg_flags({"compilation_config": {"level": 3}}) == ["--compilation-config", '{"level":3}']
+
+
+def test_list_and_table_args_parse_and_render() -> None:
+    cfg = parse({"engine": {"model": "m", "args": {"lora_modules": ["a=/l/a"], "override_generation_config":
+                                                   {"temperature": 0.5}}}})
+    assert "--lora-modules" in build_argv(cfg.engine, cfg.profile)
+
+
+@pytest.mark.parametrize("var", ["VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH"])
+def test_engine_env_cannot_switch_off_the_ipc_channel(var: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse({"engine": {"model": "m", "env": {var: "0"}}})
+    assert f"engine.env.{var}" in str(err.value) and "refused" in str(err.value)
+
+
+def test_engine_args_cannot_replace_the_logging_config() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse({"engine": {"model": "m", "args": {"logging_config.pylogging_config_file": "/x.json"}}})
+    assert "engine.args.logging_config.pylogging_config_file" in str(err.value)
+
+
+def test_a_missing_model_does_not_hide_other_engine_errors() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse({"engine": {"port": 70000}, "restart": {"max_restarts": "x"}})
+    names = {n for n, _ in err.value.problems}
+    assert {"engine.model", "engine.port", "restart.max_restarts"} <= names
+
+
+def test_vllm_log_level_is_honoured_by_the_logging_config() -> None:
+    from supervisor.engine.ipc import logging_config
+    from supervisor.engine.launch import vllm_log_level
+
+    cfg = parse({"engine": {"model": "m", "args": {"log_level": "error"}}})
+    assert vllm_log_level(cfg.engine) == "ERROR"
+    lc = logging_config("/s", "ERROR")
+    assert lc["handlers"]["console"]["level"] == "ERROR"
+    assert lc["loggers"]["vllm"]["level"] == "WARNING"  # our event handler still gets WARNING+
+    assert vllm_log_level(parse({"engine": {"model": "m", "env": {"VLLM_LOGGING_LEVEL": "debug"}}}).engine) == "DEBUG"
 
 
 def test_notify_socket_is_not_passed_to_the_engine() -> None:
@@ -98,11 +149,28 @@ def test_load_reports_bad_toml_with_the_file(tmp_path: Path) -> None:
 
 
 def test_check_command_prints_the_effective_engine_command(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
     p = tmp_path / "c.toml"
-    p.write_text(f'[engine]\nmodel = "/m"\n[state]\ndir = "{tmp_path}/s"\n[profile]\nmax_num_seqs = 8\n')
+    p.write_text(f'[engine]\nmodel = "{model}"\n[state]\ndir = "{tmp_path}/s"\n[profile]\nmax_num_seqs = 8\n'
+                 '[engine.args]\napi_key = "sk-secret-123"\nenable_prefix_caching = false\n')
     out = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
                          capture_output=True, text=True, check=True).stdout
-    assert "--model /m" in out and "--max-num-seqs 8" in out
+    assert f"--model {model}" in out and "--max-num-seqs 8" in out
+    assert "--no-enable-prefix-caching" in out
+    assert "--api-key '***'" in out and "sk-secret-123" not in out
+
+
+def test_check_reports_what_would_stop_a_start(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[engine]\nmodel = "/nonexistent/model"\ncommand = ["/nonexistent/vllm", "serve"]\n'
+                 '[state]\ndir = "relative/state"\n')
+    r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "engine.command: '/nonexistent/vllm' is not an executable" in r.stderr
+    assert "engine.model: local model path '/nonexistent/model' does not exist" in r.stderr
+    assert "warning: state.dir: 'relative/state' is relative" in r.stderr
 
 
 def test_check_command_rejects_bad_config_with_exit_2(tmp_path: Path) -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import LadderConfig, RestartConfig
-from supervisor.lifecycle import ExitCode, Failure, FailureKind
-from supervisor.policy import Policy, backoff_delay, clamp_to_configured, step_down, step_up
-from supervisor.profile import Profile
+from supervisor.decide.lifecycle import ExitCode, Failure, FailureKind, Knob
+from supervisor.decide.policy import Policy, backoff_delay, clamp_to_configured, step_down, step_up
+from supervisor.decide.profile import Profile
 
 LADDER = LadderConfig()
 P = Profile(max_num_batched_tokens=8192, max_num_seqs=16, gpu_memory_utilization=0.9)
 OOM = Failure(FailureKind.RUNTIME_OOM, "CUDA out of memory. Tried to allocate 176.00 MiB",
-              knob="max_num_batched_tokens")
+              knob=Knob.MAX_NUM_BATCHED_TOKENS)
 
 
 def policy(**restart: float) -> Policy:
@@ -42,7 +42,7 @@ def test_chunk_step_keeps_max_num_seqs_within_the_token_budget() -> None:
 
 
 def test_startup_utilization_evidence_lowers_utilization_first() -> None:
-    p = step_down(P, LADDER, prefer="gpu_memory_utilization")
+    p = step_down(P, LADDER, Knob.GPU_MEMORY_UTILIZATION)
     assert p == P.with_(gpu_memory_utilization=0.85)
 
 
@@ -100,14 +100,15 @@ def test_memory_failure_at_floors_is_fatal() -> None:
 
 def test_startup_memory_max_model_len_takes_vllms_estimate() -> None:
     p = P.with_(max_model_len=4096)
-    f = Failure(FailureKind.STARTUP_MEMORY, "estimated maximum model length is 896", knob="max_model_len",
+    f = Failure(FailureKind.STARTUP_MEMORY, "estimated maximum model length is 896", knob=Knob.MAX_MODEL_LEN,
                 suggested=896)
     assert policy().on_failure(f, p, 0).profile.max_model_len == 896
 
 
 def test_startup_memory_max_model_len_estimate_below_floor_is_fatal() -> None:
     p = P.with_(max_model_len=4096)
-    f = Failure(FailureKind.STARTUP_MEMORY, "estimated maximum model length is 16", knob="max_model_len", suggested=16)
+    f = Failure(FailureKind.STARTUP_MEMORY, "estimated maximum model length is 16", knob=Knob.MAX_MODEL_LEN,
+                suggested=16)
     assert not policy().on_failure(f, p, 0).restart
 
 
@@ -144,18 +145,18 @@ def test_saved_profile_is_clamped_to_what_is_configured_now() -> None:
 
 
 def test_startup_memory_max_model_len_without_estimate_halves_the_length() -> None:
-    f = Failure(FailureKind.STARTUP_MEMORY, "max seq len (4096)", knob="max_model_len", suggested=2048)
+    f = Failure(FailureKind.STARTUP_MEMORY, "max seq len (4096)", knob=Knob.MAX_MODEL_LEN, suggested=2048)
     assert policy().on_failure(f, P.with_(max_model_len=4096), 0).profile.max_model_len == 2048
 
 
 def test_startup_memory_max_model_len_unset_and_no_suggestion_is_fatal() -> None:
-    f = Failure(FailureKind.STARTUP_MEMORY, "?", knob="max_model_len")
+    f = Failure(FailureKind.STARTUP_MEMORY, "?", knob=Knob.MAX_MODEL_LEN)
     d = policy().on_failure(f, P, 0)
     assert not d.restart and d.exit_code is ExitCode.NOTHING_LEFT_TO_LOWER
 
 
 FREE_BELOW = Failure(FailureKind.STARTUP_MEMORY, "Free memory on device cuda:0 (69.79/139.8 GiB) ...",
-                     knob="gpu_memory_utilization", suggested=0.48)
+                     knob=Knob.GPU_MEMORY_UTILIZATION, suggested=0.48, rung_at_fault=False)
 
 
 def test_free_memory_check_lowers_utilization_to_what_fits_and_nothing_else() -> None:
@@ -165,6 +166,75 @@ def test_free_memory_check_lowers_utilization_to_what_fits_and_nothing_else() ->
 
 
 def test_free_memory_check_below_the_floor_is_fatal_not_a_chunk_step() -> None:
-    f = Failure(FailureKind.STARTUP_MEMORY, "Free memory ...", knob="gpu_memory_utilization", suggested=0.1)
+    f = Failure(FailureKind.STARTUP_MEMORY, "Free memory ...", knob=Knob.GPU_MEMORY_UTILIZATION, suggested=0.1)
     d = policy().on_failure(f, P, 0)
     assert not d.restart and d.exit_code is ExitCode.NOTHING_LEFT_TO_LOWER
+
+
+def test_failures_in_a_row_of_any_spacing_end_in_fatal_exit_4() -> None:
+    pol = policy(max_restarts=100, window_s=60, max_consecutive_failures=5)
+    hang = Failure(FailureKind.HANG, "engine not healthy within start_timeout_s=900s")
+    decisions = [pol.on_failure(hang, P, i * 10_000.0) for i in range(5)]  # far outside the window
+    assert [d.restart for d in decisions] == [True, True, True, True, False]
+    assert decisions[-1].exit_code is ExitCode.RESTART_BUDGET_SPENT
+    assert "5 failures in a row" in decisions[-1].reason
+
+
+def test_a_ready_between_failures_resets_the_run_of_failures() -> None:
+    pol = policy(max_restarts=100, window_s=60, max_consecutive_failures=2)
+    dead = Failure(FailureKind.ENGINE_DEAD, "x")
+    for i in range(5):
+        assert pol.on_failure(dead, P, i * 1000.0).restart
+        pol.on_ready()
+
+
+def test_another_processs_memory_is_not_held_against_the_rung() -> None:
+    pol = policy()
+    p = P.with_(gpu_memory_utilization=0.5)
+    assert pol.on_failure(FREE_BELOW, p, 0).profile.gpu_memory_utilization == 0.48
+    assert pol.rung_failures == {}
+
+
+def test_utilization_and_max_model_len_lowered_by_evidence_climb_back() -> None:
+    conf = P.with_(max_model_len=4096)
+    low = conf.with_(gpu_memory_utilization=0.48, max_model_len=896)
+    seen = [low]
+    while (up := step_up(seen[-1], conf, LADDER)) is not None:
+        seen.append(up)
+    assert seen[-1] == conf
+    assert [p.max_model_len for p in seen][-3:] == [1792, 3584, 4096]  # the length comes back last, doubling
+    assert seen[1].gpu_memory_utilization == 0.53  # utilization first, one step at a time
+
+
+def test_an_unexplained_death_repeated_with_the_same_request_is_memory() -> None:
+    pol = policy()
+    seg = Failure(FailureKind.SIGNAL, "Worker proc VllmWorker-0 died unexpectedly",
+                  suspect_request="cmpl-abc-0-1", suspect_tokens=3001)
+    first = pol.on_failure(seg, P, 0)
+    assert first.failure.kind is FailureKind.SIGNAL and first.profile == P
+    second = pol.on_failure(seg, P, 1)
+    assert second.failure.kind is FailureKind.RUNTIME_OOM
+    assert "treated as a memory failure" in second.failure.evidence and "3001 prompt tokens" in second.failure.evidence
+    assert second.profile.max_num_batched_tokens == 6144
+
+
+def test_unexplained_deaths_with_different_requests_stay_unexplained() -> None:
+    pol = policy()
+    for n in (100, 200, 300):
+        f = Failure(FailureKind.ENGINE_DEAD, "EngineDeadError", suspect_request=f"r{n}", suspect_tokens=n)
+        assert pol.on_failure(f, P, n).failure.kind is FailureKind.ENGINE_DEAD
+
+
+def test_knobs_left_to_vllm_step_down_from_its_default_and_climb_back_to_unset() -> None:
+    unset = Profile()
+    low = step_down(unset, LADDER)
+    assert low is not None and low.max_num_batched_tokens == 6144 and low.max_num_seqs is None
+    assert step_up(low, unset, LADDER) == unset.with_(enable_chunked_prefill=True)
+    assert clamp_to_configured(low, unset) == low
+
+
+def test_the_ladder_order_is_configuration() -> None:
+    seqs_first = LadderConfig(order=("max_num_seqs", "max_num_batched_tokens"))
+    assert step_down(P, seqs_first) == P.with_(max_num_seqs=8)
+    assert step_down(P, seqs_first, Knob.MAX_NUM_BATCHED_TOKENS) == P.with_(max_num_batched_tokens=6144,
+                                                                             enable_chunked_prefill=True)

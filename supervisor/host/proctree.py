@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import psutil
 import structlog
 
-log = structlog.get_logger("supervisor.proctree")
+log = structlog.get_logger("supervisor.host.proctree")
 
 # Lines of vLLM's config dump run to several KB; the StreamReader default (64 KiB) is kept
 # generous so one pathological line never kills the drain task.

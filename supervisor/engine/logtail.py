@@ -16,13 +16,16 @@ class LogTail:
     """The last ``maxlen`` lines of the engine's console output, in arrival order."""
 
     def __init__(self, maxlen: int, on_line: Callable[[str], None] | None = None,
-                 echo: TextIO | None = None) -> None:
+                 echo: TextIO | None = None, redact: Callable[[str], str] | None = None) -> None:
         self.lines: deque[str] = deque(maxlen=maxlen)
         self.on_line = on_line
         self.echo = echo
+        self.redact = redact  # masks secrets (vLLM prints its args, --api-key included, at INFO)
         self.total = 0
 
     def add(self, line: str) -> None:
+        if self.redact is not None:
+            line = self.redact(line)
         self.lines.append(line)
         self.total += 1
         if self.echo is not None:

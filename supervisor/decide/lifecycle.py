@@ -53,6 +53,34 @@ class FailureKind(enum.Enum):
     CONFIG_ERROR = "config_error"
 
 
+class Knob(enum.Enum):
+    """The memory knobs the supervisor may lower, by vLLM's own (snake_case) names."""
+
+    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
+    MAX_NUM_SEQS = "max_num_seqs"
+    GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
+    MAX_MODEL_LEN = "max_model_len"
+
+
+class TriggerKind(enum.Enum):
+    """Why one engine run is ending."""
+
+    EXIT = "exit"  # the API server exited (any status: vLLM exits 0 after its engine died)
+    DEATH = "death"  # vLLM's own error record says the engine died
+    HANG = "hang"  # a liveness rule fired (start timeout, /metrics silence, no progress, canary)
+    WARMUP_FAILED = "warmup_failed"
+    SPAWN_FAILED = "spawn_failed"  # the engine command could not be executed
+    MODEL_MISSING = "model_missing"  # a local model path never appeared
+    GPU_SHORT = "gpu_short"  # the start gate found too little free GPU memory
+    GPU_LOST = "gpu_lost"  # NVML says the device is gone
+    STOP = "stop"  # asked to stop (SIGTERM/SIGINT)
+    CLIMB = "climb"  # planned restart one rung up
+
+    @property
+    def planned(self) -> bool:
+        return self in (TriggerKind.STOP, TriggerKind.CLIMB)
+
+
 class Phase(enum.Enum):
     """Where in its life the engine was when it failed; decides startup vs runtime memory failures."""
 
@@ -67,19 +95,27 @@ class Failure:
     kind: FailureKind
     evidence: str
     # For memory failures: the managed knob the evidence points at, and a value it suggests.
-    knob: str | None = None
+    knob: Knob | None = None
     suggested: float | None = None
-    # Engine request id of the largest request in the failing batch, when vLLM dumped it.
+    # Engine request id and prompt length of the largest request in the failing batch, when vLLM dumped it.
     suspect_request: str | None = None
+    suspect_tokens: int | None = None
+    # False when the cause lies outside the engine's settings (another process holds the GPU):
+    # the rung is not to blame and is not remembered as failed.
+    rung_at_fault: bool = True
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"kind": self.kind.value, "evidence": self.evidence}
         if self.knob:
-            out["knob"] = self.knob
+            out["knob"] = self.knob.value
         if self.suggested is not None:
             out["suggested"] = self.suggested
         if self.suspect_request:
             out["suspect_request"] = self.suspect_request
+        if self.suspect_tokens is not None:
+            out["suspect_tokens"] = self.suspect_tokens
+        if not self.rung_at_fault:
+            out["rung_at_fault"] = False
         return out
 
 

@@ -15,9 +15,10 @@ from typing import Any
 
 import structlog
 
-from supervisor.profile import Profile
+from supervisor.decide.profile import Profile
+from supervisor.event_stream import Event, LearnedChanged
 
-log = structlog.get_logger("supervisor.statefile")
+log = structlog.get_logger("supervisor.ops.statefile")
 VERSION = 1
 FILENAME = "state.json"
 
@@ -82,3 +83,20 @@ def save(state_dir: str | Path, learned: Learned) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+class StateFileWriter:
+    """Event-stream subscriber: persists what the supervisor learned whenever it changes."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.state_dir = state_dir
+
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, LearnedChanged):
+            return
+        try:
+            save(self.state_dir, Learned(Profile.from_dict(dict(event.profile)), dict(event.rung_failures),
+                                         dict(event.last_failure) if event.last_failure else None,
+                                         event.restarts_total))
+        except OSError as exc:
+            log.error("state.save_failed", dir=str(self.state_dir), error=str(exc))

@@ -8,6 +8,8 @@ import sys
 
 import structlog
 
+from supervisor.event_stream import Event
+
 
 def configure(fmt: str = "auto", level: str = "info") -> None:
     if fmt == "auto":
@@ -28,3 +30,11 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stdout),
         cache_logger_on_first_use=False,
     )
+
+
+_events_log = structlog.get_logger("supervisor")
+
+
+def log_event(event: Event) -> None:
+    """Event-stream subscriber: one structlog line per event, at the event's level."""
+    getattr(_events_log, event.level)(event.name, **event.fields())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import socket
@@ -19,14 +20,19 @@ from typing import Any
 
 import structlog
 
-from supervisor import vllm_hook
+from supervisor.engine import vllm_hook
 
-log = structlog.get_logger("supervisor.ipc")
+log = structlog.get_logger("supervisor.engine.ipc")
 HOOK_MODULE = "vllm_supervisor_hook"
 
 
 def logging_config(socket_path: str, level: str = "INFO") -> dict[str, Any]:
-    """A dictConfig for vLLM: its console output as usual, plus our event handler at WARNING."""
+    """A dictConfig for vLLM: its console output at vLLM's own level, plus our event handler at WARNING.
+
+    The logger itself lets WARNING through even when vLLM's level is ERROR: the events must arrive
+    whatever the operator wants to see on the console.
+    """
+    logger_level = level if logging.getLevelName(level) <= logging.WARNING else "WARNING"
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -37,7 +43,7 @@ def logging_config(socket_path: str, level: str = "INFO") -> dict[str, Any]:
             "supervisor": {"()": f"{HOOK_MODULE}.SupervisorEventHandler", "path": socket_path,
                            "level": "WARNING"},
         },
-        "loggers": {"vllm": {"handlers": ["console", "supervisor"], "level": level, "propagate": False}},
+        "loggers": {"vllm": {"handlers": ["console", "supervisor"], "level": logger_level, "propagate": False}},
     }
 
 

@@ -1,11 +1,9 @@
-"""The one seam through which the arbiter touches the OS: clock, spawn, kill, sweep, NVML.
-
-Tests replace it with a recording fake; production uses RealHost.
-"""
+"""The real operating system behind the Host seam: clock, spawn, kill, sweep, NVML, stack dumps."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import time
@@ -14,9 +12,9 @@ from pathlib import Path
 
 import psutil
 
-from supervisor import gpu, proctree
-from supervisor.gpu import DeviceSnapshot, Nvml
-from supervisor.proctree import Child, StopReport
+from supervisor.host import gpu, proctree
+from supervisor.host.gpu import Device, DeviceSnapshot, Nvml
+from supervisor.host.proctree import Child, StopReport
 
 
 def py_spy() -> str | None:
@@ -56,15 +54,18 @@ class RealHost:
     def tree_pids(self, child: Child) -> set[int]:
         return proctree.remember_descendants(child)
 
-    def gpu_snapshot(self) -> list[DeviceSnapshot]:
-        return self.nvml.snapshot()
+    def path_exists(self, path: str) -> bool:
+        return os.path.exists(os.path.expanduser(path))
+
+    async def gpu_snapshot(self, devices: Sequence[Device] | None = None) -> list[DeviceSnapshot]:
+        return await asyncio.to_thread(self.nvml.snapshot, devices)
 
     async def wait_gpu_released(self, pids: Collection[int], timeout_s: float) -> dict[int, int]:
         return await gpu.wait_released(self.nvml, pids, timeout_s)
 
-    async def wait_gpu_free(self, indices: Sequence[int] | None, fraction: float, headroom: int,
+    async def wait_gpu_free(self, devices: Sequence[Device] | None, fraction: float, headroom: int,
                             timeout_s: float) -> list[DeviceSnapshot]:
-        return await gpu.wait_free(self.nvml, indices, fraction, headroom, timeout_s)
+        return await gpu.wait_free(self.nvml, devices, fraction, headroom, timeout_s)
 
     async def dump_stacks(self, pids: Collection[int], timeout_s: float = 20.0) -> dict[int, str]:
         """py-spy stacks of each PID when py-spy is installed; {} otherwise."""

@@ -5,9 +5,10 @@ otherwise keep the port and the GPU memory, and every new start would fail."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from supervisor.host.files import write_private
 
 FILENAME = "engine.json"
 
@@ -22,9 +23,7 @@ class EngineRecord:
 def write(state_dir: str | Path, rec: EngineRecord) -> None:
     d = Path(state_dir)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / (FILENAME + ".tmp")
-    tmp.write_text(json.dumps(rec.__dict__))
-    os.replace(tmp, d / FILENAME)
+    write_private(d / FILENAME, json.dumps(rec.__dict__))
 
 
 def read(state_dir: str | Path) -> EngineRecord | None:

@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from supervisor.lifecycle import Failure, FailureKind, Phase
-
-# vLLM's console prefix: "(EngineCore pid=15062) ERROR 11-30 07:19:35 [core.py:1512] " (and the
-# older "(EngineCore_DP0 pid=1) " stdout decoration); stripped so evidence reads cleanly.
-_PREFIX = re.compile(
-    r"^(?:\([\w:\-. ]+ pid=\d+\)\s*)*"
-    r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?"
-)
+from supervisor.decide import evidence
+from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase
 
 CONFIG_PATTERNS = [
     re.compile(r"error: unrecognized arguments:.*"),
@@ -80,7 +74,6 @@ CRASH_LINE_PATTERNS = [
     re.compile(r"^Killed$"),
 ]
 
-SUSPECT = re.compile(r"req_id=([\w\-]+),prompt_token_ids_len=(\d+)")
 
 
 @dataclass(frozen=True)
@@ -105,32 +98,13 @@ def _signame(num: int) -> str:
         return f"signal {num}"
 
 
-def strip_prefix(line: str) -> str:
-    """Drop vLLM's '(Proc pid=N) LEVEL date [file:line]' header from one console line."""
-    return _PREFIX.sub("", line, count=1).strip()
-
-
 def death_evidence(text: str) -> str | None:
-    """The fragment of one log line or event that says the engine died, if any (used live)."""
+    """The fragment of one evidence text that says the engine died, if any (used live)."""
     for pat in DEATH_PATTERNS + CRASH_LINE_PATTERNS:
         m = pat.search(text)
         if m:
             return m.group(0).strip()
     return None
-
-
-def event_texts(events: Iterable[Mapping[str, object]]) -> list[str]:
-    """Flatten IPC events into text lines: message, exception, and the traceback's last lines."""
-    out: list[str] = []
-    for ev in events:
-        for key in ("msg", "exc_type", "exc_msg", "alloc"):
-            val = ev.get(key)
-            if isinstance(val, str) and val:
-                out.append(val if key != "exc_type" else f"{val}: {ev.get('exc_msg', '')}")
-        tb = ev.get("exc_tail")
-        if isinstance(tb, list):
-            out.extend(str(x) for x in tb)
-    return out
 
 
 def classify(
@@ -142,9 +116,13 @@ def classify(
     trigger: str | None = None,
     hang: str | None = None,
 ) -> Failure:
-    """Decide the failure kind of one engine death; ``hang`` is the probe's evidence when it saw one."""
-    corpus = [strip_prefix(x) for x in lines] + event_texts(events)
-    suspect = _suspect(corpus)
+    """Decide the failure kind of one engine death; ``hang`` is the liveness rule's evidence when one fired.
+
+    ``lines`` is the raw console tail and ``events`` the raw IPC events: only vLLM's own error records
+    among them count (supervisor.decide.evidence), never text a client sent.
+    """
+    corpus = evidence.console_evidence(lines) + evidence.events_evidence(events)
+    suspect = evidence.suspect(lines, events)
 
     if hang:
         return Failure(FailureKind.HANG, hang)
@@ -166,47 +144,55 @@ def classify(
 
     if exit.returncode is not None and exit.returncode < 0:
         hint = " (perhaps the kernel OOM killer: check dmesg)" if exit.returncode == -signal.SIGKILL else ""
-        return Failure(FailureKind.SIGNAL, f"API server {exit.describe()}{hint}")
+        return _with_suspect(Failure(FailureKind.SIGNAL, f"API server {exit.describe()}{hint}"), suspect)
     found = _first(corpus, CRASH_LINE_PATTERNS)
     if found:
-        return Failure(FailureKind.SIGNAL, found)
+        return _with_suspect(Failure(FailureKind.SIGNAL, found), suspect)
 
     found = _first(corpus, DEATH_PATTERNS)
     if found:
-        return Failure(FailureKind.ENGINE_DEAD, found, suspect_request=suspect)
+        return _with_suspect(Failure(FailureKind.ENGINE_DEAD, found), suspect)
     if trigger:
         return Failure(FailureKind.ENGINE_DEAD, trigger)
     return Failure(FailureKind.ENGINE_DEAD, f"engine {exit.describe()} although no stop was asked for")
 
 
-def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: str | None) -> Failure | None:
+def _with_suspect(f: Failure, suspect: evidence.Suspect | None) -> Failure:
+    if suspect is None:
+        return f
+    return Failure(f.kind, f.evidence, f.knob, f.suggested, suspect.request_id, suspect.prompt_tokens,
+                   f.rung_at_fault)
+
+
+def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: evidence.Suspect | None) -> Failure | None:
     for text in corpus:
         m = MAX_LEN_ESTIMATE.search(text)
         if m:
-            return Failure(FailureKind.STARTUP_MEMORY, _clip(text, m.start()), knob="max_model_len",
+            return Failure(FailureKind.STARTUP_MEMORY, _clip(text, m.start()), knob=Knob.MAX_MODEL_LEN,
                            suggested=int(m.group(1)))
     for text in corpus:
         m = MAX_LEN_NEEDED.search(text)
         if m:  # no estimate printed: halve the length vLLM could not serve
-            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="max_model_len",
+            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob=Knob.MAX_MODEL_LEN,
                            suggested=int(m.group(1)) // 2)
     for text in corpus:
         m = FREE_BELOW_UTIL.search(text)
-        if m:  # another process holds memory: ask for no more than what is free now
-            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob="gpu_memory_utilization",
-                           suggested=fraction_that_fits(float(m.group(1)), float(m.group(2))))
+        if m:  # another process holds memory: ask for no more than what is free now; not the rung's fault
+            return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob=Knob.GPU_MEMORY_UTILIZATION,
+                           suggested=fraction_that_fits(float(m.group(1)), float(m.group(2))),
+                           rung_at_fault=False)
     for text in corpus:
         if NO_CACHE_BLOCKS.search(text):
             # The profiling run (weights + one max_num_batched_tokens forward) left nothing for the
             # KV cache: the activation peak is the knob we can lower.
             return Failure(FailureKind.STARTUP_MEMORY, "No available memory for the cache blocks",
-                           knob="max_num_batched_tokens")
+                           knob=Knob.MAX_NUM_BATCHED_TOKENS)
     found = _first(corpus, OOM_PATTERNS)
     if not found:
         return None
     if phase is Phase.SERVING:
-        return Failure(FailureKind.RUNTIME_OOM, found, knob="max_num_batched_tokens", suspect_request=suspect)
-    return Failure(FailureKind.STARTUP_MEMORY, found, knob="gpu_memory_utilization")
+        return _with_suspect(Failure(FailureKind.RUNTIME_OOM, found, knob=Knob.MAX_NUM_BATCHED_TOKENS), suspect)
+    return Failure(FailureKind.STARTUP_MEMORY, found, knob=Knob.GPU_MEMORY_UTILIZATION)
 
 
 def _first(corpus: Sequence[str], patterns: Sequence[re.Pattern[str]]) -> str | None:
@@ -222,17 +208,6 @@ def _first(corpus: Sequence[str], patterns: Sequence[re.Pattern[str]]) -> str | 
 def _clip(text: str, start: int, width: int = 240) -> str:
     head = max(0, start - 160)
     return ("..." if head else "") + text[head:start + width - 160].strip()
-
-
-def _suspect(corpus: Sequence[str]) -> str | None:
-    best: tuple[int, str] | None = None
-    for text in corpus:
-        if "Dumping scheduler output" not in text:
-            continue
-        for req, n in SUSPECT.findall(text):
-            if best is None or int(n) > best[0]:
-                best = (int(n), req)
-    return best[1] if best else None
 
 
 def fraction_that_fits(free: float, total: float) -> float:

@@ -1,61 +1,77 @@
 """Talking to the engine's own HTTP surface: /health, /metrics, /v1/models, /tokenize, completions.
 
-``/health`` stays 200 while a wedged engine core makes no progress, so liveness is judged by
-token progress from /metrics while busy and by a real, timed canary generation while idle.
+What the answers mean for liveness is decided in supervisor.decide.liveness.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.decide.liveness import Progress
 
 TOKENS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 
 
-@dataclass(frozen=True)
-class Progress:
-    running: float
-    waiting: float
-    tokens: float  # prompt + generated tokens, monotonic while the engine works
-
-    @property
-    def pending(self) -> bool:
-        return self.running + self.waiting > 0
-
-
 def parse_progress(text: str) -> Progress:
-    """Sum vLLM's request gauges and token counters over all label sets."""
+    """Sum vLLM's request gauges and token counters over all label sets.
+
+    Reads only the lines of the four series it needs: vLLM's /metrics runs to hundreds of lines
+    of histograms, and a full Prometheus parse every probe interval was most of our idle CPU.
+    """
     sums: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in TOKENS or s.name in (RUNNING, WAITING):
-                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        try:
+            if "{" in line:  # name{labels} value [timestamp]
+                name, value = line[:line.index("{")], line[line.rindex("}") + 1:].split()[0]
+            else:
+                name, value = line.split()[:2]
+            if name in _NAMES:
+                sums[name] = sums.get(name, 0.0) + float(value)
+        except (ValueError, IndexError):
+            continue
     return Progress(sums.get(RUNNING, 0.0), sums.get(WAITING, 0.0), sum(sums.get(t, 0.0) for t in TOKENS))
 
 
+_NAMES = frozenset((*TOKENS, RUNNING, WAITING))
+_WANTED = tuple(_NAMES)
+
+
 class EngineError(RuntimeError):
-    """The engine answered with an error status (or not at all)."""
+    """The engine answered with an error status, or not at all."""
+
+
+class EngineTimeout(EngineError):
+    """Nothing answered within the timeout."""
+
+
+class EngineStatusError(EngineError):
+    """The engine answered with a non-200 status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineClient:
-    """One aiohttp session to the engine's internal port."""
+    """One aiohttp session to one engine start's internal port (a new engine gets a new client)."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self.model: str | None = None
+        # vLLM's --api-key guards /v1/*; our warm-up and canary must pass it like any client.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _s(self) -> aiohttp.ClientSession:
         if self._session is None:
-            # Keep-alive is off: a pooled connection to a dead engine turns a clean refusal into
-            # a confusing reset, and these are a handful of requests a second at most.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+            self._session = aiohttp.ClientSession(headers=self._headers)
         return self._session
 
     async def close(self) -> None:
@@ -73,10 +89,16 @@ class EngineClient:
             return None
 
     async def metrics(self, timeout: float = 5.0) -> Progress:
-        async with self._s().get(self.base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            if r.status != 200:
-                raise EngineError(f"/metrics returned {r.status}")
-            return parse_progress(await r.text())
+        """Token progress from /metrics; raises EngineError when it does not answer 200 in time."""
+        try:
+            async with self._s().get(self.base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status != 200:
+                    raise EngineStatusError(f"/metrics returned {r.status}", r.status)
+                return parse_progress(await r.text())
+        except TimeoutError:
+            raise EngineTimeout(f"/metrics gave no answer within {timeout:g}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineError(f"/metrics failed: {exc}") from None
 
     async def served_model(self, timeout: float = 10.0) -> str:
         if self.model is None:
@@ -103,33 +125,10 @@ class EngineClient:
             async with self._s().request(method, self.base_url + path, json=payload, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
-                    raise EngineError(f"{method} {path} returned {r.status}: {(await r.text())[:300]}")
+                    raise EngineStatusError(f"{method} {path} returned {r.status}: {(await r.text())[:300]}",
+                                            r.status)
                 return await r.json()
         except TimeoutError:
-            raise EngineError(f"{method} {path} gave no answer within {timeout:g}s") from None
-        except aiohttp.ClientError as exc:
+            raise EngineTimeout(f"{method} {path} gave no answer within {timeout:g}s") from None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise EngineError(f"{method} {path} failed: {exc}") from None
-
-
-class ProgressWatch:
-    """Decides 'hung' from token progress: work pending and no new token for ``timeout_s``."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._tokens: float | None = None
-        self._since: float | None = None
-
-    def observe(self, now: float, p: Progress) -> str | None:
-        """Feed one /metrics reading; returns hang evidence, or None while progress is fine."""
-        if not p.pending or self._tokens is None or p.tokens != self._tokens:
-            self._tokens = p.tokens
-            self._since = now if p.pending else None
-            return None
-        if self._since is None:
-            self._since = now
-        stalled = now - self._since
-        if stalled >= self.timeout_s:
-            return (f"no token progress for {stalled:.0f}s with {p.running:g} running and "
-                    f"{p.waiting:g} waiting requests (vllm:*_tokens_total frozen at {p.tokens:g})")
-        return None
-

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import structlog
 
 from supervisor.config import WarmupConfig
-from supervisor.probe import EngineClient, EngineError
-from supervisor.profile import Profile
+from supervisor.decide.lifecycle import Knob
+from supervisor.decide.profile import Profile
+from supervisor.engine.probe import EngineClient, EngineError
 
 FILLER = "The quick brown fox jumps over the lazy dog. "
 FILLER_WORDS = len(FILLER.split())
-log = structlog.get_logger("supervisor.warmup")
+log = structlog.get_logger("supervisor.engine.warmup")
 
 
 def plan(profile: Profile, cfg: WarmupConfig) -> list[int]:
@@ -30,7 +31,8 @@ def plan(profile: Profile, cfg: WarmupConfig) -> list[int]:
     if cfg.prompt_tokens:
         sizes = list(cfg.prompt_tokens)
     else:
-        lo, hi = profile.max_num_batched_tokens // 4, profile.max_num_batched_tokens // 2
+        chunk = int(profile.effective(Knob.MAX_NUM_BATCHED_TOKENS) or 8192)
+        lo, hi = chunk // 4, chunk // 2
         n = cfg.requests
         sizes = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
     return [max(1, min(s, cap)) if cap else max(1, s) for s in sizes]

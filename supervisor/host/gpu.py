@@ -1,0 +1,160 @@
+"""GPU memory as NVML reports it: snapshots, who holds memory, waiting until it is released.
+
+vLLM preallocates ~gpu_memory_utilization of the card, so a high "used" is normal. What matters
+to the supervisor is (1) that the processes of a stopped engine no longer hold memory before the
+next start, and (2) that enough memory is free for the next start (a foreign process may hold it).
+
+NVML never crashes the supervisor: every call is guarded, and the async helpers run it in a
+thread (a wedged driver can block an NVML call for seconds). A device NVML reports as lost
+(``NVML_ERROR_GPU_IS_LOST``: fallen off the bus) raises GpuLost, which the engine run turns into
+a ``device_fatal`` verdict with this evidence; any other NVML error means "no GPU view" for now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+log = structlog.get_logger("supervisor.gpu")
+T = TypeVar("T")
+GPU_IS_LOST = 15  # pynvml.NVML_ERROR_GPU_IS_LOST
+Device = int | str  # an index, or a "GPU-..." / "MIG-..." UUID as CUDA_VISIBLE_DEVICES names it
+
+
+class GpuLost(RuntimeError):
+    """NVML says a device is gone (fallen off the bus, or the driver lost it)."""
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    index: int
+    total: int
+    free: int
+    used: int
+    processes: tuple[tuple[int, int], ...]  # (pid, bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "total": self.total, "free": self.free, "used": self.used,
+                "processes": [{"pid": p, "bytes": b} for p, b in self.processes]}
+
+
+class Nvml:
+    """A guarded adapter over pynvml; ``available`` is False on hosts without an NVIDIA driver."""
+
+    def __init__(self, module: Any = None) -> None:
+        self._nvml: Any = None
+        self._warned = False
+        try:
+            nv: Any = module
+            if nv is None:
+                import pynvml
+
+                nv = pynvml
+            nv.nvmlInit()
+            self._nvml = nv
+        except Exception as exc:  # noqa: BLE001 - any NVML failure at init means "no GPU view"
+            log.info("gpu.nvml_unavailable", reason=str(exc) or type(exc).__name__)
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def snapshot(self, devices: Sequence[Device] | None = None) -> list[DeviceSnapshot]:
+        """Memory and processes of ``devices`` (all when None); [] when NVML cannot answer."""
+        if self._nvml is None:
+            return []
+        try:
+            return self._snapshot(devices)
+        except GpuLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NVMLError and anything a broken driver raises
+            if getattr(exc, "value", None) == GPU_IS_LOST:
+                raise GpuLost(f"NVML: {exc} (the GPU has fallen off the bus or the driver lost it)") from None
+            if not self._warned:
+                self._warned = True
+                log.warning("gpu.nvml_error", error=f"{type(exc).__name__}: {exc}",
+                            hint="GPU memory checks are skipped while NVML fails")
+            return []
+
+    def _snapshot(self, devices: Sequence[Device] | None) -> list[DeviceSnapshot]:
+        nv = self._nvml
+        count = nv.nvmlDeviceGetCount()
+        out = []
+        for dev in (devices if devices is not None else range(count)):
+            if isinstance(dev, str):
+                h = nv.nvmlDeviceGetHandleByUUID(dev)
+                index = int(nv.nvmlDeviceGetIndex(h))
+            elif dev < count:
+                h, index = nv.nvmlDeviceGetHandleByIndex(dev), dev
+            else:
+                continue
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            procs: list[tuple[int, int]] = []
+            for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+                try:
+                    for p in getattr(nv, getter)(h):
+                        procs.append((int(p.pid), int(p.usedGpuMemory or 0)))
+                except nv.NVMLError as exc:
+                    if getattr(exc, "value", None) == GPU_IS_LOST:
+                        raise
+                    continue
+            out.append(DeviceSnapshot(index, int(mem.total), int(mem.free), int(mem.used), tuple(procs)))
+        return out
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            self._nvml = None
+
+
+def holders(snaps: Sequence[DeviceSnapshot], pids: Collection[int]) -> dict[int, int]:
+    """Bytes still held, by PID, of the given PIDs."""
+    out: dict[int, int] = {}
+    for s in snaps:
+        for pid, used in s.processes:
+            if pid in pids:
+                out[pid] = out.get(pid, 0) + used
+    return out
+
+
+def short_of(snaps: Sequence[DeviceSnapshot], fraction: float, headroom: int = 0) -> list[DeviceSnapshot]:
+    """Devices whose free memory is below ``fraction`` of their total plus ``headroom`` bytes.
+
+    vLLM checks free >= fraction x total after its own CUDA context exists, which takes some
+    hundreds of MiB that NVML still counts as free now: hence the headroom.
+    """
+    return [s for s in snaps if s.free < fraction * s.total + headroom]
+
+
+async def _poll(nvml: Nvml, devices: Sequence[Device] | None, still: Callable[[list[DeviceSnapshot]], T],
+                timeout_s: float, poll_s: float) -> T:
+    """Snapshot (in a thread) until ``still(snapshot)`` is falsy or ``timeout_s`` passed; its last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    result = still(await asyncio.to_thread(nvml.snapshot, devices))
+    while result and loop.time() < deadline:
+        await asyncio.sleep(poll_s)
+        result = still(await asyncio.to_thread(nvml.snapshot, devices))
+    return result
+
+
+async def wait_released(nvml: Nvml, pids: Collection[int], timeout_s: float, poll_s: float = 0.25) -> dict[int, int]:
+    """Wait until no PID of ``pids`` holds GPU memory; returns what is still held at the deadline."""
+    if not nvml.available or not pids:
+        return {}
+    return await _poll(nvml, None, lambda snaps: holders(snaps, pids), timeout_s, poll_s)
+
+
+async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: float, headroom: int,
+                    timeout_s: float, poll_s: float = 1.0) -> list[DeviceSnapshot]:
+    """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still short."""
+    if not nvml.available:
+        return []
+    return await _poll(nvml, devices, lambda snaps: short_of(snaps, fraction, headroom), timeout_s, poll_s)

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the supervisor itself, served on the admin port at /metrics.
+
+An event-stream subscriber: every series moves only on the events it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from supervisor.decide.lifecycle import EngineState, FailureKind
+from supervisor.event_stream import (
+    Event,
+    FailureClassified,
+    ProfileLowered,
+    ProfileRaised,
+    ProfileRestored,
+    Recovered,
+    StateChanged,
+)
+
+
+class Metrics:
+    """One registry per supervisor (tests run several in one process)."""
+
+    def __init__(self, profile: Mapping[str, Any] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.state = Gauge("vllm_supervisor_engine_state", "1 for the engine's current state", ["state"], registry=r)
+        self.transitions = Counter("vllm_supervisor_state_transitions", "Engine state transitions",
+                                   ["from_state", "to_state"], registry=r)
+        self.failures = Counter("vllm_supervisor_engine_failures", "Engine failures by kind", ["kind"], registry=r)
+        self.restarts = Counter("vllm_supervisor_engine_restarts", "Restarts after a failure", registry=r)
+        self.profile = Gauge("vllm_supervisor_profile", "Current value of each managed knob (-1 = vLLM's default)",
+                             ["knob"], registry=r)
+        self.recovery = Gauge("vllm_supervisor_last_recovery_seconds",
+                              "Failure detected -> READY again, last recovery", registry=r)
+        self.start = Gauge("vllm_supervisor_last_start_to_ready_seconds", "Spawn -> READY of the last start",
+                           registry=r)
+        for s in EngineState:
+            self.state.labels(s.value).set(1 if s is EngineState.STOPPED else 0)
+        for k in FailureKind:
+            self.failures.labels(k.value)
+        if profile is not None:
+            self.set_profile(profile)
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, StateChanged):
+            self.state.labels(event.old).set(0)
+            self.state.labels(event.new).set(1)
+            self.transitions.labels(event.old, event.new).inc()
+            if event.new == EngineState.BACKOFF.value:
+                self.restarts.inc()
+            if event.new == EngineState.READY.value and "start_to_ready_s" in event.info:
+                self.start.set(float(event.info["start_to_ready_s"]))
+        elif isinstance(event, (ProfileLowered, ProfileRaised, ProfileRestored)):
+            self.set_profile(event.profile)
+        elif isinstance(event, FailureClassified):
+            self.failures.labels(event.kind).inc()
+        elif isinstance(event, Recovered):
+            self.recovery.set(event.recovered_after_s)
+
+    def set_profile(self, knobs: Mapping[str, Any]) -> None:
+        for knob, value in knobs.items():
+            self.profile.labels(knob).set(-1 if value is None else value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,56 @@
+"""systemd's notify protocol (READY, STATUS, WATCHDOG, EXTEND_TIMEOUT_USEC, STOPPING) via sdnotify.
+
+Silent when NOTIFY_SOCKET is unset (not under a Type=notify unit). As an event-stream subscriber
+it turns state changes into STATUS= lines, the first READY into READY=1 and a stop request into
+STOPPING=1. The watchdog is not an event: the supervision loop pets it from its own progress.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import sdnotify
+
+from supervisor.event_stream import Event, StateChanged, StopRequested
+
+
+def status_line(state: str, profile: Mapping[str, Any], restarts: int) -> str:
+    def v(k: str) -> str:
+        x = profile.get(k)
+        return "default" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
+
+    return (f"{state} chunk={v('max_num_batched_tokens')} seqs={v('max_num_seqs')} "
+            f"util={v('gpu_memory_utilization')} restarts={restarts}")
+
+
+class Notifier:
+    def __init__(self, start_budget_s: float = 0.0) -> None:
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._n = sdnotify.SystemdNotifier() if self.enabled else None
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        self.watchdog_interval_s = int(usec) / 1e6 / 2 if usec.isdigit() and int(usec) > 0 else None
+        self.start_budget_s = start_budget_s  # what one start may take: load + warm-up
+        self.ready_sent = False
+
+    def send(self, *fields: str) -> None:
+        if self._n is not None:
+            self._n.notify("\n".join(fields))
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, StateChanged):
+            line = f"STATUS={status_line(event.new, event.profile, event.restarts)}"
+            if event.new == "READY" and not self.ready_sent:
+                self.ready_sent = True
+                self.send("READY=1", line)
+            elif event.new == "STARTING" and not self.ready_sent and self.start_budget_s:
+                # Until the first READY systemd's start timeout runs: extend it by one start's budget.
+                self.send(f"EXTEND_TIMEOUT_USEC={int(self.start_budget_s * 1e6)}", line)
+            else:
+                self.send(line)
+        elif isinstance(event, StopRequested):
+            self.send("STOPPING=1")
+
+    def watchdog(self) -> None:
+        self.send("WATCHDOG=1")
