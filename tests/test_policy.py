@@ -238,3 +238,15 @@ def test_the_ladder_order_is_configuration() -> None:
     assert step_down(P, seqs_first) == P.with_(max_num_seqs=8)
     assert step_down(P, seqs_first, Knob.MAX_NUM_BATCHED_TOKENS) == P.with_(max_num_batched_tokens=6144,
                                                                              enable_chunked_prefill=True)
+
+
+def test_the_same_request_id_in_two_decode_deaths_is_also_memory() -> None:
+    """A death mid-decode names the request (vLLM prints no prompt length for it): its X-Request-Id matches."""
+    pol = policy()
+    first = Failure(FailureKind.ENGINE_DEAD, "Worker proc VllmWorker-0 died unexpectedly",
+                    suspect_request="cmpl-retry-me-0-1234abcd")
+    again = Failure(FailureKind.ENGINE_DEAD, "Worker proc VllmWorker-0 died unexpectedly",
+                    suspect_request="cmpl-retry-me-0-deadbeef")
+    assert pol.on_failure(first, P, 0).failure.kind is FailureKind.ENGINE_DEAD
+    d = pol.on_failure(again, P, 1)
+    assert d.failure.kind is FailureKind.RUNTIME_OOM and d.profile.max_num_batched_tokens == 6144

@@ -58,6 +58,7 @@ OOM_PATTERNS = [
 
 # Any of these means the engine is dead (or dying) even while the API server still answers.
 DEATH_PATTERNS = [
+    re.compile(r"Worker proc \S+ died unexpectedly[^\n]*"),  # the most specific: which process died
     re.compile(r"engine core exited unexpectedly"),
     re.compile(r"EngineCore encountered a fatal error"),
     re.compile(r"Background loop has errored already"),
@@ -65,7 +66,6 @@ DEATH_PATTERNS = [
     re.compile(r"EngineDeadError[^\n]{0,160}"),
     re.compile(r"Engine core initialization failed[^\n]{0,120}"),
     re.compile(r"EngineCore failed to start"),
-    re.compile(r"Worker proc \S+ died unexpectedly[^\n]*"),
 ]
 
 CRASH_LINE_PATTERNS = [

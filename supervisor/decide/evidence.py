@@ -43,7 +43,9 @@ _RAW_LINES = [
 ]
 _TRACEBACK = "Traceback (most recent call last):"
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
-_SUSPECT = re.compile(r"NewRequestData\(req_id=([\w\-]+),prompt_token_ids_len=(\d+),")
+_NEW_REQUEST = re.compile(r"NewRequestData\(req_id=([\w\-]+),prompt_token_ids_len=(\d+),")
+_SCHEDULED = re.compile(r"num_scheduled_tokens=\{([^{}]*)\}")
+_SCHEDULED_ONE = re.compile(r"(?:^|, )([\w\-]+): (\d+)(?=,|$)")
 
 
 def strip_prefix(line: str) -> str:
@@ -145,20 +147,35 @@ def events_evidence(events: Iterable[Mapping[str, object]]) -> list[str]:
 
 @dataclass(frozen=True)
 class Suspect:
-    """The largest request of the batch vLLM was running when it failed."""
+    """The request most likely to have caused the failure, from vLLM's scheduler dump."""
 
     request_id: str
-    prompt_tokens: int
+    prompt_tokens: int | None  # known when the request was new in the failing batch
 
 
 def suspect(lines: Iterable[str], events: Iterable[Mapping[str, object]] = ()) -> Suspect | None:
-    """The largest new request named by a scheduler dump, read outside every quoted string."""
+    """The largest new request named by a scheduler dump, else the one with most scheduled tokens.
+
+    Read outside every quoted string and ``SamplingParams(...)`` span, and only in the fields vLLM
+    writes itself, so a client's text cannot name (or hide) a suspect.
+    """
     texts = [strip_prefix(x) for x in lines if "Dumping scheduler output" in x]
     texts += [str(ev.get("msg", "")) for ev in events if "Dumping scheduler output" in str(ev.get("msg", ""))]
-    best: Suspect | None = None
+    new: list[Suspect] = []
+    scheduled: list[tuple[int, str]] = []
     for text in texts:
         bare = _QUOTED.sub("''", scrub(text))
-        for req, n in _SUSPECT.findall(bare):
-            if best is None or int(n) > best.prompt_tokens:
-                best = Suspect(req, int(n))
-    return best
+        new += [Suspect(req, int(n)) for req, n in _NEW_REQUEST.findall(bare)]
+        for m in _SCHEDULED.finditer(bare):
+            scheduled += [(int(n), req) for req, n in _SCHEDULED_ONE.findall(m.group(1))]
+    if new:
+        return max(new, key=lambda s: s.prompt_tokens or 0)
+    if scheduled:
+        return Suspect(max(scheduled)[1], None)
+    return None
+
+
+def request_stem(request_id: str) -> str:
+    """The id a client (or our gateway) sent as X-Request-Id: vLLM's ``cmpl-<id>-0-<hex>`` without its decorations."""
+    m = re.fullmatch(r"(?:chat)?cmpl-(.+?)(?:-\d+)?(?:-[0-9a-f]{8})?", request_id)
+    return m.group(1) if m else request_id

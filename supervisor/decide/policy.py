@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from supervisor.config import LadderConfig, RestartConfig
+from supervisor.decide.evidence import request_stem
 from supervisor.decide.lifecycle import ExitCode, Failure, FailureKind, Knob
 from supervisor.decide.profile import Profile
 
@@ -140,7 +141,7 @@ class Policy:
     consecutive: int = 0  # for the backoff; reset after a stable period
     in_a_row: int = 0  # failures since the last READY
     device_fatals: int = 0
-    _last_unexplained: tuple[str, int] | None = None
+    _last_unexplained: tuple[str, int | str] | None = None
 
     def on_failure(self, failure: Failure, profile: Profile, now: float) -> Decision:
         """Decide the next step after ``failure`` of an engine running ``profile`` at time ``now``."""
@@ -185,20 +186,22 @@ class Policy:
         """An unexplained death that repeats at the same profile with the same request is memory.
 
         On real vLLM CPU an allocation with no margin left kills the worker with SIGSEGV instead of
-        raising, so the evidence says only "engine dead". The same request (by prompt length) in the
-        batch of two deaths at one profile is the memory signature.
+        raising, so the evidence says only "engine dead". The same request in the batch of two deaths
+        at one profile (the same prompt length when vLLM printed it, else the same X-Request-Id) is the
+        memory signature.
         """
-        if failure.kind not in UNEXPLAINED or failure.suspect_tokens is None:
+        if failure.kind not in UNEXPLAINED or failure.suspect_request is None:
             return failure
-        sig = (profile.key(), failure.suspect_tokens)
+        same: int | str = failure.suspect_tokens if failure.suspect_tokens is not None \
+            else request_stem(failure.suspect_request)
+        sig = (profile.key(), same)
         if self._last_unexplained != sig:
             self._last_unexplained = sig
             return failure
         self._last_unexplained = None
         return replace(failure, kind=FailureKind.RUNTIME_OOM, knob=Knob.MAX_NUM_BATCHED_TOKENS,
                        evidence=f"{failure.evidence}; the second death at this profile with the same request "
-                                f"({failure.suspect_tokens} prompt tokens, {failure.suspect_request}) in the "
-                                f"batch: treated as a memory failure")
+                                f"in the batch ({_describe(failure)}): treated as a memory failure")
 
     def _lower_for(self, failure: Failure, profile: Profile) -> Profile | None:
         if failure.knob is Knob.MAX_MODEL_LEN:
@@ -239,6 +242,11 @@ class Policy:
         if up is None or self.rung_failures.get(up.key(), 0) >= self.ladder.max_rung_failures:
             return None
         return up
+
+
+def _describe(f: Failure) -> str:
+    tokens = f"{f.suspect_tokens} prompt tokens, " if f.suspect_tokens is not None else ""
+    return f"{tokens}{f.suspect_request}"
 
 
 def _fmt_diff(diff: dict[str, list[object]]) -> str:

@@ -29,6 +29,10 @@ class Notifier:
     def __init__(self, start_budget_s: float = 0.0) -> None:
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
         self._n = sdnotify.SystemdNotifier() if self.enabled else None
+        if self._n is not None and self._n.socket is not None:
+            # A reader that stopped reading must never block our event loop: drop instead (a full
+            # AF_UNIX datagram queue holds only net.unix.max_dgram_qlen = 10 messages by default).
+            self._n.socket.setblocking(False)
         usec = os.environ.get("WATCHDOG_USEC", "")
         self.watchdog_interval_s = int(usec) / 1e6 / 2 if usec.isdigit() and int(usec) > 0 else None
         self.start_budget_s = start_budget_s  # what one start may take: load + warm-up

@@ -1,0 +1,88 @@
+"""NVML never crashes the supervisor: a fake pynvml module raising what the real one raises."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from supervisor.host.gpu import GpuLost, Nvml, wait_free, wait_released
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+class FakeNvml:
+    """pynvml's surface as the supervisor uses it; ``fail`` makes every device call raise that NVML code."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, fail: int | None = None, init_fails: bool = False) -> None:
+        self.fail, self.init_fails = fail, init_fails
+
+    def nvmlInit(self) -> None:
+        if self.init_fails:
+            raise NVMLError(9)  # driver not loaded
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def _check(self) -> None:
+        if self.fail is not None:
+            raise NVMLError(self.fail)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        self._check()
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return 1
+
+    def nvmlDeviceGetIndex(self, h: int) -> int:
+        return h
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        self._check()
+        return SimpleNamespace(total=100, free=60 - 10 * h, used=40 + 10 * h)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return [SimpleNamespace(pid=4242, usedGpuMemory=30)]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h: int) -> list[Any]:
+        raise NVMLError(3)  # not supported: ignored
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+
+def test_a_snapshot_by_index_and_by_uuid() -> None:
+    nv = Nvml(FakeNvml())
+    assert [(s.index, s.free, s.processes) for s in nv.snapshot()] == [(0, 60, ((4242, 30),)), (1, 50, ((4242, 30),))]
+    assert [s.index for s in nv.snapshot(["GPU-8a2c"])] == [1]
+
+
+def test_no_driver_means_no_gpu_view() -> None:
+    nv = Nvml(FakeNvml(init_fails=True))
+    assert not nv.available and nv.snapshot() == []
+
+
+def test_a_lost_gpu_raises_gpulost_with_evidence() -> None:
+    with pytest.raises(GpuLost, match="fallen off the bus"):
+        Nvml(FakeNvml(fail=15)).snapshot()
+
+
+def test_any_other_nvml_error_is_no_view_not_a_crash() -> None:
+    assert Nvml(FakeNvml(fail=999)).snapshot() == []
+
+
+async def test_waits_run_nvml_off_the_loop_and_report_what_is_held() -> None:
+    nv = Nvml(FakeNvml())
+    assert await wait_released(nv, [4242], timeout_s=0.05, poll_s=0.01) == {4242: 60}
+    assert await wait_released(nv, [1], timeout_s=0.05) == {}
+    assert [s.index for s in await wait_free(nv, None, 0.55, 0, timeout_s=0.05, poll_s=0.01)] == [1]
+    with pytest.raises(GpuLost):
+        await wait_free(Nvml(FakeNvml(fail=15)), None, 0.5, 0, timeout_s=0.05)
