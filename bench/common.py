@@ -48,6 +48,29 @@ def engine_tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
+# Real vLLM (CPU) over the tiny local model; format with model= and python= (then {port} stays for Supervisor).
+REAL_VLLM_TOML = """
+[engine]
+model = "{model}"
+port = {{port}}
+command = ["{python}", "-m", "vllm.entrypoints.openai.api_server"]
+env = {{{{ HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1" }}}}
+start_timeout_s = 600.0
+[engine.args]
+kv_cache_memory_bytes = 268435456
+served_model_name = "tiny-llama"
+[profile]
+max_num_batched_tokens = 2048
+max_num_seqs = 8
+max_model_len = 4096
+"""
+
+
+def real_vllm_toml(model: str, python: str, extra: str = "") -> str:
+    """The real-vLLM config for ``model`` and vLLM's ``python``, plus ``extra`` TOML tables."""
+    return REAL_VLLM_TOML.format(model=Path(model).resolve(), python=Path(python).absolute()) + extra
+
+
 # Every bench run: no GPU gate, its own state dir and admin port, JSON events.
 TAIL = """
 [gpu]

@@ -12,24 +12,10 @@ import json
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
-from common import Supervisor, engine_tree, wait_ready
+from common import Supervisor, engine_tree, real_vllm_toml, wait_ready
 
-TOML = """
-[engine]
-model = "{model}"
-port = {{port}}
-command = ["{python}", "-m", "vllm.entrypoints.openai.api_server"]
-env = {{{{ HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1" }}}}
-start_timeout_s = 600.0
-[engine.args]
-kv_cache_memory_bytes = 268435456
-served_model_name = "tiny-llama"
-[profile]
-max_num_batched_tokens = 2048
-max_num_seqs = 8
-max_model_len = 4096
+EXTRA = """
 [ladder]
 max_num_batched_tokens = [2048, 1024, 512]
 max_num_batched_tokens_floor = 256
@@ -59,7 +45,7 @@ def main() -> None:
     ap.add_argument("--model", default=".cache/tiny-llama")
     ap.add_argument("--ooms", type=int, default=2)
     a = ap.parse_args()
-    toml = TOML.format(model=Path(a.model).resolve(), python=Path(a.vllm_python).absolute())
+    toml = real_vllm_toml(a.model, a.vllm_python, EXTRA)
     sup = Supervisor(toml)
     rows = []
     try:

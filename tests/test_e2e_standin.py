@@ -20,9 +20,9 @@ from tests.conftest import Sup, gone, http_json, spawned_pids
 LONG_PROMPT = "word " * 30_000
 
 
-def send_long_prompt(sup: Sup) -> int:
+def send_long_prompt(sup: Sup, headers: dict[str, str] | None = None) -> int:
     code, _ = http_json(sup.engine_url + "/v1/completions",
-                        {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30)
+                        {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30, headers=headers)
     return code
 
 
@@ -295,7 +295,7 @@ def test_the_api_key_authenticates_our_own_requests_and_never_leaks(supervise: C
     sup = supervise({"engine": {"args": {"api_key": key}, "env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}})
     sup.wait_ready()  # warm-up authenticated (it got 401 before)
     assert http_json(sup.engine_url + "/v1/models")[0] == 401  # vLLM still guards its port
-    assert send_long_prompt_with_key(sup, key) == 500
+    assert send_long_prompt(sup, {"Authorization": f"Bearer {key}"}) == 500
     st = sup.wait_ready(restarts=1)
     spawned = sup.events("engine.spawned")[0]
     assert "***" in spawned["argv"] and key not in spawned["argv"]
@@ -307,13 +307,6 @@ def test_the_api_key_authenticates_our_own_requests_and_never_leaks(supervise: C
     check = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(sup.config)],
                            capture_output=True, text=True)
     assert key not in check.stdout + check.stderr and "--api-key '***'" in check.stdout
-
-
-def send_long_prompt_with_key(sup: Sup, key: str) -> int:
-    code, _ = http_json(sup.engine_url + "/v1/completions",
-                        {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30,
-                        headers={"Authorization": f"Bearer {key}"})
-    return code
 
 
 def test_a_start_that_never_gets_healthy_is_a_hang_and_the_loop_ends(supervise: Callable[..., Sup]) -> None:
