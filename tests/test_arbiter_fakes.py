@@ -483,3 +483,15 @@ async def test_the_watchdog_is_petted_from_the_loops_progress_and_stops_when_a_s
 def read_incident(path: str) -> tuple[dict[str, Any], int]:
     p = Path(path)
     return json.loads(p.read_text()), p.stat().st_mode & 0o777
+
+
+def test_an_engine_run_masks_the_api_key_in_events_and_console_lines(tmp_path: Path) -> None:
+    from supervisor.engine.run import EngineRun
+
+    arb, host, _ = make(tmp_path, engine={"args": {"api_key": "sk-abc-123"}})
+    run = EngineRun(arb.cfg, host, arb.profile, 1, tmp_path / "run", lambda ev: None)  # type: ignore[arg-type]
+    run._on_event({"level": "WARNING", "msg": "bad key sk-abc-123", "exc_tail": ["x sk-abc-123"]})
+    run.tail.add("(APIServer pid=1) INFO 12-01 00:00:00 [api_server.py:1] non-default args: "
+                 "{'api_key': ['sk-abc-123']}")
+    assert "sk-abc-123" not in json.dumps(list(run.events)) + json.dumps(run.tail.snapshot())
+    assert "***" in run.events[0]["msg"] and "***" in run.tail.snapshot()[0]

@@ -109,6 +109,8 @@ class EngineRun:
         self.triggers.put_nowait(self.trigger(kind, evidence, failure))
 
     def _on_event(self, event: dict[str, Any]) -> None:
+        if self.secrets:
+            event = {k: self._redact(v) for k, v in event.items()}
         self.events.append(event)
         if self._ending:
             return
@@ -117,6 +119,13 @@ class EngineRun:
             if found:
                 self.end(TriggerKind.DEATH, found)
                 return
+
+    def _redact(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return launch.redact(value, self.secrets)
+        if isinstance(value, list):
+            return [self._redact(v) for v in value]
+        return value
 
     def _on_line(self, line: str) -> None:
         text = self.console.feed(line)
