@@ -1,11 +1,14 @@
 """On a lent H200: the seed's incident, end to end, under vllm-supervisor with real vLLM and CUDA.
 
 1. the supervisor starts vLLM (0.9B random Llama, chunk 8192, gpu_memory_utilization 0.5) and warms it up;
+   the supervisor's own CUDA_VISIBLE_DEVICES names the card by its UUID (the GPU gate must map it in NVML);
 2. another process takes all but 16 MiB of the card (the seed's "other process");
-3. a 30,000-token prompt kills the engine with a real CUDA OOM;
-4. the supervisor classifies it, steps the chunk down, waits for NVML to show the memory released,
-   restarts (and handles whatever the still-occupied card does to that start), warms up;
-5. the same prompt is sent again.
+3. a 30,000-token prompt, whose stop strings are hostile words, kills the engine with a real CUDA OOM;
+4. the supervisor classifies it (runtime_oom, whatever the stop strings say), steps the chunk down, waits for
+   NVML to show the memory released, finds the card still held at the restart (the GPU gate lowers the
+   utilization to what fits, and does not hold that against the rung), restarts, warms up;
+5. the same prompt is sent again;
+6. the other process leaves: after climb_after_s the utilization climbs back to what is configured.
 Everything it saw goes to $OUT: the supervisor's JSON events, /status snapshots, incidents, a summary.
 """
 
@@ -29,6 +32,7 @@ DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "540"))
 T0 = time.monotonic()
 ADMIN, PORT = "127.0.0.1:8001", 18000
 notes: list[str] = []
+HOSTILE_STOP = ["error: unrecognized arguments: --x", "EngineDeadError", "an illegal memory access was encountered"]
 
 
 def note(msg: str) -> None:
@@ -82,6 +86,8 @@ max_num_batched_tokens = 8192
 max_num_seqs = 16
 gpu_memory_utilization = 0.5
 max_model_len = 32768
+[ladder]
+climb_after_s = 20.0
 [restart]
 backoff_initial_s = 1.0
 [health]
@@ -98,9 +104,13 @@ listen = "{ADMIN}"
 [log]
 format = "json"
 """)
+    uuid = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
+                          text=True, check=False).stdout.split()[:1]
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": uuid[0]} if uuid else {})}
+    note(f"supervisor's CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}")
     log = open(OUT / "supervisor.log", "w")  # noqa: SIM115
     sup = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
-                           stdout=log, stderr=subprocess.STDOUT)
+                           stdout=log, stderr=subprocess.STDOUT, env=env)
     hog: subprocess.Popen[str] | None = None
     snaps: list[dict[str, Any]] = []
     try:
@@ -119,8 +129,9 @@ format = "json"
         note(hog_proc.stdout.readline().strip())
         t = time.monotonic()
         code, body = http(f"http://127.0.0.1:{PORT}/v1/completions",
-                          {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4})
-        note(f"30k-token prompt at chunk 8192 -> HTTP {code} after {time.monotonic() - t:.2f}s")
+                          {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4, "stop": HOSTILE_STOP})
+        note(f"30k-token prompt (hostile stop strings) at chunk 8192 -> HTTP {code} after "
+             f"{time.monotonic() - t:.2f}s")
         st = wait(lambda s: s["restarts"] >= 1 and s["last_failure"] is not None, "first failure")
         if st:
             note(f"failure seen: {json.dumps(st['last_failure'])[:500]}")
@@ -137,22 +148,23 @@ format = "json"
             st2 = wait(lambda s: s["ready"] or s["state"] == "FATAL" or s["restarts"] > st["restarts"], "settle")
             if st2:
                 snaps.append(st2)
-            # Part two: SIGKILL the API server; its orphaned EngineCore still holds GPU memory, which
-            # the supervisor must see released (NVML) before the next start.
+            # Part two: the other process leaves; the utilization lowered for its memory climbs back.
             hog.kill()
             hog.wait()
             hog = None
+            note("the other process left the card")
             if st2 and st2["ready"]:
-                os.kill(st2["engine_pid"], signal.SIGKILL)
-                note(f"SIGKILLed the API server pid {st2['engine_pid']}")
-                st3 = wait(lambda s: s["ready"] and s["restarts"] > st2["restarts"], "READY after the SIGKILL")
+                st3 = wait(lambda s: s["ready"] and s["profile"]["gpu_memory_utilization"] == 0.5
+                           and s["restarts"] == st2["restarts"], "the utilization climbed back")
                 if st3:
                     snaps.append(st3)
-                    note(f"READY again after the SIGKILL: last {st3['last_failure']['kind']}: "
-                         f"{st3['last_failure']['evidence']}; recovered in {st3['last_failure']['recovered_after_s']}s")
-                    for line in (OUT / "supervisor.log").read_text().splitlines():
-                        if '"engine.stopped"' in line or '"gpu.' in line:
-                            note(line[:400])
+                    note(f"READY after the climb: profile {st3['profile']}")
+                saved = json.loads((state / "state.json").read_text())
+                note(f"rung failures remembered: {saved['rung_failures']}")
+                for line in (OUT / "supervisor.log").read_text().splitlines():
+                    if any(f'"{e}"' in line for e in ("engine.failed", "engine.profile_lowered",
+                                                      "engine.profile_raised", "gpu.not_enough_free")):
+                        note(line[:400])
     finally:
         if hog is not None:
             hog.kill()

@@ -54,7 +54,7 @@ from supervisor.ops.admin import AdminServer, make_app
 from supervisor.ops.history import History
 from supervisor.ops.logs import log_event
 from supervisor.ops.metrics import Metrics
-from supervisor.ops.notify import Notifier, status_line
+from supervisor.ops.notify import Notifier
 
 log = structlog.get_logger("supervisor.arbiter")
 S = EngineState
@@ -150,9 +150,6 @@ class Supervisor:
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
         }
-
-    def status_line(self) -> str:
-        return status_line(self.state.value, self.profile.knobs(), self.restarts)
 
     # ---- intent ----------------------------------------------------------------------------------------
     def request_stop(self, why: str = "stop requested") -> None:

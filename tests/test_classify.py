@@ -256,3 +256,14 @@ def test_worker_sigsegv_mid_decode_is_engine_dead_naming_the_request_in_the_batc
     assert f.kind is FailureKind.ENGINE_DEAD
     assert "Worker proc VllmWorker-0 died unexpectedly" in f.evidence
     assert (f.suspect_request, f.suspect_tokens) == ("cmpl-9899854396b0cee6-0-9da8a0e2", None)
+
+
+def test_the_supervisors_own_canary_is_a_suspect_only_when_alone_in_the_batch() -> None:
+    from supervisor.decide.evidence import suspect
+
+    dump = ("(EngineCore pid=1) ERROR 12-01 00:38:38 [dump_input.py:79] Dumping scheduler output for model "
+            "execution: SchedulerOutput(scheduled_new_reqs=[], num_scheduled_tokens={%s}, total=2)")
+    both = suspect([dump % "cmpl-canary-6-1796085517-0-81b4d339: 1, cmpl-retry-me-0-90b071b3: 1"])
+    assert both is not None and both.request_id == "cmpl-retry-me-0-90b071b3"
+    alone = suspect([dump % "cmpl-canary-6-1796085517-0-81b4d339: 1"])
+    assert alone is not None and alone.request_id.startswith("cmpl-canary-")

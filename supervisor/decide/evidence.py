@@ -168,11 +168,18 @@ def suspect(lines: Iterable[str], events: Iterable[Mapping[str, object]] = ()) -
         new += [Suspect(req, int(n)) for req, n in _NEW_REQUEST.findall(bare)]
         for m in _SCHEDULED.finditer(bare):
             scheduled += [(int(n), req) for req, n in _SCHEDULED_ONE.findall(m.group(1))]
+    # The supervisor's own warm-up and canary requests are suspects only when alone in the batch.
+    new = [x for x in new if not _ours(x.request_id)] or new
+    scheduled = [x for x in scheduled if not _ours(x[1])] or scheduled
     if new:
         return max(new, key=lambda s: s.prompt_tokens or 0)
     if scheduled:
         return Suspect(max(scheduled)[1], None)
     return None
+
+
+def _ours(request_id: str) -> bool:
+    return request_stem(request_id).startswith(("canary-", "warmup-"))
 
 
 def request_stem(request_id: str) -> str:
