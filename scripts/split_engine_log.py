@@ -27,7 +27,9 @@ def split(log: Path) -> list[tuple[str, list[str]]]:
         if isinstance(event, dict) and "event" in event:
             if event["event"] == "engine.spawned":
                 starts.append(("running", []))
-            elif event["event"] == "engine.failed" and starts:
+            elif event["event"] == "engine.failed" and starts and starts[-1][0] == "running":
+                # The first verdict after a spawn is that start's; a later one (a start failed by a gate
+                # before it spawned anything) belongs to no console output.
                 starts[-1] = (str(event["kind"]), starts[-1][1])
             continue
         if starts:

@@ -267,3 +267,12 @@ def test_the_supervisors_own_canary_is_a_suspect_only_when_alone_in_the_batch() 
     assert both is not None and both.request_id == "cmpl-retry-me-0-90b071b3"
     alone = suspect([dump % "cmpl-canary-6-1796085517-0-81b4d339: 1"])
     assert alone is not None and alone.request_id.startswith("cmpl-canary-")
+
+
+def test_a_real_h200_cuda_oom_under_hostile_stop_strings_is_runtime_oom() -> None:
+    """Captured on the H200 (bench/gpu_oom.py): the client's stop strings are in vLLM's own scheduler dump."""
+    log = lines("h200-vllm0.26-supervised-runtime-cuda-oom-hostile-stop.log")
+    assert any("stop=['error: unrecognized arguments: --x', 'EngineDeadError'" in x for x in log)
+    f = classify(events=[], lines=log, exit=ExitInfo(0), phase=Phase.SERVING)
+    assert f.kind is FailureKind.RUNTIME_OOM and "CUDA out of memory. Tried to allocate 64.00 MiB" in f.evidence
+    assert f.suspect_tokens == 30001
