@@ -7,6 +7,8 @@ of a file are reported together so an operator fixes them in one pass.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import sys
 import tomllib
 import types
@@ -394,9 +396,6 @@ def preflight(cfg: Config, which: Any = None, exists: Any = None) -> tuple[Probl
     Errors: the engine command cannot be found; a local model path does not exist.
     Warnings: a relative state.dir (under systemd the working directory is /).
     """
-    import os
-    import shutil
-
     which = which or shutil.which
     exists = exists or os.path.exists
     errors: Problems = []
@@ -415,4 +414,4 @@ def preflight(cfg: Config, which: Any = None, exists: Any = None) -> tuple[Probl
 
 def is_local_path(model: str) -> bool:
     """A model given as a filesystem path rather than a hub id ("org/name")."""
-    return model.startswith(("/", "./", "../", "~")) or model.startswith(".")
+    return model.startswith(("/", ".", "~"))

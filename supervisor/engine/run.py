@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import psutil
 import structlog
 
-from supervisor.config import Config, is_local_path
+from supervisor.config import Config, WarmupConfig, is_local_path
 from supervisor.decide.classify import ExitInfo, classify, death_evidence, fraction_that_fits
 from supervisor.decide.evidence import ConsoleFilter, event_evidence
 from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase, TriggerKind
@@ -281,7 +281,7 @@ class EngineRun:
                         "start_to_ready_s": round(t_ready - self.started_at, 3)}
         return None
 
-    async def _warm(self, w: Any) -> None:
+    async def _warm(self, w: WarmupConfig) -> None:
         await warmup.run(self.client, self.warmup_sizes, w)
 
     # ---- READY ----------------------------------------------------------------------------------
