@@ -105,7 +105,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"state     {doc['state']}{'  (ready)' if doc['ready'] else ''}")
     print(f"engine    pid {doc['engine_pid']}  {doc.get('engine_url', '')}")
-    print("profile   " + "  ".join(f"{k}={v}" for k, v in doc["profile"].items()))
+    print("profile   " + "  ".join(f"{k}={'vllm-default' if v is None else v}" for k, v in doc["profile"].items()))
     print(f"restarts  {doc['restarts']} (this run), {doc.get('restarts_total', '?')} (all time)")
     lf = doc.get("last_failure")
     if lf:
