@@ -26,16 +26,21 @@ def send_long_prompt(sup: Sup, headers: dict[str, str] | None = None) -> int:
     return code
 
 
+def send_until_served(sup: Sup, tries: int) -> list[int]:
+    """Send the long prompt until it is served, waiting for each recovery; the statuses seen."""
+    codes: list[int] = []
+    for _ in range(tries):
+        codes.append(send_long_prompt(sup))
+        if codes[-1] == 200:
+            break
+        sup.wait_ready(restarts=len(codes))
+    return codes
+
+
 def test_30k_prompt_that_ooms_at_8192_is_served_after_stepping_down(supervise: Callable[..., Sup]) -> None:
     sup = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}})
     sup.wait_ready()
-    codes = []
-    for _ in range(4):
-        code = send_long_prompt(sup)
-        codes.append(code)
-        if code == 200:
-            break
-        sup.wait_ready(restarts=len(codes))
+    codes = send_until_served(sup, tries=4)
     assert codes == [500, 500, 200]  # 8192 and 6144 die exactly like vLLM; 4096 serves it
     st = sup.status()
     assert st is not None
@@ -275,13 +280,7 @@ def test_hostile_stop_strings_never_steer_a_verdict(supervise: Callable[..., Sup
 def test_an_unexplained_death_repeated_with_the_same_request_steps_down(supervise: Callable[..., Sup]) -> None:
     sup = supervise({"engine": {"env": {"FAKE_VLLM_SEGV_TOKENS": "5000"}}, "restart": {"max_restarts": 10}})
     sup.wait_ready()
-    codes = []
-    for _ in range(6):
-        code = send_long_prompt(sup)
-        codes.append(code)
-        if code == 200:
-            break
-        sup.wait_ready(restarts=len(codes))
+    codes = send_until_served(sup, tries=6)
     assert codes == [500, 500, 500, 500, 200]  # twice at 8192, twice at 6144, served at 4096
     kinds = [e["kind"] for e in sup.events("engine.failed")]
     assert kinds == ["engine_dead", "runtime_oom", "engine_dead", "runtime_oom"]
