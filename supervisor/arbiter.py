@@ -51,6 +51,7 @@ from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost, short_of
 from supervisor.ops import incident, statefile
 from supervisor.ops.admin import AdminServer, make_app
+from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.history import History
 from supervisor.ops.logs import log_event
 from supervisor.ops.metrics import Metrics
@@ -105,6 +106,12 @@ class Supervisor:
         self.bus.subscribe("notify", self.notifier)
         self.bus.subscribe("history", self.history)
         self.bus.subscribe("statefile", statefile.StateFileWriter(cfg.state.dir))
+        # Raises MissingSecret (a configuration error) when a hook's secret is not in the environment.
+        self.alerts = Alerts.from_config(cfg.alerts, self.publish)
+        for hook in cfg.alerts.hooks:
+            self.metrics.alerts_sent.labels(hook.type)
+            self.metrics.alerts_failed.labels(hook.type)
+        self.bus.subscribe("alerts", self.alerts)
         self.admin = AdminServer(make_app(self.status, self.loop_alive, self.metrics.render),
                                  *cfg.admin.host_port)
 
@@ -208,6 +215,7 @@ class Supervisor:
         self.run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
         await self.admin.start()
         self.bus.start()
+        self.alerts.start()
         self.publish(SupervisorStarted(at=self.host.wall(), admin=self.cfg.admin.listen,
                                        engine=self.cfg.engine.base_url, profile=self.profile.knobs(),
                                        state_dir=self.cfg.state.dir))
@@ -224,6 +232,7 @@ class Supervisor:
             leftovers.clear(self.cfg.state.dir)
             await self.admin.close()
             await self.bus.close()
+            await self.alerts.close()  # bounded by [alerts] flush_s: a FATAL is paged before we exit
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.install_signals:
                 loop.remove_signal_handler(signal.SIGTERM)

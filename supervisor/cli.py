@@ -73,6 +73,7 @@ def _run(cfg: config_mod.Config, echo_engine: bool) -> int:
     logs.configure(cfg.log.format, cfg.log.level)
     from supervisor.arbiter import Supervisor
     from supervisor.host.real import RealHost
+    from supervisor.ops.alerts.channels import MissingSecret
 
     async def go() -> int:
         supervisor = Supervisor(cfg, RealHost(), echo=sys.stderr if echo_engine else None)
@@ -80,6 +81,9 @@ def _run(cfg: config_mod.Config, echo_engine: bool) -> int:
 
     try:
         return int(asyncio.run(go()))
+    except MissingSecret as exc:
+        print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
     except OSError as exc:  # e.g. the admin port is taken
         print(f"vllm-supervisor: {exc}", file=sys.stderr)
         return ExitCode.INTERNAL_ERROR

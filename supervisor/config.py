@@ -146,6 +146,58 @@ class LogConfig:
     tail_lines: int = 2000
 
 
+SEVERITIES = ("info", "warning", "error", "critical")
+HOOK_TYPES = ("webhook", "pagerduty", "twilio", "slack", "command")
+# Where an alert goes unless min_severity says otherwise: SMS wakes people, so only for critical.
+DEFAULT_MIN_SEVERITY = {"webhook": "info", "slack": "warning", "pagerduty": "error", "twilio": "critical",
+                        "command": "warning"}
+DEFAULT_URL = {"pagerduty": "https://events.pagerduty.com/v2/enqueue", "twilio": "https://api.twilio.com"}
+# TOML keys that are Python keywords.
+TOML_KEYS = {"from_": "from"}
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """One [[alerts.hooks]] table: a channel and what it gets."""
+
+    type: str
+    min_severity: str = ""
+    url: str = ""
+    routing_key_env: str = ""  # pagerduty: the variable (or systemd credential) holding the routing key
+    account_sid: str = ""  # twilio
+    auth_token_env: str = ""  # twilio: the variable (or systemd credential) holding the auth token
+    from_: str = ""  # twilio: the sending number (TOML key `from`)
+    to: tuple[str, ...] = ()  # twilio: one message per number
+    argv: tuple[str, ...] = ()  # command: run without a shell, the alert JSON on stdin
+    timeout_s: float = 10.0
+    max_per_hour: int = 30
+    attempts: int = 4
+    retry_for_s: float = 60.0
+
+    @property
+    def severity_floor(self) -> str:
+        return self.min_severity or DEFAULT_MIN_SEVERITY.get(self.type, "warning")
+
+    @property
+    def endpoint(self) -> str:
+        return self.url or DEFAULT_URL.get(self.type, "")
+
+    @property
+    def name(self) -> str:
+        return self.type
+
+
+@dataclass(frozen=True)
+class AlertsConfig:
+    page_after_s: float = 600.0
+    dedup_window_s: float = 300.0
+    escalate_after: int = 3
+    escalate_window_s: float = 900.0
+    flush_s: float = 5.0
+    host: str = ""
+    hooks: tuple[HookConfig, ...] = ()
+
+
 @dataclass(frozen=True)
 class Config:
     engine: EngineConfig
@@ -158,6 +210,7 @@ class Config:
     state: StateConfig = StateConfig()
     admin: AdminConfig = AdminConfig()
     log: LogConfig = LogConfig()
+    alerts: AlertsConfig = AlertsConfig()
 
 
 _SECTIONS: dict[str, type] = {
@@ -171,6 +224,7 @@ _SECTIONS: dict[str, type] = {
     "state": StateConfig,
     "admin": AdminConfig,
     "log": LogConfig,
+    "alerts": AlertsConfig,
 }
 
 
@@ -215,13 +269,26 @@ def _build(cls: type, section: str, table: dict[str, Any], problems: list[tuple[
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     before = len(problems)
+    toml_to_field = {v: k for k, v in TOML_KEYS.items()}
     for key, value in table.items():
         name = f"{section}.{key}"
-        if key not in fields:
-            problems.append((name, f"unknown key; known keys of [{section}]: {', '.join(fields)}"))
+        field_name = toml_to_field.get(key, key)
+        if field_name not in fields or key in TOML_KEYS:
+            known = ", ".join(TOML_KEYS.get(f, f) for f in fields)
+            hint = " (secrets are read from the environment: use routing_key_env / auth_token_env)" \
+                if key in ("routing_key", "auth_token") else ""
+            problems.append((name, f"unknown key{hint}; known keys of [{section}]: {known}"))
+            continue
+        tables = _tables_of(hints[field_name])
+        if tables is not None:
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                problems.append((name, f"must be an array of tables ([[{name}]])"))
+                continue
+            items = [_build(tables, f"{name}[{i}]", v, problems) for i, v in enumerate(value)]
+            kwargs[field_name] = tuple(items)
             continue
         try:
-            kwargs[key] = _coerce(hints[key], value, name)
+            kwargs[field_name] = _coerce(hints[field_name], value, name)
         except _FieldError as exc:
             problems.append((name, str(exc)))
     if len(problems) > before:
@@ -229,6 +296,14 @@ def _build(cls: type, section: str, table: dict[str, Any], problems: list[tuple[
     obj = cls(**kwargs)
     problems.extend(_range_checks(section, obj))
     return obj
+
+
+def _tables_of(tp: Any) -> type | None:
+    """The dataclass of a ``tuple[SomeConfig, ...]`` field (an array of tables), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and args and dataclasses.is_dataclass(args[0]):
+        return args[0]  # type: ignore[return-value]
+    return None
 
 
 class _FieldError(ValueError):
@@ -360,11 +435,47 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("listen", ok, f"must be HOST:PORT, e.g. \"127.0.0.1:8001\", got {obj.listen!r}")
         need("listen", host.strip("[]") in ("127.0.0.1", "::1", "localhost"),
              "must be a loopback address: the admin API is not authenticated")
+    elif isinstance(obj, AlertsConfig):
+        for key in ("page_after_s", "dedup_window_s", "escalate_window_s", "flush_s"):
+            need(key, getattr(obj, key) >= 0, "must be >= 0 seconds")
+        need("escalate_after", obj.escalate_after >= 1, "must be >= 1")
+    elif isinstance(obj, HookConfig):
+        out.extend(_hook_problems(section, obj))
     elif isinstance(obj, LogConfig):
         need("format", obj.format in ("auto", "json", "console"), "must be one of auto, json, console")
         need("level", obj.level in ("debug", "info", "warning", "error"),
              "must be one of debug, info, warning, error")
         need("tail_lines", obj.tail_lines >= 100, "must be >= 100 lines")
+    return out
+
+
+def _hook_problems(where: str, h: HookConfig) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+
+    def need(key: str, ok: bool, msg: str) -> None:
+        if not ok:
+            out.append((f"{where}.{TOML_KEYS.get(key, key)}", msg))
+
+    need("type", h.type in HOOK_TYPES, f"must be one of {', '.join(HOOK_TYPES)}, got {h.type!r}")
+    need("min_severity", h.min_severity in ("", *SEVERITIES), f"must be one of {', '.join(SEVERITIES)}")
+    if h.type in ("webhook", "slack", "pagerduty", "twilio"):
+        need("url", h.endpoint.startswith(("http://", "https://")),
+             f"must be an http(s) URL{' (required for ' + h.type + ')' if not h.endpoint else ''}")
+    if h.type == "pagerduty":
+        need("routing_key_env", bool(h.routing_key_env), "required: the environment variable (or systemd "
+                                                         "credential) that holds the PagerDuty routing key")
+    if h.type == "twilio":
+        need("account_sid", bool(h.account_sid), "required: the Twilio account SID")
+        need("auth_token_env", bool(h.auth_token_env), "required: the environment variable (or systemd "
+                                                       "credential) that holds the Twilio auth token")
+        need("from_", bool(h.from_), "required: the sending number")
+        need("to", bool(h.to), "required: a list of numbers to text")
+    if h.type == "command":
+        need("argv", bool(h.argv) and all(h.argv), "required: the command and its arguments, run without a shell")
+    need("timeout_s", h.timeout_s > 0, "must be > 0 seconds")
+    need("max_per_hour", h.max_per_hour >= 1, "must be >= 1")
+    need("attempts", h.attempts >= 1, "must be >= 1")
+    need("retry_for_s", h.retry_for_s >= 0, "must be >= 0 seconds")
     return out
 
 
@@ -406,10 +517,21 @@ def preflight(cfg: Config, which: Any = None, exists: Any = None) -> tuple[Probl
     if is_local_path(cfg.engine.model) and not exists(cfg.engine.model):
         errors.append(("engine.model", f"local model path {cfg.engine.model!r} does not exist "
                                        f"(`run` waits up to engine.model_wait_s={cfg.engine.model_wait_s:g}s for it)"))
+    for i, hook in enumerate(cfg.alerts.hooks):
+        for key in ("routing_key_env", "auth_token_env"):
+            name = getattr(hook, key)
+            if name and not _secret_present(name):
+                errors.append((f"alerts.hooks[{i}].{key}", f"${name} is not set and no systemd credential "
+                                                          f"{name!r} exists in $CREDENTIALS_DIRECTORY"))
     if not os.path.isabs(cfg.state.dir):
         warnings.append(("state.dir", f"{cfg.state.dir!r} is relative: it depends on the working directory "
                                       "(/ under systemd); use an absolute path"))
     return errors, warnings
+
+
+def _secret_present(name: str) -> bool:
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    return bool(os.environ.get(name)) or bool(creds and os.path.isfile(os.path.join(creds, name)))
 
 
 def is_local_path(model: str) -> bool:

@@ -31,6 +31,9 @@ class Event:
     level: ClassVar[str] = "info"
     at: float
 
+    def log_level(self) -> str:
+        return self.level
+
     def fields(self) -> dict[str, Any]:
         """The record's own fields (not ``at``), JSON-ready."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self) if f.name != "at"}
@@ -171,6 +174,21 @@ class LearnedChanged(Event):
     rung_failures: Mapping[str, int]
     last_failure: Mapping[str, Any] | None
     restarts_total: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertOutcome(Event):
+    """What became of one alert on one hook: sent, failed (after the retries), suppressed, dropped."""
+
+    name = "alert.outcome"
+    channel: str
+    alert: str
+    severity: str
+    outcome: str
+    error: str = ""
+
+    def log_level(self) -> str:
+        return "info" if self.outcome == "sent" else "warning"
 
 
 def _jsonable(v: Any) -> Any:

@@ -227,3 +227,68 @@ def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
     launcher = Launcher(tmp_path, STANDIN_BASE)
     yield launcher.start
     launcher.cleanup()
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Receiver:
+    """A local HTTP server in a thread that records every POST (an alert service stand-in).
+
+    ``status`` is what it answers; ``hang`` makes it never answer (until closed).
+    """
+
+    def __init__(self, status: int = 200, hang: bool = False) -> None:
+        import http.server
+        import threading
+
+        self.status, self.hang = status, hang
+        self.requests: list[Received] = []
+        self.released = threading.Event()
+        rec = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                rec.requests.append(Received(self.path, dict(self.headers), self.rfile.read(n)))
+                if rec.hang:
+                    rec.released.wait(60)
+                    return
+                self.send_response(rec.status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Callable[..., Receiver]]:
+    made: list[Receiver] = []
+
+    def make(status: int = 200, hang: bool = False) -> Receiver:
+        made.append(Receiver(status, hang))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()

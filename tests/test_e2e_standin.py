@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import Sup, gone, http_json, spawned_pids
+from tests.conftest import Receiver, Sup, gone, http_json, spawned_pids
 
 LONG_PROMPT = "word " * 30_000
 
@@ -347,3 +348,42 @@ def test_healthz_never_flaps_under_the_shipped_watchdog(supervise: Callable[...,
             reader.join()
     assert set(codes) == {200}, codes
     assert sum("WATCHDOG=1" in m for m in messages) >= 10  # petted from the loop's own ticks, not every 15 s
+
+
+def test_alerts_reach_their_hooks_and_a_hanging_hook_does_not_delay_the_restart(
+        supervise: Callable[..., Sup], receiver: Callable[..., Receiver]) -> None:
+    hang, good = receiver(hang=True), receiver()
+    sup = supervise({"alerts": {"host": "gpu-7", "hooks": [
+        {"type": "webhook", "url": hang.url, "timeout_s": 30.0, "min_severity": "info"},
+        {"type": "webhook", "url": good.url, "min_severity": "info"}]}})
+    sup.wait_ready()
+    os.kill(sup.engine_tree()[1].pid, signal.SIGKILL)  # the EngineCore
+    st = sup.wait_ready(restarts=1)
+    assert st["last_failure"]["recovered_after_s"] < 10  # the hook hanging for 30 s held nothing up
+    sup.wait_for(lambda s: len(good.requests) >= 2, 10, "two alerts at the good hook")
+    events = [r.json() for r in good.requests]
+    assert [e["event"] for e in events] == ["engine_restarted", "recovered"]
+    assert events[0]["kind"] == "engine_dead" and events[0]["host"] == "gpu-7" and events[0]["severity"] == "warning"
+
+
+def test_a_fatal_is_paged_before_the_supervisor_exits(supervise: Callable[..., Sup],
+                                                      receiver: Callable[..., Receiver]) -> None:
+    sms, pd = receiver(status=201), receiver(status=202)
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_DIE_AFTER_READY": "0.3"}}, "restart": {"max_restarts": 1},
+                     "alerts": {"hooks": [
+                         {"type": "twilio", "url": sms.url, "account_sid": "AC9", "auth_token_env": "TW_TOKEN",
+                          "from": "+15550001", "to": ["+15550002"]},
+                         {"type": "pagerduty", "url": pd.url, "routing_key_env": "PD_KEY"}]}},
+                    env={"TW_TOKEN": "tok-123", "PD_KEY": "rk-456"})
+    assert sup.wait_exit(60) == 4
+    (text,) = sms.requests  # SMS: critical only
+    assert "[critical]" in urllib.parse.parse_qs(text.body.decode())["Body"][0]
+    pages = [r.json() for r in pd.requests]
+    assert pages[-1]["event_action"] == "trigger" and pages[-1]["payload"]["severity"] == "critical"
+    assert "tok-123" not in sup.log_path.read_text() and "rk-456" not in sup.log_path.read_text()
+
+
+def test_a_hook_whose_secret_is_missing_is_a_config_error(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"alerts": {"hooks": [{"type": "pagerduty", "routing_key_env": "NO_SUCH_KEY_VAR"}]}})
+    assert sup.wait_exit(30) == 2
+    assert "routing_key_env: $NO_SUCH_KEY_VAR is not set" in sup.log_tail()

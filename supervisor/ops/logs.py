@@ -37,4 +37,4 @@ _events_log = structlog.get_logger("supervisor")
 
 def log_event(event: Event) -> None:
     """Event-stream subscriber: one structlog line per event, at the event's level."""
-    getattr(_events_log, event.level)(event.name, **event.fields())
+    getattr(_events_log, event.log_level())(event.name, **event.fields())

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from supervisor.decide.lifecycle import EngineState, FailureKind
 from supervisor.event_stream import (
+    AlertOutcome,
     Event,
     FailureClassified,
     ProfileLowered,
@@ -39,6 +40,13 @@ class Metrics:
                               "Failure detected -> READY again, last recovery", registry=r)
         self.start = Gauge("vllm_supervisor_last_start_to_ready_seconds", "Spawn -> READY of the last start",
                            registry=r)
+        self.alerts_sent = Counter("vllm_supervisor_alerts_sent", "Alerts a hook delivered", ["channel"],
+                                   registry=r)
+        self.alerts_failed = Counter("vllm_supervisor_alerts_failed",
+                                     "Alerts a hook could not deliver (after its retries) or had to drop",
+                                     ["channel"], registry=r)
+        self.alerts_suppressed = Counter("vllm_supervisor_alerts_suppressed", "Alerts held back by a rate limit",
+                                         ["channel"], registry=r)
         for s in EngineState:
             self.state.labels(s.value).set(1 if s is EngineState.STOPPED else 0)
         for k in FailureKind:
@@ -61,6 +69,10 @@ class Metrics:
             self.failures.labels(event.kind).inc()
         elif isinstance(event, Recovered):
             self.recovery.set(event.recovered_after_s)
+        elif isinstance(event, AlertOutcome):
+            counter = {"sent": self.alerts_sent, "suppressed": self.alerts_suppressed}.get(event.outcome,
+                                                                                        self.alerts_failed)
+            counter.labels(event.channel).inc()
 
     def set_profile(self, knobs: Mapping[str, Any]) -> None:
         for knob, value in knobs.items():

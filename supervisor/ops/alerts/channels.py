@@ -1,0 +1,176 @@
+"""One class per alert service behind one small protocol: ``await channel.send(alert)`` raises on failure.
+
+Secrets (PagerDuty routing key, Twilio auth token) are read from the environment or from systemd's
+``$CREDENTIALS_DIRECTORY``, never from the TOML, and never appear in a log line or an error message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+
+from supervisor.config import HookConfig
+from supervisor.ops.alerts.rules import Alert
+
+PD_SEVERITY = {"info": "info", "warning": "warning", "error": "error", "critical": "critical"}
+
+
+class SendFailed(RuntimeError):
+    """The service did not take the alert (an error status, a timeout, a command that failed)."""
+
+
+class Channel(Protocol):
+    name: str
+
+    async def send(self, alert: Alert) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def read_secret(name: str) -> str | None:
+    """``$name`` from the environment, else the systemd credential of that name."""
+    value = os.environ.get(name)
+    if value:
+        return value
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    if creds:
+        p = Path(creds) / name
+        if p.is_file():
+            return p.read_text().strip() or None
+    return None
+
+
+class MissingSecret(ValueError):
+    def __init__(self, field: str, name: str) -> None:
+        super().__init__(f"{field}: ${name} is not set and no systemd credential {name!r} exists")
+        self.field = field
+
+
+class _Http:
+    """A lazily opened aiohttp session with the hook's timeout."""
+
+    def __init__(self, hook: HookConfig) -> None:
+        self.hook = hook
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.hook.timeout_s))
+        return self._session
+
+    async def post(self, url: str, what: str, **kw: object) -> None:
+        try:
+            async with self.session().post(url, **kw) as r:  # type: ignore[arg-type]
+                if r.status >= 300:
+                    raise SendFailed(f"{what} answered HTTP {r.status}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise SendFailed(f"{what} failed: {type(exc).__name__}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class Webhook(_Http):
+    name = "webhook"
+
+    async def send(self, alert: Alert) -> None:
+        await self.post(self.hook.endpoint, "webhook", json=alert.as_json())
+
+
+class Slack(_Http):
+    name = "slack"
+
+    async def send(self, alert: Alert) -> None:
+        text = f"[{alert.severity.upper()}] {alert.host}: {alert.message}"
+        blocks = [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{alert.event}* on `{alert.host}`\n"
+                                                                         f"{alert.message}"}},
+                  {"type": "context", "elements": [{"type": "mrkdwn", "text": f"{alert.severity} · {alert.time}"}]}]
+        await self.post(self.hook.endpoint, "slack", json={"text": text, "blocks": blocks})
+
+
+class PagerDuty(_Http):
+    """Events API v2: trigger with a stable dedup_key per outage; the recovery resolves it."""
+
+    name = "pagerduty"
+
+    def __init__(self, hook: HookConfig) -> None:
+        super().__init__(hook)
+        key = read_secret(hook.routing_key_env)
+        if not key:
+            raise MissingSecret("alerts.hooks.routing_key_env", hook.routing_key_env)
+        self._routing_key = key
+
+    async def send(self, alert: Alert) -> None:
+        body: dict[str, object] = {"routing_key": self._routing_key, "dedup_key": alert.dedup_key}
+        if alert.resolves:
+            body["event_action"] = "resolve"
+        else:
+            body["event_action"] = "trigger"
+            body["payload"] = {"summary": f"{alert.host}: {alert.message}"[:1024], "source": alert.host,
+                               "severity": PD_SEVERITY[alert.severity], "timestamp": alert.time,
+                               "component": "vllm", "group": "vllm-supervisor", "class": alert.event,
+                               "custom_details": {**alert.details, "kind": alert.kind}}
+        await self.post(self.hook.endpoint, "pagerduty", json=body)
+
+
+class Twilio(_Http):
+    """SMS through the Messages API: one form POST per number, HTTP basic auth."""
+
+    name = "twilio"
+
+    def __init__(self, hook: HookConfig) -> None:
+        super().__init__(hook)
+        token = read_secret(hook.auth_token_env)
+        if not token:
+            raise MissingSecret("alerts.hooks.auth_token_env", hook.auth_token_env)
+        self._auth = {"Authorization": aiohttp.encode_basic_auth(hook.account_sid, token)}
+
+    async def send(self, alert: Alert) -> None:
+        url = f"{self.hook.endpoint.rstrip('/')}/2010-04-01/Accounts/{self.hook.account_sid}/Messages.json"
+        body = f"[{alert.severity}] {alert.host}: {alert.message}"[:1500]
+        for number in self.hook.to:
+            await self.post(url, "twilio", data={"To": number, "From": self.hook.from_, "Body": body},
+                            headers=self._auth)
+
+
+class Command:
+    """``argv`` run without a shell, the alert JSON on its stdin, bounded by the hook's timeout."""
+
+    name = "command"
+
+    def __init__(self, hook: HookConfig) -> None:
+        self.hook = hook
+
+    async def send(self, alert: Alert) -> None:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.hook.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise SendFailed(f"command {self.hook.argv[0]!r} could not start: {exc.strerror}") from None
+        try:
+            await asyncio.wait_for(proc.communicate(json.dumps(alert.as_json()).encode()), self.hook.timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise SendFailed(f"command {self.hook.argv[0]!r} ran past {self.hook.timeout_s:g}s") from None
+        if proc.returncode != 0:
+            raise SendFailed(f"command {self.hook.argv[0]!r} exited with status {proc.returncode}")
+
+    async def close(self) -> None:
+        pass
+
+
+def make_channel(hook: HookConfig) -> Channel:
+    """The channel for one hook; raises MissingSecret when its secret cannot be found."""
+    kinds: dict[str, type] = {"webhook": Webhook, "slack": Slack, "pagerduty": PagerDuty, "twilio": Twilio,
+                              "command": Command}
+    channel: Channel = kinds[hook.type](hook)
+    return channel

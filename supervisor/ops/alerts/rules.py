@@ -1,0 +1,167 @@
+"""Which events page whom: the event stream turned into typed alerts, deduplicated, escalated (pure).
+
+An alert is a frozen record a channel can send as it is. The rules keep just enough memory to
+deduplicate (the same alert within ``dedup_window_s`` is sent once), to escalate (restarts that
+keep repeating become an ``error``), and to give each outage a stable ``dedup_key`` that the
+recovery resolves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.config import SEVERITIES, AlertsConfig
+from supervisor.event_stream import (
+    Event,
+    FailureClassified,
+    Fatal,
+    ProfileLowered,
+    ProfileRaised,
+    Recovered,
+    StateChanged,
+)
+
+
+def rank(severity: str) -> int:
+    return SEVERITIES.index(severity)
+
+
+def rfc3339(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One thing worth telling a person; ``as_json`` is what a webhook receives."""
+
+    event: str  # engine_restarted, profile_lowered, profile_raised, recovered, hang_detected, outage, fatal, ...
+    severity: str
+    host: str
+    message: str
+    at: float
+    dedup_key: str
+    kind: str | None = None  # the failure kind, where there is one
+    details: dict[str, Any] = field(default_factory=dict)
+    resolves: bool = False  # a recovery: PagerDuty resolves ``dedup_key`` instead of triggering
+
+    @property
+    def time(self) -> str:
+        return rfc3339(self.at)
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"event": self.event, "severity": self.severity, "host": self.host,
+                               "message": self.message, "time": self.time, "dedup_key": self.dedup_key}
+        if self.kind:
+            out["kind"] = self.kind
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+class AlertRules:
+    """Feed it the event stream (and clock ticks for outages); it returns the alerts to send."""
+
+    def __init__(self, cfg: AlertsConfig, host: str, started_at: float) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.not_ready_since: float | None = started_at
+        self.outage_key: str | None = None  # set once an outage alert went out, until the recovery
+        self.last_failure: FailureClassified | None = None
+        self.restarts: deque[float] = deque()
+        self.sent_at: dict[tuple[str, str | None], float] = {}
+
+    def _alert(self, event: str, severity: str, message: str, at: float, kind: str | None = None,
+               details: dict[str, Any] | None = None, dedup_key: str | None = None,
+               resolves: bool = False) -> Alert:
+        key = dedup_key or f"vllm-supervisor/{self.host}/{event}"
+        return Alert(event, severity, self.host, message, at, key, kind, details or {}, resolves)
+
+    def on_event(self, ev: Event, now: float) -> list[Alert]:
+        """Alerts for one stream event; ``now`` is the monotonic clock (the outage timer)."""
+        out = self._map(ev, now)
+        return [a for a in out if self._fresh(a, now)]
+
+    def _map(self, ev: Event, now: float) -> list[Alert]:
+        if isinstance(ev, StateChanged):
+            if ev.new == "READY":
+                self.not_ready_since = None
+                return []
+            if ev.old == "READY" or self.not_ready_since is None:
+                self.not_ready_since = now
+            if ev.new == "BACKOFF":
+                return [self._restarted(ev, now)]
+            return []
+        if isinstance(ev, FailureClassified):
+            self.last_failure = ev
+            if ev.kind == "hang":
+                return [self._alert("hang_detected", "warning", f"engine hung: {ev.evidence}", ev.at, ev.kind,
+                                    {"incident": ev.incident})]
+            return []
+        if isinstance(ev, ProfileLowered):
+            return [self._alert("profile_lowered", "warning", f"profile lowered after {ev.kind}: "
+                                f"{_diff(ev.diff)}", ev.at, ev.kind, {"profile": dict(ev.profile)})]
+        if isinstance(ev, ProfileRaised):
+            return [self._alert("profile_raised", "info", f"profile raised: {_diff(ev.diff)}", ev.at,
+                                details={"profile": dict(ev.profile)})]
+        if isinstance(ev, Recovered):
+            key, self.outage_key = self.outage_key, None
+            return [self._alert("recovered", "info", f"engine READY again {ev.recovered_after_s:.0f}s after "
+                                f"the {ev.kind or 'failure'}", ev.at, ev.kind,
+                                {"recovered_after_s": ev.recovered_after_s, "profile": dict(ev.profile)},
+                                dedup_key=key, resolves=key is not None)]
+        if isinstance(ev, Fatal):
+            kind = str(ev.failure.get("kind")) if ev.failure else None
+            return [self._alert("fatal", "critical", f"supervisor gave up (exit {ev.exit_code}): {ev.reason}",
+                                ev.at, kind, {"exit_code": ev.exit_code, "failure": dict(ev.failure)},
+                                dedup_key=self._outage_key(ev.at))]
+        return []
+
+    def _restarted(self, ev: StateChanged, now: float) -> Alert:
+        while self.restarts and now - self.restarts[0] > self.cfg.escalate_window_s:
+            self.restarts.popleft()
+        self.restarts.append(now)
+        f = self.last_failure
+        kind = f.kind if f else None
+        msg = f"engine restarted after {kind or 'a failure'}: {f.evidence if f else ev.info.get('reason', '')}"
+        severity = "warning"
+        if len(self.restarts) >= self.cfg.escalate_after:
+            severity = "error"  # restarts keep repeating: a person should look
+            msg = f"{len(self.restarts)} restarts in {self.cfg.escalate_window_s:g}s; last: {msg}"
+        return self._alert("engine_restarted", severity, msg, ev.at, kind,
+                           {"restarts": ev.restarts + 1, "incident": f.incident if f else None,
+                            "delay_s": ev.info.get("delay_s")})
+
+    def tick(self, now: float, wall: float) -> list[Alert]:
+        """The outage rule: not READY for ``page_after_s`` pages once per outage."""
+        since = self.not_ready_since
+        if since is None or self.outage_key is not None or now - since < self.cfg.page_after_s:
+            return []
+        key = self._outage_key(wall)
+        f = self.last_failure
+        msg = (f"engine not READY for {now - since:.0f}s (page_after_s={self.cfg.page_after_s:g})"
+               + (f"; last failure {f.kind}: {f.evidence}" if f else ""))
+        return [self._alert("outage", "error", msg, wall, f.kind if f else None,
+                            {"not_ready_for_s": round(now - since, 1)}, dedup_key=key)]
+
+    def _outage_key(self, wall: float) -> str:
+        if self.outage_key is None:
+            self.outage_key = f"vllm-supervisor/{self.host}/outage/{int(wall)}"
+        return self.outage_key
+
+    def _fresh(self, a: Alert, now: float) -> bool:
+        """Deduplication: the same alert (event and kind) within ``dedup_window_s`` goes out once."""
+        if a.event in ("recovered", "fatal", "outage") or a.severity == "error":
+            return True  # state changes a person must see every time
+        key = (a.event, a.kind)
+        last = self.sent_at.get(key)
+        if last is not None and now - last < self.cfg.dedup_window_s:
+            return False
+        self.sent_at[key] = now
+        return True
+
+
+def _diff(diff: Any) -> str:
+    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in dict(diff).items())

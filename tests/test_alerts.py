@@ -1,0 +1,226 @@
+"""Alert hooks: the rules alone, each channel against a local receiver, and sending that never delays."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import json
+import sys
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.config import AlertsConfig, HookConfig, parse
+from supervisor.event_stream import (
+    AlertOutcome,
+    Event,
+    FailureClassified,
+    Fatal,
+    ProfileLowered,
+    Recovered,
+    StateChanged,
+)
+from supervisor.ops.alerts.channels import MissingSecret, make_channel, read_secret
+from supervisor.ops.alerts.dispatch import Alerts
+from supervisor.ops.alerts.rules import AlertRules
+from tests.conftest import Receiver
+
+P = {"max_num_batched_tokens": 6144, "max_num_seqs": 16, "gpu_memory_utilization": 0.9, "max_model_len": None}
+
+
+def sc(old: str, new: str, at: float = 1.0, **info: Any) -> StateChanged:
+    return StateChanged(at=at, old=old, new=new, after_s=0.1, profile=P, restarts=0, info=info)
+
+
+def failed(kind: str = "runtime_oom", evidence: str = "CUDA out of memory. Tried to allocate 176.00 MiB") -> Event:
+    return FailureClassified(at=2.0, kind=kind, evidence=evidence, trigger="death", phase="serving", returncode=0,
+                             suspect_request=None, failure={"kind": kind}, incident="/var/lib/x/incidents/1.json")
+
+
+def crash_and_recover(kind: str = "runtime_oom") -> list[Event]:
+    return [sc("READY", "STOPPING"), failed(kind), sc("STOPPING", "BACKOFF", delay_s=1.0),
+            sc("BACKOFF", "STARTING"), sc("STARTING", "WARMING"), sc("WARMING", "READY"),
+            Recovered(at=3.0, kind=kind, recovered_after_s=42.0, profile=P)]
+
+
+# ---- the rules alone ----------------------------------------------------------------------------------------
+def test_rules_turn_a_crash_into_a_restart_warning_and_repeats_into_an_error() -> None:
+    rules = AlertRules(AlertsConfig(escalate_after=3, dedup_window_s=0), "gpu-7", started_at=0.0)
+    assert rules.on_event(sc("WARMING", "READY"), 0.0) == []
+    alerts = []
+    for i in range(3):
+        for ev in crash_and_recover():
+            alerts += rules.on_event(ev, 10.0 + i)
+    restarted = [a for a in alerts if a.event == "engine_restarted"]
+    assert [a.severity for a in restarted] == ["warning", "warning", "error"]
+    assert restarted[0].kind == "runtime_oom" and "CUDA out of memory" in restarted[0].message
+    assert "3 restarts in 900s" in restarted[2].message
+    recovered = [a for a in alerts if a.event == "recovered"]
+    assert recovered and not recovered[0].resolves  # no outage was paged, nothing to resolve
+
+
+def test_rules_page_an_outage_once_and_the_recovery_resolves_the_same_key() -> None:
+    rules = AlertRules(AlertsConfig(page_after_s=60), "gpu-7", started_at=0.0)
+    rules.on_event(sc("WARMING", "READY"), 5.0)
+    rules.on_event(sc("READY", "STOPPING"), 100.0)
+    rules.on_event(failed("hang", "no token progress for 60s"), 100.0)
+    assert rules.tick(159.0, 1_700_000_000.0) == []
+    outage = rules.tick(160.0, 1_700_000_001.0)
+    assert [(a.event, a.severity, a.kind) for a in outage] == [("outage", "error", "hang")]
+    assert rules.tick(500.0, 1_700_000_400.0) == []  # once per outage
+    rec = rules.on_event(Recovered(at=9.0, kind="hang", recovered_after_s=420.0, profile=P), 520.0)
+    assert rec[0].resolves and rec[0].dedup_key == outage[0].dedup_key
+
+
+def test_rules_dedup_repeats_within_the_window_and_fatal_is_critical() -> None:
+    rules = AlertRules(AlertsConfig(dedup_window_s=300), "gpu-7", 0.0)
+    lowered = ProfileLowered(at=1.0, diff={"max_num_batched_tokens": [8192, 6144]}, profile=P, kind="runtime_oom",
+                             evidence="CUDA out of memory")
+    assert len(rules.on_event(lowered, 0.0)) == 1
+    assert rules.on_event(lowered, 100.0) == []
+    assert len(rules.on_event(lowered, 301.0)) == 1
+    fatal = rules.on_event(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure={"kind": "hang"}), 1.0)
+    assert [(a.event, a.severity, a.kind) for a in fatal] == [("fatal", "critical", "hang")]
+
+
+# ---- each channel against a local receiver --------------------------------------------------------------------
+def one_alert(event: Event | None = None) -> Any:
+    rules = AlertRules(AlertsConfig(), "gpu-7", 0.0)
+    rules.on_event(failed(), 0.0)
+    return rules.on_event(event or sc("STOPPING", "BACKOFF", delay_s=1.0), 0.0)[0]
+
+
+async def test_webhook_posts_the_alert_as_json(receiver: Callable[..., Receiver]) -> None:
+    r = receiver()
+    ch = make_channel(HookConfig(type="webhook", url=r.url + "/hook"))
+    await ch.send(one_alert())
+    await ch.close()
+    (req,) = r.requests
+    body = req.json()
+    assert req.path == "/hook" and req.headers["Content-Type"].startswith("application/json")
+    assert body["event"] == "engine_restarted" and body["severity"] == "warning" and body["host"] == "gpu-7"
+    assert body["kind"] == "runtime_oom" and "CUDA out of memory" in body["message"]
+    assert datetime.datetime.fromisoformat(body["time"].replace("Z", "+00:00")).tzinfo is not None
+
+
+async def test_pagerduty_triggers_and_resolves_with_one_dedup_key(receiver: Callable[..., Receiver],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    r = receiver(status=202)
+    monkeypatch.setenv("PD_ROUTING", "R0UT1NG-KEY")
+    rules = AlertRules(AlertsConfig(page_after_s=1), "gpu-7", 0.0)
+    rules.on_event(failed("hang", "no token progress"), 0.0)
+    (outage,) = rules.tick(5.0, 1_700_000_000.0)
+    (resolved,) = rules.on_event(Recovered(at=2.0, kind="hang", recovered_after_s=9.0, profile=P), 6.0)
+    ch = make_channel(HookConfig(type="pagerduty", url=r.url + "/v2/enqueue", routing_key_env="PD_ROUTING"))
+    await ch.send(outage)
+    await ch.send(resolved)
+    await ch.close()
+    trigger, resolve = (x.json() for x in r.requests)
+    assert trigger["routing_key"] == "R0UT1NG-KEY" and trigger["event_action"] == "trigger"
+    assert trigger["payload"]["severity"] == "error" and trigger["payload"]["source"] == "gpu-7"
+    assert trigger["payload"]["summary"].startswith("gpu-7: engine not READY for 5s")
+    assert trigger["payload"]["timestamp"] == "2023-11-14T22:13:20.000Z"
+    assert trigger["payload"]["custom_details"]["kind"] == "hang"
+    assert resolve == {"routing_key": "R0UT1NG-KEY", "dedup_key": trigger["dedup_key"], "event_action": "resolve"}
+
+
+async def test_twilio_sends_one_form_post_per_number_with_basic_auth(receiver: Callable[..., Receiver],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    r = receiver(status=201)
+    monkeypatch.setenv("TW_TOKEN", "s3cret-token")
+    ch = make_channel(HookConfig(type="twilio", url=r.url, account_sid="AC123", auth_token_env="TW_TOKEN",
+                                 from_="+15550001", to=("+15550002", "+15550003")))
+    await ch.send(one_alert(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure={"kind": "hang"})))
+    await ch.close()
+    assert [x.path for x in r.requests] == ["/2010-04-01/Accounts/AC123/Messages.json"] * 2
+    auth = r.requests[0].headers["Authorization"]
+    assert base64.b64decode(auth.split()[1]).decode() == "AC123:s3cret-token"
+    forms = [urllib.parse.parse_qs(x.body.decode()) for x in r.requests]
+    assert [f["To"] for f in forms] == [["+15550002"], ["+15550003"]]
+    assert forms[0]["From"] == ["+15550001"] and forms[0]["Body"][0].startswith("[critical] gpu-7: supervisor gave up")
+
+
+async def test_slack_posts_text_and_blocks(receiver: Callable[..., Receiver]) -> None:
+    r = receiver()
+    ch = make_channel(HookConfig(type="slack", url=r.url + "/services/T/B/X"))
+    await ch.send(one_alert())
+    await ch.close()
+    body = r.requests[0].json()
+    assert body["text"].startswith("[WARNING] gpu-7: engine restarted after runtime_oom")
+    assert body["blocks"][0]["type"] == "section"
+
+
+async def test_command_gets_the_alert_json_on_stdin_and_its_status_counts(tmp_path: Path) -> None:
+    out = tmp_path / "got.json"
+    script = f"import sys, pathlib; pathlib.Path({str(out)!r}).write_text(sys.stdin.read())"
+    await make_channel(HookConfig(type="command", argv=(sys.executable, "-c", script))).send(one_alert())
+    assert json.loads(out.read_text())["event"] == "engine_restarted"
+    from supervisor.ops.alerts.channels import SendFailed
+
+    with pytest.raises(SendFailed, match="exited with status 3"):
+        await make_channel(HookConfig(type="command", argv=(sys.executable, "-c", "raise SystemExit(3)"))
+                           ).send(one_alert())
+    with pytest.raises(SendFailed, match=r"ran past 0\.2s"):
+        await make_channel(HookConfig(type="command", timeout_s=0.2,
+                                      argv=(sys.executable, "-c", "import time; time.sleep(30)"))).send(one_alert())
+
+
+def test_secrets_come_from_the_environment_or_systemd_credentials(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PD_KEY", raising=False)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    with pytest.raises(MissingSecret, match=r"routing_key_env: \$PD_KEY is not set"):
+        make_channel(HookConfig(type="pagerduty", routing_key_env="PD_KEY"))
+    (tmp_path / "PD_KEY").write_text("from-credentials\n")
+    assert read_secret("PD_KEY") == "from-credentials"
+
+
+def test_a_secret_written_in_the_toml_is_refused_with_a_hint() -> None:
+    from supervisor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="secrets are read from the environment"):
+        parse({"engine": {"model": "m"}, "alerts": {"hooks": [{"type": "pagerduty", "routing_key": "abc"}]}})
+
+
+# ---- dispatch: never delays, retries capped, rate limit ----------------------------------------------------
+async def test_a_hanging_hook_and_a_failing_hook_never_hold_up_the_others(receiver: Callable[..., Receiver]) -> None:
+    hang, bad, good = receiver(hang=True), receiver(status=500), receiver()
+    outcomes: list[AlertOutcome] = []
+    hooks = [HookConfig(type="webhook", url=hang.url, timeout_s=30),
+             HookConfig(type="webhook", url=bad.url, attempts=3, retry_for_s=5),
+             HookConfig(type="slack", url=good.url, min_severity="info")]
+    alerts = Alerts(AlertsConfig(flush_s=0.5), [(h, make_channel(h)) for h in hooks],
+                    lambda ev: outcomes.append(ev) if isinstance(ev, AlertOutcome) else None, retry_wait_s=0.01)
+    alerts.start()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    for ev in crash_and_recover():
+        alerts(ev)  # what the bus does: returns at once
+    assert loop.time() - t0 < 0.05
+    while not (len(good.requests) == 2 and len([o for o in outcomes if o.outcome == "failed"]) == 2):
+        await asyncio.sleep(0.01)  # the test's own timeout bounds this
+    assert [x.json()["text"].split("]")[0] for x in good.requests] == ["[WARNING", "[INFO"]
+    assert len(bad.requests) == 6  # two alerts x three attempts, then given up
+    t1 = loop.time()
+    await alerts.close()  # bounded by flush_s although one hook hangs
+    assert loop.time() - t1 < 0.5 + 1.0
+    assert [o.outcome for o in outcomes if o.channel == "webhook" and o.outcome == "failed"] == ["failed"] * 2
+
+
+async def test_a_hooks_rate_limit_holds_back_all_but_critical(receiver: Callable[..., Receiver]) -> None:
+    r = receiver()
+    outcomes: list[str] = []
+    hook = HookConfig(type="webhook", url=r.url, max_per_hour=2)
+    alerts = Alerts(AlertsConfig(dedup_window_s=0), [(hook, make_channel(hook))],
+                    lambda ev: outcomes.append(ev.outcome) if isinstance(ev, AlertOutcome) else None, retry_wait_s=0.01)
+    alerts.start()
+    for ev in [failed(), sc("STOPPING", "BACKOFF")] * 3:
+        alerts(ev)
+    alerts(Fatal(at=1.0, reason="budget", exit_code=4, failure={}))
+    await alerts.close()
+    assert outcomes.count("suppressed") == 1 and outcomes.count("sent") == 3
+    assert r.requests[-1].json()["event"] == "fatal"
