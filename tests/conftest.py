@@ -185,9 +185,10 @@ class Launcher:
         cfg = self.workdir / f"sup{n}.toml"
         cfg.write_text(to_toml(doc))
         log_path = self.workdir / f"sup{n}.log"
+        base = {k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "INVOCATION_ID", "NOTIFY_SOCKET")}
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
-                                    stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                    stdout=logf, stderr=subprocess.STDOUT, env={**base, **(env or {})})
         sup = Sup(proc, cfg, doc["admin"]["listen"], f"http://127.0.0.1:{doc['engine']['port']}",
                   Path(doc["state"]["dir"]), log_path)
         self.started.append(sup)
