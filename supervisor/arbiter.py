@@ -13,6 +13,7 @@ its bound stops the petting, and systemd restarts us; /healthz answers from the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -50,7 +51,7 @@ from supervisor.event_stream import (
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost, short_of
 from supervisor.ops import incident, statefile
-from supervisor.ops.admin import AdminServer, make_app
+from supervisor.ops.admin import AdminServer, make_app, metrics_app
 from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.history import History
 from supervisor.ops.logs import log_event
@@ -64,6 +65,7 @@ GIB = 2**30
 TICK_S = 1.0  # the loop's heartbeat: watchdog petting, /healthz, the READY checks (stable, climb)
 STUCK_SLACK_S = 10.0
 HEALTHZ_STALE_S = 3 * TICK_S + 2.0
+GPU_POLL_S = 10.0
 
 
 class Supervisor:
@@ -99,7 +101,8 @@ class Supervisor:
         # The event stream and its subscribers.
         self.bus = EventBus()
         self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
-        self.metrics = Metrics(self.profile.knobs())
+        self.metrics = Metrics(self.profile.knobs(), cfg.profile.knobs())
+        self.metrics.budget_from(lambda: self.policy.budget_left(self.host.monotonic()))
         self.history = History()
         self.bus.subscribe("log", log_event)
         self.bus.subscribe("metrics", self.metrics)
@@ -114,6 +117,10 @@ class Supervisor:
         self.bus.subscribe("alerts", self.alerts)
         self.admin = AdminServer(make_app(self.status, self.loop_alive, self.metrics.render),
                                  *cfg.admin.host_port)
+        # An optional listener with /metrics alone, for a central Prometheus (any address: it can change nothing).
+        self.metrics_only = AdminServer(metrics_app(self.metrics.render), *cfg.admin.metrics_host_port) \
+            if cfg.admin.metrics_listen else None
+        self._gpu_poll: asyncio.Task[None] | None = None
 
     # ---- publishing and state ----------------------------------------------------------------------
     def publish(self, event: Event) -> None:
@@ -151,12 +158,27 @@ class Supervisor:
             "engine_url": self.cfg.engine.base_url,
             "start": self.starts,
             "phase": run.phase.value if run else None,
+            "startup": self._startup(run),
+            "engine_version": run.engine_version if run else None,
+            "degraded": self.profile != self.cfg.profile,
             "state_for_s": round(self.host.monotonic() - self.state_since, 3),
             "uptime_s": round(self.host.monotonic() - self.started_mono, 3),
             "timings": self.timings,
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
         }
+
+    def _startup(self, run: EngineRun | None) -> dict[str, Any] | None:
+        """While starting: vLLM's own step (loading weights, compiling, ...) and for how long."""
+        if run is None or self.state not in (S.STARTING, S.WARMING):
+            return None
+        now = self.host.monotonic()
+        if self.state is S.WARMING:
+            return {"step": "warming", "for_s": round(now - self.state_since, 1)}
+        if run.startup_step is None:
+            return {"step": "starting", "for_s": round(now - run.started_at, 1)}
+        step, since = run.startup_step
+        return {"step": step, "for_s": round(now - since, 1)}
 
     # ---- intent ----------------------------------------------------------------------------------------
     def request_stop(self, why: str = "stop requested") -> None:
@@ -214,8 +236,11 @@ class Supervisor:
         # systemd's RuntimeDirectory= when there is one: private, and removed with the unit.
         self.run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
         await self.admin.start()
+        if self.metrics_only is not None:
+            await self.metrics_only.start()
         self.bus.start()
         self.alerts.start()
+        self._gpu_poll = asyncio.create_task(self._poll_gpu())
         self.publish(SupervisorStarted(at=self.host.wall(), admin=self.cfg.admin.listen,
                                        engine=self.cfg.engine.base_url, profile=self.profile.knobs(),
                                        state_dir=self.cfg.state.dir))
@@ -230,13 +255,24 @@ class Supervisor:
             if run is not None:
                 await run.stop(planned=True) if run.child and run.child.proc.returncode is None else await run.close()
             leftovers.clear(self.cfg.state.dir)
+            if self._gpu_poll is not None:
+                self._gpu_poll.cancel()
             await self.admin.close()
+            if self.metrics_only is not None:
+                await self.metrics_only.close()
             await self.bus.close()
             await self.alerts.close()  # bounded by [alerts] flush_s: a FATAL is paged before we exit
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.install_signals:
                 loop.remove_signal_handler(signal.SIGTERM)
                 loop.remove_signal_handler(signal.SIGINT)
+
+    async def _poll_gpu(self) -> None:
+        """GPU memory per device for /metrics, every 10 s (NVML in a thread; a lost GPU is the gate's business)."""
+        while True:
+            with contextlib.suppress(GpuLost):
+                self.metrics.set_gpu(await self.host.gpu_snapshot())
+            await asyncio.sleep(GPU_POLL_S)
 
     async def _lifecycle(self) -> int:
         while True:

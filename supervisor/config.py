@@ -132,11 +132,20 @@ class StateConfig:
 @dataclass(frozen=True)
 class AdminConfig:
     listen: str = "127.0.0.1:8001"
+    metrics_listen: str = ""  # optional: /metrics alone on any address, for a central Prometheus
 
     @property
     def host_port(self) -> tuple[str, int]:
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]"), int(port)
+        return _host_port(self.listen)
+
+    @property
+    def metrics_host_port(self) -> tuple[str, int]:
+        return _host_port(self.metrics_listen)
+
+
+def _host_port(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)
@@ -435,6 +444,10 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("listen", ok, f"must be HOST:PORT, e.g. \"127.0.0.1:8001\", got {obj.listen!r}")
         need("listen", host.strip("[]") in ("127.0.0.1", "::1", "localhost"),
              "must be a loopback address: the admin API is not authenticated")
+        if obj.metrics_listen:
+            mhost, msep, mport = obj.metrics_listen.rpartition(":")
+            need("metrics_listen", bool(msep) and bool(mhost) and mport.isdigit() and 0 <= int(mport) <= 65535,
+                 f"must be HOST:PORT, e.g. \"0.0.0.0:9400\", got {obj.metrics_listen!r}")
     elif isinstance(obj, AlertsConfig):
         for key in ("page_after_s", "dedup_window_s", "escalate_window_s", "flush_s"):
             need(key, getattr(obj, key) >= 0, "must be >= 0 seconds")
@@ -495,6 +508,9 @@ def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
     engine, admin = built.get("engine"), built.get("admin")
     if engine is not None and admin is not None and engine.port == admin.host_port[1]:
         out.append(("admin.listen", "must not use the engine's internal port"))
+    if engine is not None and admin is not None and admin.metrics_listen \
+            and admin.metrics_host_port[1] in (engine.port, admin.host_port[1]):
+        out.append(("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))
     return out
 
 

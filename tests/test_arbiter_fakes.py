@@ -495,3 +495,23 @@ def test_an_engine_run_masks_the_api_key_in_events_and_console_lines(tmp_path: P
                  "{'api_key': ['sk-abc-123']}")
     assert "sk-abc-123" not in json.dumps(list(run.events)) + json.dumps(run.tail.snapshot())
     assert "***" in run.events[0]["msg"] and "***" in run.tail.snapshot()[0]
+
+
+async def test_status_shows_vllms_own_startup_step_while_starting(tmp_path: Path) -> None:
+    arb, host, client = make(tmp_path)
+    client.healthy = False
+    run = asyncio.create_task(arb.run())
+    child = await host.spawned.get()
+    log = Path(__file__).parent / "fixtures" / "vllm-logs" / "h200-vllm0.26-startup-ok.log"
+    lines = log.read_text().splitlines()
+    upto = next(i for i, x in enumerate(lines) if "torch.compile took" in x)
+    child.proc.stdout.feed_data(("\n".join(lines[:upto - 2]) + "\n").encode())
+    await until(lambda: (arb.status()["startup"] or {}).get("step") == "compiling", "the compiling step")
+    assert arb.status()["engine_version"] == "0.26.0"
+    child.proc.stdout.feed_data((lines[upto] + "\n").encode())
+    await until(lambda: arb.status()["startup"]["step"] == "compiled", "compiled")
+    client.healthy = True
+    await until(lambda: arb.state.value == "READY", "READY")
+    assert arb.status()["startup"] is None
+    arb.request_stop("test")
+    assert await run == ExitCode.OK

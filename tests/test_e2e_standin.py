@@ -16,7 +16,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import Receiver, Sup, gone, http_json, spawned_pids
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tests.conftest import Receiver, Sup, free_port, gone, http_json, spawned_pids
 
 LONG_PROMPT = "word " * 30_000
 
@@ -185,15 +187,26 @@ def test_corrupt_state_file_is_reported_and_ignored(supervise: Callable[..., Sup
 
 
 def test_admin_endpoints(supervise: Callable[..., Sup]) -> None:
-    sup = supervise()
+    metrics_port = free_port()
+    sup = supervise({"admin": {"metrics_listen": f"127.0.0.1:{metrics_port}"}})
     st = sup.wait_ready()
     assert set(st) >= {"state", "ready", "profile", "restarts", "last_failure", "engine_pid"}
     assert http_json(f"http://{sup.admin}/readyz")[0] == 200
     assert http_json(f"http://{sup.admin}/healthz")[0] == 200
     with urllib.request.urlopen(f"http://{sup.admin}/metrics", timeout=5) as r:
         text = r.read().decode()
+        assert r.headers["Content-Type"] == CONTENT_TYPE_LATEST  # Prometheus' own, with its version
     assert 'vllm_supervisor_engine_state{state="READY"} 1.0' in text
     assert 'vllm_supervisor_profile{knob="max_num_batched_tokens"} 8192.0' in text
+    assert 'vllm_supervisor_configured_profile{knob="max_num_batched_tokens"} 8192.0' in text
+    assert "vllm_supervisor_degraded 0.0" in text and "vllm_supervisor_restart_budget_left 4.0" in text
+    assert "vllm_supervisor_time_to_ready_seconds_count 1.0" in text
+    assert 'vllm_supervisor_build_info{python="' in text
+    assert 'vllm_supervisor_engine_failures_total{kind="hang"} 0.0' in text  # every series from the start
+    # The metrics-only listener serves /metrics and nothing else.
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        assert "vllm_supervisor_engine_state" in r.read().decode()
+    assert http_json(f"http://127.0.0.1:{metrics_port}/status")[0] == 404
     core = sup.engine_tree()[1].pid
     os.kill(core, signal.SIGSTOP)
     sup.wait_for(lambda s: not s["ready"], 30, "not ready after the hang")

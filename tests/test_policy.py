@@ -250,3 +250,18 @@ def test_the_same_request_id_in_two_decode_deaths_is_also_memory() -> None:
     assert pol.on_failure(first, P, 0).failure.kind is FailureKind.ENGINE_DEAD
     d = pol.on_failure(again, P, 1)
     assert d.failure.kind is FailureKind.RUNTIME_OOM and d.profile.max_num_batched_tokens == 6144
+
+
+def test_the_budget_left_is_the_lesser_of_the_window_and_the_crash_loop() -> None:
+    pol = policy(max_restarts=5, window_s=100, max_consecutive_failures=3)
+    assert pol.budget_left(0) == 2  # the third failure in a row is FATAL: two more are restarted
+    dead = Failure(FailureKind.ENGINE_DEAD, "x")
+    pol.on_failure(dead, P, 0)
+    assert pol.budget_left(1) == 1
+    pol.on_ready()
+    assert pol.budget_left(2) == 2
+    for t in (3, 4, 5):
+        pol.on_failure(dead, P, t)
+        pol.on_ready()
+    assert pol.budget_left(6) == 1  # four restarts in the window of five
+    assert pol.budget_left(200) == 2  # they left the window

@@ -226,6 +226,12 @@ class Policy:
             candidate = step_down(candidate, self.ladder, failure.knob)
         return candidate
 
+    def budget_left(self, now: float) -> int:
+        """Failures that would still be restarted: the lesser of the window's and the crash loop's allowance."""
+        in_window = sum(1 for t in self.restarts if now - t <= self.restart.window_s)
+        return max(0, min(self.restart.max_restarts - in_window,
+                          self.restart.max_consecutive_failures - 1 - self.in_a_row))
+
     def on_ready(self) -> None:
         """The engine became READY: a crash loop, if there was one, is over."""
         self.in_a_row = 0

@@ -27,6 +27,7 @@ import psutil
 import structlog
 
 from supervisor.config import Config, WarmupConfig, is_local_path
+from supervisor.decide import startup
 from supervisor.decide.classify import ExitInfo, classify, death_evidence, fraction_that_fits
 from supervisor.decide.evidence import ConsoleFilter, event_evidence
 from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase, TriggerKind
@@ -96,6 +97,8 @@ class EngineRun:
         self.timings: dict[str, float] = {}
         self.warmup_sizes: list[int] = []
         self.deadline = self.started_at  # by when the current step must be over (the watchdog's measure)
+        self.startup_step: tuple[str, float] | None = None  # vLLM's own step while loading, and since when
+        self.engine_version: str | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._canary: asyncio.Task[None] | None = None
         self._ending = False
@@ -128,6 +131,12 @@ class EngineRun:
         return value
 
     def _on_line(self, line: str) -> None:
+        if self.phase is Phase.LOADING:
+            step = startup.step_of(line)
+            if step and (self.startup_step is None or self.startup_step[0] != step):
+                self.startup_step = (step, self.host.monotonic())
+            if self.engine_version is None:
+                self.engine_version = startup.version_of(line)
         text = self.console.feed(line)
         if text and not self._ending:
             found = death_evidence(text)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 
 def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool],
@@ -22,14 +23,21 @@ def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool
     async def status_(_: web.Request) -> web.Response:
         return web.json_response(status())
 
-    async def metrics_(_: web.Request) -> web.Response:
-        return web.Response(body=metrics(), content_type="text/plain", charset="utf-8")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics_)
+    app = metrics_app(metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status_)
+    return app
+
+
+def metrics_app(metrics: Callable[[], bytes]) -> web.Application:
+    """/metrics alone, in Prometheus' own content type."""
+
+    async def metrics_(_: web.Request) -> web.Response:
+        return web.Response(body=metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_)
     return app
 
 

@@ -5,11 +5,13 @@ An event-stream subscriber: every series moves only on the events it reads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import platform
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from supervisor import __version__
 from supervisor.decide.lifecycle import EngineState, FailureKind
 from supervisor.event_stream import (
     AlertOutcome,
@@ -26,9 +28,23 @@ from supervisor.event_stream import (
 class Metrics:
     """One registry per supervisor (tests run several in one process)."""
 
-    def __init__(self, profile: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, profile: Mapping[str, Any] | None = None,
+                 configured: Mapping[str, Any] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        Info("vllm_supervisor_build", "Version of the supervisor and its Python", registry=r).info(
+            {"version": __version__, "python": platform.python_version()})
+        self.configured = Gauge("vllm_supervisor_configured_profile",
+                                "Configured value of each managed knob (-1 = vLLM's default)", ["knob"], registry=r)
+        self.degraded = Gauge("vllm_supervisor_degraded", "1 while the profile is below the configured one",
+                              registry=r)
+        self.budget_left = Gauge("vllm_supervisor_restart_budget_left",
+                                 "Restarts left before FATAL (the lesser of the window budget and the crash-loop "
+                                 "limit)", registry=r)
+        self.time_to_ready = Histogram("vllm_supervisor_time_to_ready_seconds", "Spawn -> READY of each start",
+                                       buckets=(5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900), registry=r)
+        self.gpu_memory = Gauge("vllm_supervisor_gpu_memory_bytes", "GPU memory per device as NVML reports it",
+                                ["device", "kind"], registry=r)
         self.state = Gauge("vllm_supervisor_engine_state", "1 for the engine's current state", ["state"], registry=r)
         self.transitions = Counter("vllm_supervisor_state_transitions", "Engine state transitions",
                                    ["from_state", "to_state"], registry=r)
@@ -51,6 +67,9 @@ class Metrics:
             self.state.labels(s.value).set(1 if s is EngineState.STOPPED else 0)
         for k in FailureKind:
             self.failures.labels(k.value)
+        self._configured = dict(configured or {})
+        for knob, value in self._configured.items():
+            self.configured.labels(knob).set(-1 if value is None else value)
         if profile is not None:
             self.set_profile(profile)
 
@@ -63,6 +82,7 @@ class Metrics:
                 self.restarts.inc()
             if event.new == EngineState.READY.value and "start_to_ready_s" in event.info:
                 self.start.set(float(event.info["start_to_ready_s"]))
+                self.time_to_ready.observe(float(event.info["start_to_ready_s"]))
         elif isinstance(event, (ProfileLowered, ProfileRaised, ProfileRestored)):
             self.set_profile(event.profile)
         elif isinstance(event, FailureClassified):
@@ -77,6 +97,17 @@ class Metrics:
     def set_profile(self, knobs: Mapping[str, Any]) -> None:
         for knob, value in knobs.items():
             self.profile.labels(knob).set(-1 if value is None else value)
+        if self._configured:
+            self.degraded.set(0 if dict(knobs) == self._configured else 1)
+
+    def budget_from(self, left: Callable[[], float]) -> None:
+        """Read the restart budget left at each scrape (it grows back as old restarts leave the window)."""
+        self.budget_left.set_function(left)
+
+    def set_gpu(self, devices: Sequence[Any]) -> None:
+        for d in devices:
+            for kind in ("total", "free", "used"):
+                self.gpu_memory.labels(str(d.index), kind).set(getattr(d, kind))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,38 @@
+"""Where a start's time goes: vLLM's own startup log lines mapped to steps (pure).
+
+Only for display (``vllm-supervisor status``, ``/status``): a step never decides anything.
+"""
+
+from __future__ import annotations
+
+import re
+
+from supervisor.decide.evidence import strip_prefix
+
+# First match wins, in the order vLLM goes through its start.
+STEPS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"Graph capturing finished"), "graphs captured"),
+    (re.compile(r"Capturing CUDA graphs|Capturing cudagraphs"), "capturing graphs"),
+    (re.compile(r"Available KV cache memory|GPU KV cache size|KV cache size|Memory profiling takes"),
+     "profiling KV cache"),
+    (re.compile(r"torch\.compile took"), "compiled"),
+    (re.compile(r"torch\.compile|torch_compile_cache|Compiling a graph|Dynamo bytecode transform"), "compiling"),
+    (re.compile(r"Loading weights took|Model loading took"), "weights loaded"),
+    (re.compile(r"Starting to load model|Loading safetensors checkpoint"), "loading weights"),
+    (re.compile(r"Initializing a V1 LLM engine|Initializing an LLM engine"), "initializing engine"),
+    (re.compile(r"Starting vLLM API server|Application startup complete"), "starting API server"),
+]
+VERSION = re.compile(r"LLM engine \(v([\w.+\-]+)\)|\bversion (\d+\.\d+\.\d+[\w.+\-]*)\s*$")
+
+
+def step_of(line: str) -> str | None:
+    text = strip_prefix(line)
+    for pat, step in STEPS:
+        if pat.search(text):
+            return step
+    return None
+
+
+def version_of(line: str) -> str | None:
+    m = VERSION.search(strip_prefix(line))
+    return (m.group(1) or m.group(2)) if m else None
