@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import platform
 import shutil
 import signal
 import tempfile
@@ -25,6 +26,7 @@ from typing import Any, TextIO, TypeVar
 
 import structlog
 
+from supervisor import __version__
 from supervisor.config import Config
 from supervisor.decide.lifecycle import EngineState, ExitCode, Failure, Knob, TriggerKind, check_transition
 from supervisor.decide.policy import Policy, clamp_to_configured
@@ -433,7 +435,10 @@ class Supervisor:
             "phase": verdict.phase.value, "returncode": verdict.returncode,
             "profile_before": before.knobs(), "profile_after": after.knobs(),
             "stop": verdict.stop.__dict__ if verdict.stop else None, "gpu": gpu, "stacks": verdict.stacks,
-            "detected_after_state_s": detected_after, **run.evidence(),
+            "detected_after_state_s": detected_after,
+            "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
+                         "vllm": run.engine_version},
+            **run.evidence(),
         }
         try:
             path = incident.write(self.cfg.state.dir, failure.kind.value, bundle,

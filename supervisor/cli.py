@@ -1,4 +1,4 @@
-"""Command line: ``vllm-supervisor run|check|status`` (the composition root)."""
+"""Command line: ``vllm-supervisor run|check|status|incidents`` (the composition root)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from supervisor import __version__
 from supervisor import config as config_mod
 from supervisor.decide.lifecycle import ExitCode
 from supervisor.decide.profile import Profile
 from supervisor.engine import launch
-from supervisor.ops import logs
+from supervisor.ops import logs, oncall
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-supervisor", description="Keep one vLLM engine alive.")
+    parser.add_argument("--version", action="version", version=f"vllm-supervisor {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="supervise the engine in the foreground")
     p_run.add_argument("--config", "-c", required=True, help="TOML config file")
@@ -30,10 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument("--config", "-c", help="TOML config file (for [admin] listen)")
     p_status.add_argument("--admin", help="admin address HOST:PORT (default 127.0.0.1:8001)")
     p_status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    p_inc = sub.add_parser("incidents", help="list the incident bundles, or show one")
+    p_inc.add_argument("id", nargs="?", help="an incident's name (as listed), or 'latest'")
+    p_inc.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
+    p_inc.add_argument("--json", action="store_true", help="print the whole bundle")
     args = parser.parse_args(argv)
 
     if args.cmd == "status":
         return _status(args)
+    if args.cmd == "incidents":
+        return _incidents(args)
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
@@ -91,27 +99,50 @@ def _run(cfg: config_mod.Config, echo_engine: bool) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     listen = args.admin
-    if listen is None and args.config:
+    state_dir = None
+    if args.config:
         try:
-            listen = config_mod.load(args.config).admin.listen
+            cfg = config_mod.load(args.config)
         except config_mod.ConfigError as exc:
             print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
             return ExitCode.BAD_SUPERVISOR_CONFIG
+        listen, state_dir = listen or cfg.admin.listen, cfg.state.dir
     listen = listen or config_mod.AdminConfig().listen
     try:
         with urllib.request.urlopen(f"http://{listen}/status", timeout=5) as r:
             doc: dict[str, Any] = json.load(r)
     except (urllib.error.URLError, OSError) as exc:
         print(f"vllm-supervisor: no supervisor answers on {listen}: {exc}", file=sys.stderr)
+        if state_dir is not None:
+            print(oncall.render_offline(state_dir))
         return 1
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"state     {doc['state']}{'  (ready)' if doc['ready'] else ''}")
-    print(f"engine    pid {doc['engine_pid']}  {doc.get('engine_url', '')}")
-    print("profile   " + "  ".join(f"{k}={'vllm-default' if v is None else v}" for k, v in doc["profile"].items()))
-    print(f"restarts  {doc['restarts']} (this run), {doc.get('restarts_total', '?')} (all time)")
-    lf = doc.get("last_failure")
-    if lf:
-        print(f"last failure  {lf['kind']}: {lf['evidence']}")
+    print(oncall.render_status(doc))
+    return 0
+
+
+def _incidents(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigError as exc:
+        print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
+    paths = oncall.incident_paths(cfg.state.dir)
+    if args.id is None:
+        if not paths:
+            print(f"no incidents in {cfg.state.dir}/incidents")
+        for p in reversed(paths):
+            print(oncall.incident_line(p))
+        return 0
+    chosen = paths[-1:] if args.id == "latest" else [p for p in paths if p.stem == args.id or p.name == args.id]
+    if not chosen:
+        print(f"vllm-supervisor: no incident {args.id!r} in {cfg.state.dir}/incidents "
+              "(`vllm-supervisor incidents` lists them)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(chosen[0].read_text())
+    else:
+        print(oncall.render_incident(chosen[0]))
     return 0

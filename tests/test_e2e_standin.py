@@ -400,3 +400,37 @@ def test_a_hook_whose_secret_is_missing_is_a_config_error(supervise: Callable[..
     sup = supervise({"alerts": {"hooks": [{"type": "pagerduty", "routing_key_env": "NO_SUCH_KEY_VAR"}]}})
     assert sup.wait_exit(30) == 2
     assert "routing_key_env: $NO_SUCH_KEY_VAR is not set" in sup.log_tail()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True)
+
+
+def test_on_call_view_status_and_incidents_live_and_after_the_supervisor_is_gone(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}})
+    sup.wait_ready()
+    assert send_long_prompt(sup) == 500
+    sup.wait_ready(restarts=1)
+    live = cli("status", "--config", str(sup.config))
+    assert live.returncode == 0
+    assert "max_num_batched_tokens=6144 (configured 8192)" in live.stdout and "[degraded" in live.stdout
+    assert "last failure  runtime_oom: CUDA out of memory" in live.stdout
+    listed = cli("incidents", "--config", str(sup.config))
+    (line,) = listed.stdout.splitlines()
+    stem = line.split()[0]
+    assert "runtime_oom" in line and stem in live.stdout
+    shown = cli("incidents", stem, "--config", str(sup.config)).stdout
+    assert "failure   runtime_oom: CUDA out of memory" in shown
+    assert "prompt tokens 30000" in shown and "versions  vllm_supervisor" in shown
+    assert "profile   before {'max_num_batched_tokens': 8192" in shown
+    assert json.loads(cli("incidents", "latest", "--config", str(sup.config), "--json").stdout)["failure"]["kind"] \
+        == "runtime_oom"
+    assert cli("incidents", "nope", "--config", str(sup.config)).returncode == 1
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(30) == 0
+    offline = cli("status", "--config", str(sup.config))
+    assert offline.returncode == 1 and "no supervisor answers" in offline.stderr
+    assert f"from {sup.state_dir}:" in offline.stdout and "max_num_batched_tokens=6144" in offline.stdout
+    assert f"newest incident {stem}" in offline.stdout
+    assert cli("--version").stdout.startswith("vllm-supervisor ")

@@ -153,6 +153,23 @@ class Suspect:
     prompt_tokens: int | None  # known when the request was new in the failing batch
 
 
+def batch(lines: Iterable[str], events: Iterable[Mapping[str, object]] = ()) -> list[dict[str, object]]:
+    """The shapes of the requests in the failing batch (ids and token counts, never text), from the last dump."""
+    texts = [strip_prefix(x) for x in lines if "Dumping scheduler output" in x]
+    texts += [str(ev.get("msg", "")) for ev in events if "Dumping scheduler output" in str(ev.get("msg", ""))]
+    if not texts:
+        return []
+    bare = _QUOTED.sub("''", scrub(texts[-1]))
+    prompt = {req: int(n) for req, n in _NEW_REQUEST.findall(bare)}
+    out: dict[str, dict[str, object]] = {}
+    for m in _SCHEDULED.finditer(bare):
+        for req, n in _SCHEDULED_ONE.findall(m.group(1)):
+            out[req] = {"request_id": req, "prompt_tokens": prompt.get(req), "scheduled_tokens": int(n)}
+    for req, n in prompt.items():
+        out.setdefault(req, {"request_id": req, "prompt_tokens": n, "scheduled_tokens": None})
+    return list(out.values())
+
+
 def suspect(lines: Iterable[str], events: Iterable[Mapping[str, object]] = ()) -> Suspect | None:
     """The largest new request named by a scheduler dump, else the one with most scheduled tokens.
 

@@ -29,7 +29,7 @@ import structlog
 from supervisor.config import Config, WarmupConfig, is_local_path
 from supervisor.decide import startup
 from supervisor.decide.classify import ExitInfo, classify, death_evidence, fraction_that_fits
-from supervisor.decide.evidence import ConsoleFilter, event_evidence
+from supervisor.decide.evidence import ConsoleFilter, batch, event_evidence
 from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase, TriggerKind
 from supervisor.decide.liveness import Liveness
 from supervisor.decide.profile import Profile
@@ -435,6 +435,8 @@ class EngineRun:
 
     def evidence(self) -> dict[str, Any]:
         """What went into the verdict, for the incident bundle (secrets masked by the writer)."""
-        return {"events": list(self.events)[-100:], "log_tail": self.tail.snapshot()[-400:],
+        events, lines = list(self.events), self.tail.snapshot()
+        return {"requests_in_batch": batch(lines, events), "engine_version": self.engine_version,
+                "events": events[-100:], "log_tail": lines[-400:],
                 "timings": self.timings, "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile),
                                                                self.secrets)}

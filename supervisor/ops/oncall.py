@@ -1,0 +1,122 @@
+"""What on-call reads: `vllm-supervisor status` and `vllm-supervisor incidents`, as text.
+
+``status`` asks the running supervisor; when none answers it says what the state directory
+remembers (state.json and the newest incident bundle).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from supervisor.ops import statefile
+
+GIB = 2**30
+
+
+def fmt_s(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _knobs(profile: dict[str, Any], configured: dict[str, Any] | None) -> str:
+    out = []
+    for k, v in profile.items():
+        text = f"{k}={'vllm-default' if v is None else v}"
+        if configured is not None and configured.get(k) != v:
+            c = configured.get(k)
+            text += f" (configured {'vllm-default' if c is None else c})"
+        out.append(text)
+    return "  ".join(out)
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    lines = [f"state     {doc['state']}{'  (ready)' if doc['ready'] else ''} for {fmt_s(doc.get('state_for_s', 0))}"]
+    startup = doc.get("startup")
+    if startup:
+        lines.append(f"startup   {startup['step']} for {fmt_s(startup['for_s'])}")
+    version = f"  vLLM {doc['engine_version']}" if doc.get("engine_version") else ""
+    lines.append(f"engine    pid {doc['engine_pid']}  {doc.get('engine_url', '')}{version}")
+    degraded = "  [degraded: below the configured profile]" if doc.get("degraded") else ""
+    lines.append("profile   " + _knobs(doc["profile"], doc.get("configured_profile")) + degraded)
+    lines.append(f"restarts  {doc['restarts']} (this run), {doc.get('restarts_total', '?')} (all time); "
+                 f"{doc.get('failures_in_a_row', 0)} failures in a row")
+    lf = doc.get("last_failure")
+    if lf:
+        lines.append(f"last failure  {lf['kind']}: {lf['evidence']}")
+        if lf.get("incident"):
+            lines.append(f"              incident {Path(lf['incident']).stem}  (vllm-supervisor incidents "
+                         f"{Path(lf['incident']).stem})")
+    return "\n".join(lines)
+
+
+def incident_paths(state_dir: str | Path) -> list[Path]:
+    """Incident bundles, oldest first."""
+    d = Path(state_dir) / "incidents"
+    return sorted(d.glob("*.json")) if d.is_dir() else []
+
+
+def load_incident(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def render_offline(state_dir: str | Path) -> str:
+    """What the state directory says when no supervisor answers."""
+    lines = [f"from {state_dir}:"]
+    learned = statefile.load(state_dir)
+    if learned is None:
+        lines.append("  state.json: none (the next start uses the configured profile)")
+    else:
+        lines.append("  profile   " + _knobs(learned.profile.knobs(), None))
+        lines.append(f"  restarts  {learned.restarts_total} (all time)")
+        if learned.last_failure:
+            lines.append(f"  last failure  {learned.last_failure.get('kind')}: {learned.last_failure.get('evidence')}")
+    paths = incident_paths(state_dir)
+    if paths:
+        lines.append("  newest incident " + incident_line(paths[-1]))
+    return "\n".join(lines)
+
+
+def incident_line(path: Path) -> str:
+    doc = load_incident(path) or {}
+    f = doc.get("failure") or {}
+    evidence = str(f.get("evidence", "(unreadable)"))
+    return f"{path.stem}  {f.get('kind', '?'):<15} {evidence[:100]}"
+
+
+def render_incident(path: Path) -> str:
+    doc = load_incident(path)
+    if doc is None:
+        return f"{path}: not a readable incident bundle"
+    f = doc.get("failure", {})
+    t = doc.get("trigger", {})
+    lines = [f"incident  {path.stem}  ({path})",
+             f"failure   {f.get('kind')}: {f.get('evidence')}",
+             f"trigger   {t.get('kind')}: {t.get('evidence')}   phase {doc.get('phase')}   "
+             f"API server return code {doc.get('returncode')}",
+             f"decision  {doc.get('decision')}",
+             f"profile   before {doc.get('profile_before')}",
+             f"          after  {doc.get('profile_after')}"]
+    for r in doc.get("requests_in_batch") or []:
+        lines.append(f"request   {r.get('request_id')}  prompt tokens {r.get('prompt_tokens')}  "
+                     f"scheduled {r.get('scheduled_tokens')}")
+    gpu = doc.get("gpu")
+    for g in gpu if isinstance(gpu, list) else []:
+        procs = ", ".join(f"pid {p['pid']} {p['bytes'] / GIB:.2f} GiB" for p in g.get("processes", []))
+        lines.append(f"gpu {g['index']}     {g['free'] / GIB:.2f} of {g['total'] / GIB:.2f} GiB free; {procs or '-'}")
+    stop = doc.get("stop") or {}
+    if stop:
+        lines.append(f"stop      pids {stop.get('pids')} sigkilled {stop.get('killed')} "
+                     f"survivors {stop.get('survivors')}")
+    if doc.get("versions"):
+        lines.append("versions  " + "  ".join(f"{k} {v}" for k, v in doc["versions"].items()))
+    if doc.get("stacks"):
+        lines.append(f"stacks    py-spy dumps of {len(doc['stacks'])} processes (--json shows them)")
+    lines.append(f"log tail  {len(doc.get('log_tail') or [])} console lines, {len(doc.get('events') or [])} IPC events "
+                 "(--json shows them)")
+    return "\n".join(lines)
