@@ -1,9 +1,5 @@
-"""vllm-supervisor: keeps one vLLM engine alive on a host, without anyone touching it."""
+"""vllm-supervisor: keeps one vLLM engine alive on a host, without anyone touching it.
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
-
-try:
-    __version__ = _version("vllm-supervisor")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+This file stays free of code: supervisord (which vLLM installs) ships the same package name, and
+whichever of the two installs last owns this file (supervisor/about.py holds the version).
+"""

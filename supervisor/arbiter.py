@@ -26,7 +26,7 @@ from typing import Any, TextIO, TypeVar
 
 import structlog
 
-from supervisor import __version__
+from supervisor.about import __version__
 from supervisor.config import Config
 from supervisor.decide.lifecycle import EngineState, ExitCode, Failure, Knob, TriggerKind, check_transition
 from supervisor.decide.policy import Policy, clamp_to_configured

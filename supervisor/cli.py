@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from supervisor import __version__
 from supervisor import config as config_mod
+from supervisor.about import __version__
 from supervisor.decide.lifecycle import ExitCode
 from supervisor.decide.profile import Profile
 from supervisor.engine import launch

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from supervisor import __version__
+from supervisor.about import __version__
 from supervisor.decide.lifecycle import EngineState, FailureKind
 from supervisor.event_stream import (
     AlertOutcome,
