@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import shutil
@@ -26,8 +27,9 @@ from typing import Any, TextIO, TypeVar
 
 import structlog
 
+from supervisor import config as config_mod
 from supervisor.about import __version__
-from supervisor.config import Config
+from supervisor.config import Config, ConfigError
 from supervisor.decide.lifecycle import EngineState, ExitCode, Failure, Knob, TriggerKind, check_transition
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.decide.profile import Profile
@@ -41,10 +43,14 @@ from supervisor.event_stream import (
     FailureDetected,
     Fatal,
     LearnedChanged,
+    PlannedRestart,
     ProfileLowered,
     ProfileRaised,
     ProfileRestored,
     Recovered,
+    Reloaded,
+    ReloadFailed,
+    Reloading,
     Stable,
     StateChanged,
     StopRequested,
@@ -52,9 +58,11 @@ from supervisor.event_stream import (
 )
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost, short_of
-from supervisor.ops import incident, statefile
+from supervisor.ops import control, incident, statefile
 from supervisor.ops.admin import AdminServer, make_app, metrics_app
+from supervisor.ops.alerts.channels import MissingSecret
 from supervisor.ops.alerts.dispatch import Alerts
+from supervisor.ops.control import ControlServer
 from supervisor.ops.history import History
 from supervisor.ops.logs import log_event
 from supervisor.ops.metrics import Metrics
@@ -73,8 +81,9 @@ GPU_POLL_S = 10.0
 class Supervisor:
     def __init__(self, cfg: Config, host: Host, *, notifier: Notifier | None = None,
                  echo: TextIO | None = None, install_signals: bool = True,
-                 client_factory: Callable[[], EngineClient] | None = None) -> None:
+                 client_factory: Callable[[], EngineClient] | None = None, config_path: str | None = None) -> None:
         self.cfg = cfg
+        self.config_path = config_path
         self.host = host
         self.echo = echo
         self.install_signals = install_signals
@@ -95,6 +104,8 @@ class Supervisor:
         self.ready_at: float | None = None
         self.stable_noted = False
         self.climb_to: Profile | None = None
+        self.restart_to: Profile | None = None  # a planned restart asked for (operator, reload), and its profile
+        self._background: set[asyncio.Task[Any]] = set()
         self.stop_asked = asyncio.Event()
         self.secrets = launch.secrets(cfg.engine)
         self.run_dir = Path()
@@ -116,13 +127,14 @@ class Supervisor:
         for hook in cfg.alerts.hooks:
             self.metrics.alerts_sent.labels(hook.type)
             self.metrics.alerts_failed.labels(hook.type)
-        self.bus.subscribe("alerts", self.alerts)
+        self.bus.subscribe("alerts", lambda ev: self.alerts(ev))  # a reload may replace self.alerts
         self.admin = AdminServer(make_app(self.status, self.loop_alive, self.metrics.render),
                                  *cfg.admin.host_port)
         # An optional listener with /metrics alone, for a central Prometheus (any address: it can change nothing).
         self.metrics_only = AdminServer(metrics_app(self.metrics.render), *cfg.admin.metrics_host_port) \
             if cfg.admin.metrics_listen else None
         self._gpu_poll: asyncio.Task[None] | None = None
+        self.control = ControlServer(control.path_in(cfg.state.dir), self.control_command)
 
     # ---- publishing and state ----------------------------------------------------------------------
     def publish(self, event: Event) -> None:
@@ -235,11 +247,13 @@ class Supervisor:
         if self.install_signals:
             loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
             loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT")
+            loop.add_signal_handler(signal.SIGHUP, self._soon, self.reload)
         # systemd's RuntimeDirectory= when there is one: private, and removed with the unit.
         self.run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
         await self.admin.start()
         if self.metrics_only is not None:
             await self.metrics_only.start()
+        await self.control.start()
         self.bus.start()
         self.alerts.start()
         self._gpu_poll = asyncio.create_task(self._poll_gpu())
@@ -262,12 +276,16 @@ class Supervisor:
             await self.admin.close()
             if self.metrics_only is not None:
                 await self.metrics_only.close()
+            await self.control.close()
+            for t in self._background:
+                t.cancel()
             await self.bus.close()
             await self.alerts.close()  # bounded by [alerts] flush_s: a FATAL is paged before we exit
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.install_signals:
                 loop.remove_signal_handler(signal.SIGTERM)
                 loop.remove_signal_handler(signal.SIGINT)
+                loop.remove_signal_handler(signal.SIGHUP)
 
     async def _poll_gpu(self) -> None:
         """GPU memory per device for /metrics, every 10 s (NVML in a thread; a lost GPU is the gate's business)."""
@@ -290,8 +308,8 @@ class Supervisor:
                 await self._wait(run.conclude(trigger), run.deadline_at)
                 self.change_state(S.STOPPED, reason=trigger.evidence)  # STOPPING -> STOPPED
                 return ExitCode.OK
-            if trigger.kind is TriggerKind.CLIMB:
-                await self._climb(run, trigger)
+            if trigger.kind in (TriggerKind.CLIMB, TriggerKind.RESTART):
+                await self._planned(run, trigger)
                 continue
             exit_code = await self._fail(run, trigger)
             if exit_code is not None:
@@ -358,16 +376,83 @@ class Supervisor:
         freed = [replace(s, free=s.free + sum(b for p, b in s.processes if p in ours)) for s in snaps]
         return not short_of(freed, util, int(self.cfg.gpu.start_headroom_gib * GIB))
 
-    async def _climb(self, run: EngineRun, trigger: Trigger) -> None:
-        target, self.climb_to = self.climb_to, None
-        assert target is not None
-        self.change_state(S.DRAINING, reason="climb", target=target.knobs())  # READY -> DRAINING
-        self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # DRAINING -> STOPPING
+    async def _planned(self, run: EngineRun, trigger: Trigger) -> None:
+        """A planned restart (a climb, or asked by the operator): drain, stop, and start at the target profile."""
+        target = self.climb_to if trigger.kind is TriggerKind.CLIMB else self.restart_to
+        self.climb_to = self.restart_to = None
+        target = target or self.profile
+        if self.state is S.READY:
+            self.change_state(S.DRAINING, reason=trigger.kind.value, target=target.knobs())  # READY -> DRAINING
+        self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # -> STOPPING
         await self._wait(run.conclude(trigger), run.deadline_at)
         before, self.profile = self.profile, target
-        self.publish(ProfileRaised(at=self.host.wall(), diff=before.diff(target), profile=target.knobs(),
-                                   reason=trigger.evidence))
+        if trigger.kind is TriggerKind.RESTART:
+            self.publish(PlannedRestart(at=self.host.wall(), reason=trigger.evidence))
+        if target != before:
+            self.publish(ProfileRaised(at=self.host.wall(), diff=before.diff(target), profile=target.knobs(),
+                                       reason=trigger.evidence))
         self._learned()
+
+    # ---- control: the operator's commands and reloads ------------------------------------------------------
+    def _soon(self, work: Callable[[], Awaitable[Any]]) -> None:
+        """From a signal handler: run ``work`` as a task of the loop (handlers only enqueue)."""
+        task = asyncio.ensure_future(work())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def control_command(self, command: str) -> tuple[bool, str]:
+        if command == "reload":
+            return await self.reload()
+        if command == "reset-profile":
+            self.policy.rung_failures.clear()
+            self._learned()
+            if self.profile == self.cfg.profile:
+                return True, "the profile already is the configured one; failed rungs forgotten"
+            return self._restart_at(self.cfg.profile, "reset-profile: back to [profile]")
+        return self._restart_at(self.profile, "restart asked by the operator")
+
+    def _restart_at(self, target: Profile, why: str) -> tuple[bool, str]:
+        run = self.engine_run
+        if self.state not in (S.STARTING, S.WARMING, S.READY) or run is None:
+            if self.state in (S.BACKOFF, S.STOPPING):
+                self.profile = target  # the start that comes next uses it
+                self._learned()
+                return True, f"the engine is already restarting ({self.state.value}); the next start uses the profile"
+            return False, f"the engine is {self.state.value}: nothing to restart"
+        self.restart_to = target
+        run.end(TriggerKind.RESTART, why)
+        return True, f"{why}: the engine restarts at {target.knobs()}"
+
+    async def reload(self) -> tuple[bool, str]:
+        """Read the config file again: invalid → keep the old one; engine settings changed → planned restart."""
+        path = self.config_path
+        self.publish(Reloading(at=self.host.wall(), source=str(path)))
+        try:
+            if path is None:
+                raise ConfigError([("(file)", "this supervisor was started without a config file path")])
+            new = config_mod.load(path)
+            fixed = [name for name in ("admin", "state") if getattr(new, name) != getattr(self.cfg, name)]
+            if fixed:
+                raise ConfigError([(name, "changes only with a restart of the supervisor") for name in fixed])
+            alerts = Alerts.from_config(new.alerts, self.publish) if new.alerts != self.cfg.alerts else None
+        except (ConfigError, MissingSecret) as exc:
+            self.publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
+            return False, f"reload refused, still running on the old config:\n{exc}"
+        old, self.cfg = self.cfg, new
+        changed = tuple(f.name for f in dataclasses.fields(Config) if getattr(old, f.name) != getattr(new, f.name))
+        self.policy.restart, self.policy.ladder, self.policy.configured = new.restart, new.ladder, new.profile
+        self.secrets = launch.secrets(new.engine)
+        if alerts is not None:
+            await self.alerts.close()
+            self.alerts = alerts
+            self.alerts.start()
+        engine_restart = new.engine != old.engine or new.profile != old.profile
+        self.publish(Reloaded(at=self.host.wall(), changed=changed, engine_restart=engine_restart))
+        if not engine_restart:
+            return True, f"reloaded ({', '.join(changed) or 'nothing'} changed); the engine keeps running"
+        ok, message = self._restart_at(clamp_to_configured(self.profile, new.profile), "config reloaded: "
+                                       "engine settings changed")
+        return ok, f"reloaded ({', '.join(changed)} changed); {message}"
 
     async def _fail(self, run: EngineRun, trigger: Trigger) -> ExitCode | None:
         """STOPPING, classify, ask the policy; BACKOFF and None to go on, or FATAL and its exit code."""

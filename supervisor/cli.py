@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument("--config", "-c", help="TOML config file (for [admin] listen)")
     p_status.add_argument("--admin", help="admin address HOST:PORT (default 127.0.0.1:8001)")
     p_status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    for name, what in (("restart", "restart the engine now (planned: drained, not counted as a failure)"),
+                       ("reset-profile", "go back to the configured [profile] and forget failed rungs"),
+                       ("reload", "read the config file again (as SIGHUP does); an invalid one is refused")):
+        p_ctl = sub.add_parser(name, help=what)
+        p_ctl.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
     p_inc = sub.add_parser("incidents", help="list the incident bundles, or show one")
     p_inc.add_argument("id", nargs="?", help="an incident's name (as listed), or 'latest'")
     p_inc.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
@@ -42,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args)
     if args.cmd == "incidents":
         return _incidents(args)
+    if args.cmd in ("restart", "reset-profile", "reload"):
+        return _control(args)
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
@@ -49,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.BAD_SUPERVISOR_CONFIG
     if args.cmd == "check":
         return _check(cfg)
-    return _run(cfg, echo_engine=not args.quiet_engine)
+    return _run(cfg, echo_engine=not args.quiet_engine, config_path=args.config)
 
 
 def _check(cfg: config_mod.Config) -> int:
@@ -77,14 +84,14 @@ def _check(cfg: config_mod.Config) -> int:
     return ExitCode.OK
 
 
-def _run(cfg: config_mod.Config, echo_engine: bool) -> int:
+def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:
     logs.configure(cfg.log.format, cfg.log.level)
     from supervisor.arbiter import Supervisor
     from supervisor.host.real import RealHost
     from supervisor.ops.alerts.channels import MissingSecret
 
     async def go() -> int:
-        supervisor = Supervisor(cfg, RealHost(), echo=sys.stderr if echo_engine else None)
+        supervisor = Supervisor(cfg, RealHost(), echo=sys.stderr if echo_engine else None, config_path=config_path)
         return await supervisor.run()
 
     try:
@@ -121,6 +128,20 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(oncall.render_status(doc))
     return 0
+
+
+def _control(args: argparse.Namespace) -> int:
+    from supervisor.ops import control
+
+    # The file may be invalid now (that is what `reload` will say): only [state] dir is needed here.
+    path = control.path_in(config_mod.state_dir_of(args.config))
+    try:
+        answer = control.send(path, args.cmd)
+    except OSError as exc:
+        print(f"vllm-supervisor: no supervisor answers on {path}: {exc}", file=sys.stderr)
+        return 1
+    print(answer.get("message"), file=sys.stdout if answer.get("ok") else sys.stderr)
+    return 0 if answer.get("ok") else 1
 
 
 def _incidents(args: argparse.Namespace) -> int:

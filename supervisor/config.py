@@ -249,6 +249,16 @@ def load(path: str | Path) -> Config:
     return parse(raw, source=str(p))
 
 
+def state_dir_of(path: str | Path) -> str:
+    """[state] dir of a config file even when the rest of it is invalid (the default when unreadable)."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+        value = raw.get("state", {}).get("dir")
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+        value = None
+    return value if isinstance(value, str) and value else StateConfig().dir
+
+
 def parse(raw: dict[str, Any], source: str = "") -> Config:
     """Validate an already-decoded TOML document."""
     problems: list[tuple[str, str]] = []

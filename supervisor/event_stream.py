@@ -177,6 +177,36 @@ class LearnedChanged(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Reloading(Event):
+    """SIGHUP or `vllm-supervisor reload`: the config file is read again."""
+
+    name = "supervisor.reloading"
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reloaded(Event):
+    name = "supervisor.reloaded"
+    changed: tuple[str, ...]  # the sections that differ
+    engine_restart: bool  # engine settings changed: the engine is restarted (planned)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReloadFailed(Event):
+    """The new config is invalid: the supervisor keeps running on the old one."""
+
+    name = "supervisor.reload_failed"
+    level = "error"
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedRestart(Event):
+    name = "engine.planned_restart"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlertOutcome(Event):
     """What became of one alert on one hook: sent, failed (after the retries), suppressed, dropped."""
 

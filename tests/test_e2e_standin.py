@@ -434,3 +434,90 @@ def test_on_call_view_status_and_incidents_live_and_after_the_supervisor_is_gone
     assert f"from {sup.state_dir}:" in offline.stdout and "max_num_batched_tokens=6144" in offline.stdout
     assert f"newest incident {stem}" in offline.stdout
     assert cli("--version").stdout.startswith("vllm-supervisor ")
+
+
+def test_reload_keeps_a_bad_config_out_and_restarts_the_engine_only_for_engine_settings(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    st = sup.wait_ready()
+    good = sup.config.read_text()
+    pid = st["engine_pid"]
+    assert (control_path := sup.state_dir / "control.sock").exists() and (control_path.stat().st_mode & 0o777) == 0o600
+    # An invalid file: refused, the old config stays, the engine is untouched.
+    sup.config.write_text(good.replace("max_restarts = 5", 'max_restarts = "five"'))
+    sup.proc.send_signal(signal.SIGHUP)
+    sup.wait_for(lambda s: bool(sup.events("supervisor.reload_failed")), 10, "the reload refused")
+    assert "restart.max_restarts" in sup.events("supervisor.reload_failed")[0]["error"]
+    refused = cli("reload", "--config", str(sup.config))
+    assert refused.returncode == 1 and "restart.max_restarts: must be an integer" in refused.stderr
+    assert sup.status()["engine_pid"] == pid  # type: ignore[index]
+    # Only [health] changed: applied without touching the engine.
+    sup.config.write_text(good.replace("probe_interval_s = 0.2", "probe_interval_s = 0.3"))
+    ok = cli("reload", "--config", str(sup.config))
+    assert ok.returncode == 0 and "health changed" in ok.stdout and "the engine keeps running" in ok.stdout
+    assert sup.status()["engine_pid"] == pid  # type: ignore[index]
+    # An engine setting changed: a planned restart, not a failure.
+    sup.config.write_text(good.replace('env = {  }', 'env = { FAKE_VLLM_TOKEN_DELAY = "0.002" }'))
+    assert cli("reload", "--config", str(sup.config)).returncode == 0
+    st = sup.wait_for(lambda s: s["ready"] and s["engine_pid"] not in (None, pid), 30, "the new engine READY")
+    assert st["restarts"] == 0 and st["last_failure"] is None
+    assert sup.events("supervisor.reloaded")[-1]["engine_restart"] is True
+    assert [h["to"] for h in st["history"]][-5:] == ["DRAINING", "STOPPING", "STARTING", "WARMING", "READY"]
+    # restart: the same, asked directly.
+    assert cli("restart", "--config", str(sup.config)).returncode == 0
+    st2 = sup.wait_for(lambda s: s["ready"] and s["engine_pid"] not in (None, st["engine_pid"]), 30, "restarted")
+    assert st2["restarts"] == 0
+
+
+def test_reset_profile_goes_back_to_the_configured_profile_and_forgets_failed_rungs(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}})
+    sup.wait_ready()
+    assert send_long_prompt(sup) == 500
+    assert sup.wait_ready(restarts=1)["profile"]["max_num_batched_tokens"] == 6144
+    done = cli("reset-profile", "--config", str(sup.config))
+    assert done.returncode == 0, done.stderr
+    st = sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, 30, "back to 8192")
+    assert st["restarts"] == 1
+    assert json.loads((sup.state_dir / "state.json").read_text())["rung_failures"] == {}
+
+
+def test_notify_sequence_on_a_real_socket_across_start_crash_recovery_reload_and_stop(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    path = tmp_path / "notify.sock"
+    messages: list[str] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        s.settimeout(0.2)
+        done = threading.Event()
+
+        def read() -> None:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    messages.append(s.recv(65536).decode())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            sup = supervise(env={"NOTIFY_SOCKET": str(path)})
+            sup.wait_ready()
+            os.kill(sup.engine_tree()[1].pid, signal.SIGKILL)
+            sup.wait_ready(restarts=1)
+            sup.proc.send_signal(signal.SIGHUP)  # the same file: reloaded, nothing to restart
+            sup.wait_for(lambda st: bool(sup.events("supervisor.reloaded")), 10, "reloaded")
+            sup.proc.send_signal(signal.SIGTERM)
+            assert sup.wait_exit(30) == 0
+        finally:
+            done.set()
+            reader.join()
+    kinds = []
+    for m in messages:
+        head = m.split("\n")[0]
+        kinds.append(head.split("=")[0] + ("=" + head.split("=")[1].split()[0] if head.startswith("STATUS") else ""))
+    ready = [i for i, k in enumerate(kinds) if k == "READY"]
+    assert kinds[0] == "EXTEND_TIMEOUT_USEC"
+    assert "STATUS=BACKOFF" in kinds and kinds.index("STATUS=BACKOFF") > ready[0]
+    reloading = kinds.index("RELOADING")
+    assert len(ready) == 2 and ready[1] > reloading  # READY=1 at the first warm-up, and after the reload
+    assert "MONOTONIC_USEC=" in messages[reloading]
+    assert kinds[-1] == "STATUS=STOPPED" and "STOPPING" in kinds[reloading:]

@@ -75,10 +75,11 @@ class TriggerKind(enum.Enum):
     GPU_LOST = "gpu_lost"  # NVML says the device is gone
     STOP = "stop"  # asked to stop (SIGTERM/SIGINT)
     CLIMB = "climb"  # planned restart one rung up
+    RESTART = "restart"  # planned restart asked by the operator (restart, reset-profile, a reload)
 
     @property
     def planned(self) -> bool:
-        return self in (TriggerKind.STOP, TriggerKind.CLIMB)
+        return self in (TriggerKind.STOP, TriggerKind.CLIMB, TriggerKind.RESTART)
 
 
 class Phase(enum.Enum):

@@ -8,12 +8,13 @@ STOPPING=1. The watchdog is not an event: the supervision loop pets it from its 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import sdnotify
 
-from supervisor.event_stream import Event, StateChanged, StopRequested
+from supervisor.event_stream import Event, Reloaded, ReloadFailed, Reloading, StateChanged, StopRequested
 
 
 def status_line(state: str, profile: Mapping[str, Any], restarts: int) -> str:
@@ -37,6 +38,7 @@ class Notifier:
         self.watchdog_interval_s = int(usec) / 1e6 / 2 if usec.isdigit() and int(usec) > 0 else None
         self.start_budget_s = start_budget_s  # what one start may take: load + warm-up
         self.ready_sent = False
+        self.reloading = False  # READY=1 is owed once the reload (and any engine restart it needs) is done
 
     def send(self, *fields: str) -> None:
         if self._n is not None:
@@ -45,8 +47,8 @@ class Notifier:
     def __call__(self, event: Event) -> None:
         if isinstance(event, StateChanged):
             line = f"STATUS={status_line(event.new, event.profile, event.restarts)}"
-            if event.new == "READY" and not self.ready_sent:
-                self.ready_sent = True
+            if event.new == "READY" and (not self.ready_sent or self.reloading):
+                self.ready_sent, self.reloading = True, False
                 self.send("READY=1", line)
             elif event.new == "STARTING" and not self.ready_sent and self.start_budget_s:
                 # Until the first READY systemd's start timeout runs: extend it by one start's budget.
@@ -55,6 +57,14 @@ class Notifier:
                 self.send(line)
         elif isinstance(event, StopRequested):
             self.send("STOPPING=1")
+        elif isinstance(event, Reloading):
+            self.reloading = True
+            # MONOTONIC_USEC: what Type=notify-reload units need with RELOADING=1.
+            self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+        elif isinstance(event, ReloadFailed) or (isinstance(event, Reloaded) and not event.engine_restart):
+            self.reloading = False
+            self.send("READY=1", "STATUS=reload " + ("failed: kept the old config" if isinstance(event, ReloadFailed)
+                                                      else "applied"))
 
     def watchdog(self) -> None:
         self.send("WATCHDOG=1")

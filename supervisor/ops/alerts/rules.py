@@ -21,6 +21,7 @@ from supervisor.event_stream import (
     ProfileLowered,
     ProfileRaised,
     Recovered,
+    ReloadFailed,
     StateChanged,
 )
 
@@ -112,6 +113,9 @@ class AlertRules:
                                 f"the {ev.kind or 'failure'}", ev.at, ev.kind,
                                 {"recovered_after_s": ev.recovered_after_s, "profile": dict(ev.profile)},
                                 dedup_key=key, resolves=key is not None)]
+        if isinstance(ev, ReloadFailed):
+            return [self._alert("config_reload_failed", "warning", "config reload refused, still running on the old "
+                                f"config: {ev.error}", ev.at)]
         if isinstance(ev, Fatal):
             kind = str(ev.failure.get("kind")) if ev.failure else None
             return [self._alert("fatal", "critical", f"supervisor gave up (exit {ev.exit_code}): {ev.reason}",
