@@ -37,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
                        ("reload", "read the config file again (as SIGHUP does); an invalid one is refused")):
         p_ctl = sub.add_parser(name, help=what)
         p_ctl.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
+    p_plan = sub.add_parser("plan", help="size [profile]/[ladder] for a model and a card (the seed's formula)")
+    p_plan.add_argument("--model", required=True, help="local model directory (its config.json)")
+    p_plan.add_argument("--gpu-mem", type=float, help="the card's memory in GiB (default: NVML's first device)")
+    p_plan.add_argument("--utilization", type=float, default=0.9, help="gpu_memory_utilization (default 0.9)")
+    p_plan.add_argument("--kv-cache-gib", type=float, help="size the KV cache directly (like --kv-cache-memory-bytes)")
+    p_plan.add_argument("--max-model-len", type=int, help="the longest request to serve (default: the model's)")
+    p_plan.add_argument("--dtype", default="auto")
+    p_plan.add_argument("--kv-cache-dtype", default="auto")
     p_inc = sub.add_parser("incidents", help="list the incident bundles, or show one")
     p_inc.add_argument("id", nargs="?", help="an incident's name (as listed), or 'latest'")
     p_inc.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
@@ -49,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return _incidents(args)
     if args.cmd in ("restart", "reset-profile", "reload"):
         return _control(args)
+    if args.cmd == "plan":
+        return _plan(args)
     try:
         cfg = config_mod.load(args.config)
     except config_mod.ConfigError as exc:
@@ -127,6 +137,39 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(oncall.render_status(doc))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from supervisor.decide import plan
+
+    model = Path(args.model)
+    try:
+        shape = plan.ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    except (OSError, ValueError) as exc:
+        print(f"vllm-supervisor: --model {model}: cannot read its config.json: {exc}", file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
+    card = int(args.gpu_mem * plan.GIB) if args.gpu_mem else None
+    if card is None and args.kv_cache_gib is None:
+        from supervisor.host.gpu import GpuLost, Nvml
+
+        try:
+            snaps = Nvml().snapshot()
+        except GpuLost:
+            snaps = []
+        card = snaps[0].total if snaps else None
+    weights = sum(f.stat().st_size for pat in ("*.safetensors", "*.bin", "*.pt") for f in model.glob(pat))
+    try:
+        result = plan.make_plan(shape, card_bytes=card, weights_bytes=weights, utilization=args.utilization,
+                                kv_budget=int(args.kv_cache_gib * plan.GIB) if args.kv_cache_gib else None,
+                                max_model_len=args.max_model_len, dtype=args.dtype,
+                                kv_cache_dtype=args.kv_cache_dtype)
+    except (ValueError, KeyError) as exc:
+        print(f"vllm-supervisor: plan: {exc}", file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
+    print(result.toml())
     return 0
 
 

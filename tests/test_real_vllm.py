@@ -102,6 +102,22 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
     assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_plan_agrees_with_vllms_own_kv_cache_size(sup: Sup) -> None:
+    """`vllm-supervisor plan` for this model and its 256 MiB KV cache vs what the real engine logged."""
+    import re
+    import sys
+
+    logged = re.findall(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: "
+                        r"([\d.]+)x", sup.log_path.read_text(errors="replace"))
+    assert logged, "vLLM did not log its KV cache size"
+    tokens, per_request, concurrency = logged[0]
+    out = subprocess.run([sys.executable, "-m", "supervisor", "plan", "--model", TINY_MODEL, "--kv-cache-gib",
+                          str(268435456 / 2**30), "--max-model-len", per_request.replace(",", "")],
+                         capture_output=True, text=True, check=True).stdout
+    assert f"-> {tokens.replace(',', '')} tokens" in out, out
+    assert f"max_num_seqs = {int(float(concurrency))}" in out
+
+
 HOSTILE_STOP = ["error: unrecognized arguments: --x", "EngineDeadError", "Engine core initialization failed",
                 "Fatal Python error: Segmentation fault"]
 

@@ -1,0 +1,132 @@
+"""`vllm-supervisor plan`: the seed's sizing formula, from a model's config.json and the card's memory (pure).
+
+KV bytes per token = 2 (K and V) x layers x KV heads x head size x bytes of the KV dtype, which is how
+vLLM sizes its cache. What the card leaves for the KV cache = memory x gpu_memory_utilization - weights
+- the activation peak of one chunk (estimated). Then, as the seed did by hand:
+max_num_seqs = KV tokens / max_model_len, and the chunk ladder is the default ladder below the chunk
+whose activation peak still fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
+               "fp8_e5m2": 1}
+LADDER = (8192, 6144, 4096, 2048, 1024, 512)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    kv_heads: int
+    head_size: int
+    hidden: int
+    intermediate: int
+    max_len: int
+    dtype: str
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, object]) -> ModelShape:
+        text = cfg.get("text_config")
+        if isinstance(text, dict):  # multimodal wrappers keep the language model's shape here
+            cfg = {**cfg, **text}
+
+        def num(*keys: str, default: int | None = None) -> int:
+            for k in keys:
+                v = cfg.get(k)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+            if default is None:
+                raise ValueError(f"config.json has none of {', '.join(keys)}")
+            return default
+
+        heads = num("num_attention_heads", "n_head")
+        hidden = num("hidden_size", "n_embd", "d_model")
+        return cls(layers=num("num_hidden_layers", "n_layer", "num_layers"),
+                   kv_heads=num("num_key_value_heads", "multi_query_group_num", default=heads),
+                   head_size=num("head_dim", default=hidden // heads),
+                   hidden=hidden, intermediate=num("intermediate_size", "ffn_hidden_size", default=4 * hidden),
+                   max_len=num("max_position_embeddings", "seq_length", "n_positions", default=4096),
+                   dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
+
+
+def kv_dtype_bytes(model_dtype: str, dtype: str = "auto", kv_cache_dtype: str = "auto") -> int:
+    """Bytes per KV element as vLLM picks them: the KV dtype, else the model dtype (float32 loads as 16-bit)."""
+    if kv_cache_dtype != "auto":
+        return DTYPE_BYTES[kv_cache_dtype]
+    chosen = model_dtype if dtype == "auto" else dtype
+    return 2 if dtype == "auto" and chosen in ("float32", "float") else DTYPE_BYTES.get(chosen, 2)
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    return 2 * shape.layers * shape.kv_heads * shape.head_size * dtype_bytes
+
+
+def activation_bytes(shape: ModelShape, chunk: int, dtype_bytes: int) -> int:
+    """Peak of one prefill chunk, estimated: the MLP's gate/up outputs and a few hidden-sized buffers."""
+    return chunk * (2 * shape.intermediate + 4 * shape.hidden) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    dtype_bytes: int
+    per_token: int
+    kv_budget: int
+    kv_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+    chunk: int
+    ladder: tuple[int, ...]
+    utilization: float
+    notes: tuple[str, ...]
+
+    def toml(self) -> str:
+        s = self.shape
+        lines = [f"# vllm-supervisor plan: {s.layers} layers x {s.kv_heads} KV heads x head size {s.head_size}, "
+                 f"KV {self.dtype_bytes} bytes/element",
+                 f"# KV cache: {self.per_token} bytes per token; {self.kv_budget / GIB:.2f} GiB for it "
+                 f"-> {self.kv_tokens} tokens",
+                 *(f"# {n}" for n in self.notes),
+                 "[profile]",
+                 f"gpu_memory_utilization = {self.utilization:g}",
+                 f"max_model_len = {self.max_model_len}",
+                 f"max_num_seqs = {self.max_num_seqs}",
+                 f"max_num_batched_tokens = {self.chunk}",
+                 "",
+                 "[ladder]",
+                 f"max_num_batched_tokens = [{', '.join(str(r) for r in self.ladder)}]",
+                 ""]
+        return "\n".join(lines)
+
+
+def make_plan(shape: ModelShape, *, card_bytes: int | None, weights_bytes: int, utilization: float = 0.9,
+              kv_budget: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
+              kv_cache_dtype: str = "auto") -> Plan:
+    """Size the profile; ``kv_budget`` (bytes) overrides what is derived from the card."""
+    b = kv_dtype_bytes(shape.dtype, dtype, kv_cache_dtype)
+    per_token = kv_bytes_per_token(shape, b)
+    notes: list[str] = []
+    chunk = LADDER[0]
+    if kv_budget is None:
+        if card_bytes is None:
+            raise ValueError("the card's memory is needed: --gpu-mem GIB, or a GPU NVML can see")
+        usable = int(card_bytes * utilization) - weights_bytes
+        # The largest ladder chunk whose activation peak leaves at least half of the rest for the KV cache.
+        chunk = next((c for c in LADDER if activation_bytes(shape, c, b) <= usable // 2), LADDER[-1])
+        kv_budget = usable - activation_bytes(shape, chunk, b)
+        notes.append(f"card {card_bytes / GIB:.1f} GiB x {utilization:g} - weights {weights_bytes / GIB:.2f} GiB "
+                     f"- activation peak of a {chunk}-token chunk {activation_bytes(shape, chunk, b) / GIB:.2f} GiB "
+                     "(estimated)")
+    if kv_budget <= 0:
+        raise ValueError(f"nothing is left for the KV cache ({kv_budget / GIB:.2f} GiB): a bigger card, a higher "
+                         "gpu_memory_utilization or a smaller model")
+    tokens = kv_budget // per_token
+    length = min(max_model_len or shape.max_len, tokens)
+    if length < (max_model_len or shape.max_len):
+        notes.append(f"max_model_len cut to {length}: one full-length sequence must fit in the KV cache")
+    seqs = max(1, min(256, tokens // max(1, length)))
+    ladder = tuple(r for r in LADDER if r <= chunk)
+    return Plan(shape, b, per_token, kv_budget, tokens, length, seqs, chunk, ladder, utilization, tuple(notes))

@@ -1,0 +1,60 @@
+"""`vllm-supervisor plan`: KV bytes per token from config.json, and what fits (the seed's formula)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.decide.plan import GIB, ModelShape, kv_bytes_per_token, kv_dtype_bytes, make_plan
+
+TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 8192, "dtype": "float32"}
+# GLM-4-9B's shape (the seed's model): 40 layers, 2 KV groups of 128.
+GLM4 = {"num_layers": 40, "num_attention_heads": 32, "multi_query_group_num": 2, "hidden_size": 4096,
+        "ffn_hidden_size": 13696, "seq_length": 131072, "torch_dtype": "bfloat16"}
+
+
+def test_kv_bytes_per_token_as_vllm_sizes_its_cache() -> None:
+    tiny = ModelShape.from_config(TINY)
+    assert kv_dtype_bytes(tiny.dtype) == 2  # a float32 checkpoint is served in 16 bits
+    assert kv_bytes_per_token(tiny, 2) == 1024  # 268435456 bytes held 262,144 tokens in real vLLM (fixtures)
+    glm = ModelShape.from_config(GLM4)
+    assert kv_bytes_per_token(glm, kv_dtype_bytes(glm.dtype)) == 2 * 40 * 2 * 128 * 2
+    assert kv_dtype_bytes("bfloat16", kv_cache_dtype="fp8") == 1
+
+
+def test_a_kv_budget_gives_the_tokens_and_the_seqs_that_fit() -> None:
+    p = make_plan(ModelShape.from_config(TINY), card_bytes=None, weights_bytes=0, kv_budget=GIB // 4,
+                  max_model_len=4096)
+    assert (p.kv_tokens, p.max_model_len, p.max_num_seqs) == (262144, 4096, 64)  # vLLM said 64.00x concurrency
+
+
+def test_the_seeds_card_sizes_glm4_and_cuts_what_does_not_fit() -> None:
+    glm = ModelShape.from_config(GLM4)
+    p = make_plan(glm, card_bytes=80 * GIB, weights_bytes=18 * GIB, utilization=0.9)
+    assert p.max_model_len == 131072 and 1 <= p.max_num_seqs <= 256
+    assert p.kv_tokens * p.per_token <= 80 * GIB * 0.9 - 18 * GIB
+    small = make_plan(glm, card_bytes=24 * GIB, weights_bytes=18 * GIB, utilization=0.9)
+    assert small.max_model_len < 131072 and any("cut" in n for n in small.notes)
+    with pytest.raises(ValueError, match="nothing is left for the KV cache"):
+        make_plan(glm, card_bytes=16 * GIB, weights_bytes=18 * GIB)
+
+
+def test_plan_command_prints_toml_that_the_config_accepts(tmp_path: Path) -> None:
+    import tomllib
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = subprocess.run([sys.executable, "-m", "supervisor", "plan", "--model", str(tmp_path), "--gpu-mem", "24"],
+                         capture_output=True, text=True, check=True).stdout
+    doc = tomllib.loads(out)
+    from supervisor.config import parse
+
+    cfg = parse({"engine": {"model": "m"}, **doc})
+    assert cfg.profile.max_num_batched_tokens == 8192 and cfg.ladder.max_num_batched_tokens[0] == 8192
+    bad = subprocess.run([sys.executable, "-m", "supervisor", "plan", "--model", str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "cannot read its config.json" in bad.stderr
