@@ -203,6 +203,7 @@ def test_admin_endpoints(supervise: Callable[..., Sup]) -> None:
     assert "vllm_supervisor_time_to_ready_seconds_count 1.0" in text
     assert 'vllm_supervisor_build_info{python="' in text
     assert 'vllm_supervisor_engine_failures_total{kind="hang"} 0.0' in text  # every series from the start
+    assert 'vllm_supervisor_state_transitions_total{from_state="BACKOFF",to_state="FATAL"} 0.0' in text
     # The metrics-only listener serves /metrics and nothing else.
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         assert "vllm_supervisor_engine_state" in r.read().decode()

@@ -129,3 +129,24 @@ vllm:generation_tokens_total{engine="0",model_name="m"} 50.0
 
 def test_parse_progress_sums_vllm_metrics() -> None:
     assert parse_progress(METRICS) == Progress(2.0, 1.0, 150.0)
+
+
+def test_the_hook_lets_the_supervisor_trace_each_vllm_process(monkeypatch: Any) -> None:
+    """PR_SET_PTRACER with the supervisor's PID, from every process the hook loads in (Yama ptrace_scope=1)."""
+    from supervisor.engine import vllm_hook
+
+    calls: list[tuple[int, ...]] = []
+
+    class Libc:
+        def prctl(self, *args: int) -> int:
+            calls.append(args)
+            return 0
+
+    monkeypatch.setattr(vllm_hook.ctypes, "CDLL", lambda *a, **k: Libc())  # this machine has no Yama LSM
+    monkeypatch.setenv("VLLM_SUPERVISOR_PID", str(os.getpid()))
+    assert vllm_hook.allow_supervisor_ptrace() is True
+    assert calls == [(0x59616D61, os.getpid(), 0, 0, 0)]  # PR_SET_PTRACER, the supervisor
+    monkeypatch.setenv("VLLM_SUPERVISOR_PID", "")
+    assert vllm_hook.allow_supervisor_ptrace() is False
+    env = ipc.prepare_child_env(Path(os.environ.get("TMPDIR", "/tmp")) / f"hook-{os.getpid()}", "/x.sock")
+    assert env["VLLM_SUPERVISOR_PID"] == str(os.getpid())

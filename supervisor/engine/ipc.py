@@ -57,6 +57,7 @@ def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO") -> d
         "VLLM_CONFIGURE_LOGGING": "1",
         "VLLM_LOGGING_CONFIG_PATH": str(cfg),
         "VLLM_SUPERVISOR_EVENTS": socket_path,
+        "VLLM_SUPERVISOR_PID": str(os.getpid()),  # the hook lets us (and py-spy) read stacks under Yama
         "_VLLM_SUPERVISOR_HOOK_DIR": str(run_dir),
     }
 

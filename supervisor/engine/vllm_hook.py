@@ -7,11 +7,13 @@ vLLM: a lost event costs evidence, a raising handler would cost the engine.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import re
 import socket
+import sys
 import time
 import traceback
 
@@ -28,6 +30,7 @@ class SupervisorEventHandler(logging.Handler):
         self.path = path or os.environ.get("VLLM_SUPERVISOR_EVENTS", "")
         self._sock: socket.socket | None = None
         self._pid = -1
+        allow_supervisor_ptrace()
 
     def _socket(self) -> socket.socket:
         # One socket per process: vLLM forks workers, and a forked socket is shared state.
@@ -35,6 +38,7 @@ class SupervisorEventHandler(logging.Handler):
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
             self._pid = os.getpid()
+            allow_supervisor_ptrace()  # a forked process does not inherit it
         return self._sock
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -50,6 +54,25 @@ class SupervisorEventHandler(logging.Handler):
             self._socket().sendto(data, self.path)
         except Exception:  # noqa: BLE001 - see module docstring
             pass
+
+
+PR_SET_PTRACER = 0x59616D61
+
+
+def allow_supervisor_ptrace() -> bool:
+    """Let the supervisor (and py-spy, its child) read this process's stacks under Yama ptrace_scope=1.
+
+    There a process may only be traced by its ancestors; py-spy is the engine's sibling, not its
+    ancestor, so a hung engine's stacks would be "Permission denied" under User=vllm. Never raises.
+    """
+    pid = os.environ.get("VLLM_SUPERVISOR_PID", "")
+    if not pid.isdigit() or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PTRACER, int(pid), 0, 0, 0)) == 0
+    except Exception:  # noqa: BLE001 - see module docstring
+        return False
 
 
 def msg_of(event: dict[str, object]) -> str:

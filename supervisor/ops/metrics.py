@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from supervisor.about import __version__
-from supervisor.decide.lifecycle import EngineState, FailureKind
+from supervisor.decide.lifecycle import LEGAL_TRANSITIONS, EngineState, FailureKind
 from supervisor.event_stream import (
     AlertOutcome,
     Event,
@@ -67,6 +67,9 @@ class Metrics:
             self.state.labels(s.value).set(1 if s is EngineState.STOPPED else 0)
         for k in FailureKind:
             self.failures.labels(k.value)
+        for old, news in LEGAL_TRANSITIONS.items():  # every series exists from the start, at 0
+            for new in news:
+                self.transitions.labels(old.value, new.value)
         self._configured = dict(configured or {})
         for knob, value in self._configured.items():
             self.configured.labels(knob).set(-1 if value is None else value)
