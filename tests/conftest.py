@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -293,3 +294,28 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
     yield make
     for r in made:
         r.close()
+
+
+@contextlib.contextmanager
+def notify_listener(path: Path) -> Iterator[list[str]]:
+    """A systemd notify socket at ``path`` that reads every message (as systemd does) into the list it yields."""
+    import threading
+
+    messages: list[str] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        s.settimeout(0.2)
+        done = threading.Event()
+
+        def read() -> None:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    messages.append(s.recv(65536).decode())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            yield messages
+        finally:
+            done.set()
+            reader.join()

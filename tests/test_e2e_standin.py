@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -18,7 +16,7 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tests.conftest import Receiver, Sup, free_port, gone, http_json, spawned_pids
+from tests.conftest import Receiver, Sup, free_port, gone, http_json, notify_listener, spawned_pids
 
 LONG_PROMPT = "word " * 30_000
 
@@ -335,31 +333,14 @@ def test_a_start_that_never_gets_healthy_is_a_hang_and_the_loop_ends(supervise: 
 
 
 def test_healthz_never_flaps_under_the_shipped_watchdog(supervise: Callable[..., Sup], tmp_path: Path) -> None:
-    path = tmp_path / "notify.sock"
-    messages: list[str] = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.bind(str(path))
-        s.settimeout(0.2)
-        done = threading.Event()
-
-        def read() -> None:  # systemd reads every message; so does this stand-in for it
-            while not done.is_set():
-                with contextlib.suppress(TimeoutError):
-                    messages.append(s.recv(65536).decode())
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        try:
-            sup = supervise(env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "30000000"})  # WatchdogSec=30
-            sup.wait_ready()
-            codes = []
-            t_end = time.monotonic() + 16  # more than one 15 s watchdog period
-            while time.monotonic() < t_end:
-                codes.append(http_json(f"http://{sup.admin}/healthz")[0])
-                time.sleep(0.2)
-        finally:
-            done.set()
-            reader.join()
+    with notify_listener(tmp_path / "notify.sock") as messages:
+        sup = supervise(env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "30000000"})
+        sup.wait_ready()
+        codes = []
+        t_end = time.monotonic() + 16  # more than one 15 s watchdog period (WatchdogSec=30)
+        while time.monotonic() < t_end:
+            codes.append(http_json(f"http://{sup.admin}/healthz")[0])
+            time.sleep(0.2)
     assert set(codes) == {200}, codes
     assert sum("WATCHDOG=1" in m for m in messages) >= 10  # petted from the loop's own ticks, not every 15 s
 
@@ -485,32 +466,15 @@ def test_reset_profile_goes_back_to_the_configured_profile_and_forgets_failed_ru
 
 def test_notify_sequence_on_a_real_socket_across_start_crash_recovery_reload_and_stop(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:
-    path = tmp_path / "notify.sock"
-    messages: list[str] = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.bind(str(path))
-        s.settimeout(0.2)
-        done = threading.Event()
-
-        def read() -> None:
-            while not done.is_set():
-                with contextlib.suppress(TimeoutError):
-                    messages.append(s.recv(65536).decode())
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        try:
-            sup = supervise(env={"NOTIFY_SOCKET": str(path)})
-            sup.wait_ready()
-            os.kill(sup.engine_tree()[1].pid, signal.SIGKILL)
-            sup.wait_ready(restarts=1)
-            sup.proc.send_signal(signal.SIGHUP)  # the same file: reloaded, nothing to restart
-            sup.wait_for(lambda st: bool(sup.events("supervisor.reloaded")), 10, "reloaded")
-            sup.proc.send_signal(signal.SIGTERM)
-            assert sup.wait_exit(30) == 0
-        finally:
-            done.set()
-            reader.join()
+    with notify_listener(tmp_path / "notify.sock") as messages:
+        sup = supervise(env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+        sup.wait_ready()
+        os.kill(sup.engine_tree()[1].pid, signal.SIGKILL)
+        sup.wait_ready(restarts=1)
+        sup.proc.send_signal(signal.SIGHUP)  # the same file: reloaded, nothing to restart
+        sup.wait_for(lambda st: bool(sup.events("supervisor.reloaded")), 10, "reloaded")
+        sup.proc.send_signal(signal.SIGTERM)
+        assert sup.wait_exit(30) == 0
     kinds = []
     for m in messages:
         head = m.split("\n")[0]
