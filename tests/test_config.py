@@ -167,10 +167,11 @@ def test_check_reports_what_would_stop_a_start(tmp_path: Path) -> None:
                  '[state]\ndir = "relative/state"\n')
     r = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
                        capture_output=True, text=True)
-    assert r.returncode == 2
-    assert "engine.command: '/nonexistent/vllm' is not an executable" in r.stderr
-    assert "engine.model: local model path '/nonexistent/model' does not exist" in r.stderr
+    assert r.returncode == 0  # the config is valid; this machine is what lacks the command and the model
+    assert "problem: engine.command: '/nonexistent/vllm' is not an executable" in r.stderr
+    assert "problem: engine.model: local model path '/nonexistent/model' does not exist" in r.stderr
     assert "warning: state.dir: 'relative/state' is relative" in r.stderr
+    assert "engine command: /nonexistent/vllm serve /nonexistent/model" in r.stdout
 
 
 def test_check_command_rejects_bad_config_with_exit_2(tmp_path: Path) -> None:
