@@ -51,12 +51,14 @@ def main() -> None:
     try:
         st = wait_ready(sup.admin, 0, 900)
         cold = st["timings"]["start_to_ready_s"]
+        phases = [("cold start", st["timings"].get("phases", {}))]
         for i in range(a.ooms):
             inject_oom(st["engine_pid"], sup.port)
             st = wait_ready(sup.admin, i + 1, 900)
             lf = st["last_failure"]
             assert lf["kind"] == "runtime_oom", lf
             rows.append((lf["recovered_after_s"], st["timings"]["start_to_ready_s"], st["profile"]))
+            phases.append((f"recovery {i + 1}", st["timings"].get("phases", {})))
             time.sleep(0.5)
     finally:
         sup.stop()
@@ -66,6 +68,11 @@ def main() -> None:
         print(f"OOM {i}: recovery (detected -> READY) {rec:8.2f}   ratio to cold start {rec / cold:5.2f}x"
               f"   own share {rec - eng:6.3f}   engine's own start+warm-up {eng:6.2f}"
               f"   chunk now {prof['max_num_batched_tokens']}")
+    names = list(dict.fromkeys(k for _, p in phases for k in p))
+    print("\nwhere each start's time went (seconds; vLLM's own log lines):")
+    print(f"{'phase':<26}" + "".join(f"{label:>14}" for label, _ in phases))
+    for n in names:
+        print(f"{n:<26}" + "".join(f"{p.get(n, 0.0):14.2f}" for _, p in phases))
     ratios = sorted(rec / cold for rec, _, _ in rows)
     shares = sorted(rec - eng for rec, eng, _ in rows)
     print(f"median: recovery / cold start {ratios[len(ratios) // 2]:.2f}x (goal <= 1.1x), "

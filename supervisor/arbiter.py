@@ -99,7 +99,7 @@ class Supervisor:
         self.state_since = self.started_mono = self._beat_at = host.monotonic()
         self.starts = 0
         self.engine_run: EngineRun | None = None
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, Any] = {}
         self.outage_since: float | None = None
         self.ready_at: float | None = None
         self.stable_noted = False
@@ -326,8 +326,8 @@ class Supervisor:
         ended = await self._wait(run.warm(), run.deadline_at)
         if ended is not None:
             return ended
-        self.timings = run.timings
-        self.change_state(S.READY, warmup_prompts=run.warmup_sizes, **run.timings)  # WARMING -> READY
+        self.timings = {**run.timings, "phases": run.phases}
+        self.change_state(S.READY, warmup_prompts=run.warmup_sizes, **self.timings)  # WARMING -> READY
         self._on_ready(run)
         return await self._wait(run.serve(), run.deadline_at, on_tick=lambda: self._tick_ready(run))
 

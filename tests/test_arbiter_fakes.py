@@ -515,3 +515,20 @@ async def test_status_shows_vllms_own_startup_step_while_starting(tmp_path: Path
     assert arb.status()["startup"] is None
     arb.request_stop("test")
     assert await run == ExitCode.OK
+
+
+def test_phases_of_a_real_start_from_vllms_own_lines() -> None:
+    from supervisor.decide.startup import phases, step_of
+
+    log = (Path(__file__).parent / "fixtures" / "vllm-logs" / "h200-vllm0.26-startup-ok.log").read_text()
+    steps: list[tuple[str, float]] = []
+    for i, line in enumerate(log.splitlines()):  # one line a second, as if read live
+        step = step_of(line)
+        if step and (not steps or steps[-1][0] != step):
+            steps.append((step, 10.0 + i))
+    healthy = 10.0 + len(log.splitlines())
+    p = phases(started=0.0, spawned=10.0, steps=steps, healthy=healthy, ready=healthy + 1.5)
+    assert list(p)[:3] == ["gates", "interpreter and imports", "engine init"]
+    assert {"weight loading", "torch.compile", "KV-cache profiling", "CUDA graph capture", "warm-up"} <= set(p)
+    assert p["gates"] == 10.0 and p["warm-up"] == 1.5
+    assert sum(v for k, v in p.items() if k != "warm-up") == pytest.approx(healthy)  # every second accounted for

@@ -94,6 +94,9 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
     assert st is not None and st["state"] == "READY"
     warm = next(h for h in st["history"] if h["to"] == "READY")
     assert warm["warmup_prompts"] == [512, 682, 853, 1024]  # a quarter to a half of the 2048 chunk
+    phases = st["timings"]["phases"]  # where the start's time went, from vLLM's own lines
+    assert {"interpreter and imports", "weight loading", "warm-up"} <= set(phases), phases
+    assert sum(phases.values()) == pytest.approx(st["timings"]["start_to_ready_s"], abs=0.05)
     code, body = complete(sup, prompt="hello world the quick brown fox")
     assert code == 200 and body["choices"][0]["text"] is not None
     code, body = http_json(sup.engine_url + "/v1/chat/completions",

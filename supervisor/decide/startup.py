@@ -5,6 +5,7 @@ Only for display (``vllm-supervisor status``, ``/status``): a step never decides
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from supervisor.decide.evidence import strip_prefix
@@ -23,6 +24,33 @@ STEPS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"Starting vLLM API server|Application startup complete"), "starting API server"),
 ]
 VERSION = re.compile(r"LLM engine \(v([\w.+\-]+)\)|\bversion (\d+\.\d+\.\d+[\w.+\-]*)\s*$")
+
+
+# Each step names the phase that runs from it to the next step.
+PHASE_OF = {
+    "initializing engine": "engine init",
+    "loading weights": "weight loading",
+    "weights loaded": "after weights",
+    "compiling": "torch.compile",
+    "compiled": "after compile",
+    "profiling KV cache": "KV-cache profiling",
+    "capturing graphs": "CUDA graph capture",
+    "graphs captured": "after graphs",
+    "starting API server": "API server start",
+}
+
+
+def phases(started: float, spawned: float | None, steps: list[tuple[str, float]], healthy: float,
+           ready: float) -> dict[str, float]:
+    """Seconds per phase of one start, in order: gates, interpreter and imports, vLLM's own steps, warm-up."""
+    out: dict[str, float] = {}
+    t0 = spawned if spawned is not None else started
+    out["gates"] = round(t0 - started, 3)  # the model path and the GPU gate, before the spawn
+    marks = [("interpreter and imports", t0)] + [(PHASE_OF.get(s, s), t) for s, t in steps] + [("", healthy)]
+    for (name, t), (_, t_next) in itertools.pairwise(marks):
+        out[name] = round(out.get(name, 0.0) + max(0.0, t_next - t), 3)
+    out["warm-up"] = round(ready - healthy, 3)
+    return out
 
 
 def step_of(line: str) -> str | None:

@@ -95,9 +95,12 @@ class EngineRun:
         self.healthy_at: float | None = None
         self.ready_at: float | None = None
         self.timings: dict[str, float] = {}
+        self.phases: dict[str, float] = {}  # where the start's time went (decide/startup.phases)
         self.warmup_sizes: list[int] = []
         self.deadline = self.started_at  # by when the current step must be over (the watchdog's measure)
         self.startup_step: tuple[str, float] | None = None  # vLLM's own step while loading, and since when
+        self.steps: list[tuple[str, float]] = []  # every step vLLM went through, with when it began
+        self.spawned_at: float | None = None
         self.engine_version: str | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._canary: asyncio.Task[None] | None = None
@@ -135,6 +138,7 @@ class EngineRun:
             step = startup.step_of(line)
             if step and (self.startup_step is None or self.startup_step[0] != step):
                 self.startup_step = (step, self.host.monotonic())
+                self.steps.append(self.startup_step)
             if self.engine_version is None:
                 self.engine_version = startup.version_of(line)
         text = self.console.feed(line)
@@ -195,7 +199,7 @@ class EngineRun:
         self._tasks += [asyncio.create_task(self.tail.drain(child.proc.stdout)),
                         asyncio.create_task(self.tail.drain(child.proc.stderr)),
                         asyncio.create_task(self._watch_exit(child))]
-        spawned = self.host.monotonic()
+        self.spawned_at = spawned = self.host.monotonic()
         self.liveness = Liveness(self.cfg.health, e.start_timeout_s, spawned)
         self._expect(e.start_timeout_s + 10.0)
         healthy = await self._race(self._wait_healthy())
@@ -288,6 +292,7 @@ class EngineRun:
         self.timings = {"start_to_healthy_s": round(self.healthy_at - self.started_at, 3),
                         "warmup_s": round(t_ready - self.healthy_at, 3),
                         "start_to_ready_s": round(t_ready - self.started_at, 3)}
+        self.phases = startup.phases(self.started_at, self.spawned_at, self.steps, self.healthy_at, t_ready)
         return None
 
     async def _warm(self, w: WarmupConfig) -> None:
