@@ -207,6 +207,17 @@ class PlannedRestart(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RequestQuarantined(Event):
+    """A request that killed the engine again is refused from now on (published by the gateway)."""
+
+    name = "gateway.request_quarantined"
+    level = "warning"
+    request_hash: str  # of the content: never the text itself
+    prompt_tokens: int | None
+    evidence: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlertOutcome(Event):
     """What became of one alert on one hook: sent, failed (after the retries), suppressed, dropped."""
 

@@ -76,6 +76,15 @@ def test_rules_page_an_outage_once_and_the_recovery_resolves_the_same_key() -> N
     assert rec[0].resolves and rec[0].dedup_key == outage[0].dedup_key
 
 
+def test_a_quarantined_request_is_a_warning_naming_its_hash_never_its_text() -> None:
+    from supervisor.event_stream import RequestQuarantined
+
+    rules = AlertRules(AlertsConfig(), "gpu-7", 0.0)
+    (a,) = rules.on_event(RequestQuarantined(at=1.0, request_hash="sha256:9f2c", prompt_tokens=30001,
+                                             evidence="CUDA out of memory twice"), 0.0)
+    assert (a.event, a.severity, a.details["request_hash"]) == ("request_quarantined", "warning", "sha256:9f2c")
+
+
 def test_rules_dedup_repeats_within_the_window_and_fatal_is_critical() -> None:
     rules = AlertRules(AlertsConfig(dedup_window_s=300), "gpu-7", 0.0)
     lowered = ProfileLowered(at=1.0, diff={"max_num_batched_tokens": [8192, 6144]}, profile=P, kind="runtime_oom",

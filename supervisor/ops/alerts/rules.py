@@ -22,6 +22,7 @@ from supervisor.event_stream import (
     ProfileRaised,
     Recovered,
     ReloadFailed,
+    RequestQuarantined,
     StateChanged,
 )
 
@@ -113,6 +114,10 @@ class AlertRules:
                                 f"the {ev.kind or 'failure'}", ev.at, ev.kind,
                                 {"recovered_after_s": ev.recovered_after_s, "profile": dict(ev.profile)},
                                 dedup_key=key, resolves=key is not None)]
+        if isinstance(ev, RequestQuarantined):
+            return [self._alert("request_quarantined", "warning", f"a request that killed the engine twice is "
+                                f"quarantined ({ev.prompt_tokens} prompt tokens): {ev.evidence}", ev.at,
+                                "runtime_oom", {"request_hash": ev.request_hash})]
         if isinstance(ev, ReloadFailed):
             return [self._alert("config_reload_failed", "warning", "config reload refused, still running on the old "
                                 f"config: {ev.error}", ev.at)]
