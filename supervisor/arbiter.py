@@ -71,7 +71,6 @@ from supervisor.ops.notify import Notifier
 log = structlog.get_logger("supervisor.arbiter")
 S = EngineState
 T = TypeVar("T")
-GIB = 2**30
 TICK_S = 1.0  # the loop's heartbeat: watchdog petting, /healthz, the READY checks (stable, climb)
 STUCK_SLACK_S = 10.0
 HEALTHZ_STALE_S = 3 * TICK_S + 2.0
@@ -123,10 +122,7 @@ class Supervisor:
         self.bus.subscribe("history", self.history)
         self.bus.subscribe("statefile", statefile.StateFileWriter(cfg.state.dir))
         # Raises MissingSecret (a configuration error) when a hook's secret is not in the environment.
-        self.alerts = Alerts.from_config(cfg.alerts, self.publish)
-        for hook in cfg.alerts.hooks:
-            self.metrics.alerts_sent.labels(hook.type)
-            self.metrics.alerts_failed.labels(hook.type)
+        self.alerts = self._alerts_for(cfg)
         self.bus.subscribe("alerts", lambda ev: self.alerts(ev))  # a reload may replace self.alerts
         self.admin = AdminServer(make_app(self.status, self.loop_alive, self.metrics.render),
                                  *cfg.admin.host_port)
@@ -174,7 +170,7 @@ class Supervisor:
             "phase": run.phase.value if run else None,
             "startup": self._startup(run),
             "engine_version": run.engine_version if run else None,
-            "degraded": self.profile != self.cfg.profile,
+            "degraded": self.profile.knobs() != self.cfg.profile.knobs(),
             "state_for_s": round(self.host.monotonic() - self.state_since, 3),
             "uptime_s": round(self.host.monotonic() - self.started_mono, 3),
             "timings": self.timings,
@@ -368,13 +364,13 @@ class Supervisor:
         if util is None or util <= (self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0):
             return True
         try:
-            snaps = await self.host.gpu_snapshot(launch.visible_devices({**os.environ, **self.cfg.engine.env}))
+            snaps = await self.host.gpu_snapshot(launch.gate_devices(self.cfg.engine))
         except GpuLost:
             return False
         # Our own engine holds what it took; that memory is its successor's.
         ours = self.engine_run.child.known_pids if self.engine_run and self.engine_run.child else set()
         freed = [replace(s, free=s.free + sum(b for p, b in s.processes if p in ours)) for s in snaps]
-        return not short_of(freed, util, int(self.cfg.gpu.start_headroom_gib * GIB))
+        return not short_of(freed, util, self.cfg.gpu.start_headroom_bytes)
 
     async def _planned(self, run: EngineRun, trigger: Trigger) -> None:
         """A planned restart (a climb, or asked by the operator): drain, stop, and start at the target profile."""
@@ -423,6 +419,14 @@ class Supervisor:
         run.end(TriggerKind.RESTART, why)
         return True, f"{why}: the engine restarts at {target.knobs()}"
 
+    def _alerts_for(self, cfg: Config) -> Alerts:
+        """The alert hooks of ``cfg``, their series at 0 on /metrics; raises MissingSecret."""
+        alerts = Alerts.from_config(cfg.alerts, self.publish)
+        for hook in cfg.alerts.hooks:
+            self.metrics.alerts_sent.labels(hook.type)
+            self.metrics.alerts_failed.labels(hook.type)
+        return alerts
+
     async def reload(self) -> tuple[bool, str]:
         """Read the config file again: invalid → keep the old one; engine settings changed → planned restart."""
         path = self.config_path
@@ -434,7 +438,7 @@ class Supervisor:
             fixed = [name for name in ("admin", "state") if getattr(new, name) != getattr(self.cfg, name)]
             if fixed:
                 raise ConfigError([(name, "changes only with a restart of the supervisor") for name in fixed])
-            alerts = Alerts.from_config(new.alerts, self.publish) if new.alerts != self.cfg.alerts else None
+            alerts = self._alerts_for(new) if new.alerts != self.cfg.alerts else None
         except (ConfigError, MissingSecret) as exc:
             self.publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
             return False, f"reload refused, still running on the old config:\n{exc}"

@@ -59,14 +59,21 @@ def main(argv: list[str] | None = None) -> int:
         return _control(args)
     if args.cmd == "plan":
         return _plan(args)
-    try:
-        cfg = config_mod.load(args.config)
-    except config_mod.ConfigError as exc:
-        print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+    cfg = _load(args.config)
+    if cfg is None:
         return ExitCode.BAD_SUPERVISOR_CONFIG
     if args.cmd == "check":
         return _check(cfg)
     return _run(cfg, echo_engine=not args.quiet_engine, config_path=args.config)
+
+
+def _load(path: str) -> config_mod.Config | None:
+    """The config at ``path``, or None after saying on stderr which fields are wrong."""
+    try:
+        return config_mod.load(path)
+    except config_mod.ConfigError as exc:
+        print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+        return None
 
 
 def _check(cfg: config_mod.Config) -> int:
@@ -116,10 +123,8 @@ def _status(args: argparse.Namespace) -> int:
     listen = args.admin
     state_dir = None
     if args.config:
-        try:
-            cfg = config_mod.load(args.config)
-        except config_mod.ConfigError as exc:
-            print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+        cfg = _load(args.config)
+        if cfg is None:
             return ExitCode.BAD_SUPERVISOR_CONFIG
         listen, state_dir = listen or cfg.admin.listen, cfg.state.dir
     listen = listen or config_mod.AdminConfig().listen
@@ -186,10 +191,8 @@ def _control(args: argparse.Namespace) -> int:
 
 
 def _incidents(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_mod.load(args.config)
-    except config_mod.ConfigError as exc:
-        print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
+    cfg = _load(args.config)
+    if cfg is None:
         return ExitCode.BAD_SUPERVISOR_CONFIG
     paths = oncall.incident_paths(cfg.state.dir)
     if args.id is None:

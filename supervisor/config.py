@@ -123,6 +123,10 @@ class GpuConfig:
     free_wait_s: float = 120.0
     start_headroom_gib: float = 1.0
 
+    @property
+    def start_headroom_bytes(self) -> int:
+        return int(self.start_headroom_gib * 2**30)
+
 
 @dataclass(frozen=True)
 class StateConfig:
@@ -546,7 +550,7 @@ def preflight(cfg: Config, which: Any = None, exists: Any = None) -> tuple[Probl
     for i, hook in enumerate(cfg.alerts.hooks):
         for key in ("routing_key_env", "auth_token_env"):
             name = getattr(hook, key)
-            if name and not _secret_present(name):
+            if name and not read_secret(name):
                 errors.append((f"alerts.hooks[{i}].{key}", f"${name} is not set and no systemd credential "
                                                           f"{name!r} exists in $CREDENTIALS_DIRECTORY"))
     if not os.path.isabs(cfg.state.dir):
@@ -555,9 +559,17 @@ def preflight(cfg: Config, which: Any = None, exists: Any = None) -> tuple[Probl
     return errors, warnings
 
 
-def _secret_present(name: str) -> bool:
+def read_secret(name: str) -> str | None:
+    """``$name`` from the environment, else the systemd credential of that name (never from the TOML)."""
+    value = os.environ.get(name)
+    if value:
+        return value
     creds = os.environ.get("CREDENTIALS_DIRECTORY")
-    return bool(os.environ.get(name)) or bool(creds and os.path.isfile(os.path.join(creds, name)))
+    if creds:
+        p = Path(creds) / name
+        if p.is_file():
+            return p.read_text().strip() or None
+    return None
 
 
 def is_local_path(model: str) -> bool:

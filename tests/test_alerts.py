@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import AlertsConfig, HookConfig, parse
+from supervisor.config import AlertsConfig, HookConfig, parse, read_secret
 from supervisor.event_stream import (
     AlertOutcome,
     Event,
@@ -24,7 +24,7 @@ from supervisor.event_stream import (
     Recovered,
     StateChanged,
 )
-from supervisor.ops.alerts.channels import MissingSecret, make_channel, read_secret
+from supervisor.ops.alerts.channels import MissingSecret, make_channel
 from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.alerts.rules import AlertRules
 from tests.conftest import Receiver

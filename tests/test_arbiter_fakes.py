@@ -71,6 +71,7 @@ class FakeHost:
         self.gate_devices: list[Any] = []
         self.snapshots: list[DeviceSnapshot] = []
         self.gpu_lost: str | None = None
+        self.snapshot_calls = 0
 
     def monotonic(self) -> float:
         return self.now
@@ -109,6 +110,7 @@ class FakeHost:
         return path not in self.missing_paths
 
     async def gpu_snapshot(self, devices: Any = None) -> list[Any]:
+        self.snapshot_calls += 1
         return list(self.snapshots)
 
     async def wait_gpu_released(self, pids: Any, timeout_s: float) -> dict[int, int]:
@@ -370,8 +372,9 @@ async def test_a_start_failed_by_another_processs_memory_is_not_the_rungs_fault_
     assert arb.policy.rung_failures == {}  # the other process's memory is not held against the rung
     # The other process still holds its memory: no climb.
     host.snapshots = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ((1000, 69 * GIB),))]
-    await asyncio.sleep(arb.tick_s * 10)
-    assert arb.profile.gpu_memory_utilization == 0.48
+    asked = host.snapshot_calls
+    await until_async(lambda: host.snapshot_calls >= asked + 3, "the climb check looked at the card three times")
+    assert arb.profile.gpu_memory_utilization == 0.48 and arb.state.value == "READY"
     # It is gone: the utilization climbs back to what is configured.
     host.snapshots = [DeviceSnapshot(0, 140 * GIB, 139 * GIB, 1 * GIB, ())]
     await until_async(lambda: arb.profile.gpu_memory_utilization == 0.5 and arb.state.value == "READY",

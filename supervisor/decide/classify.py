@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from supervisor.decide import evidence
 from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase
@@ -160,8 +160,7 @@ def classify(
 def _with_suspect(f: Failure, suspect: evidence.Suspect | None) -> Failure:
     if suspect is None:
         return f
-    return Failure(f.kind, f.evidence, f.knob, f.suggested, suspect.request_id, suspect.prompt_tokens,
-                   f.rung_at_fault)
+    return replace(f, suspect_request=suspect.request_id, suspect_tokens=suspect.prompt_tokens)
 
 
 def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: evidence.Suspect | None) -> Failure | None:

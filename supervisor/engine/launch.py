@@ -118,6 +118,11 @@ def vllm_log_level(engine: EngineConfig, env: Mapping[str, str] | None = None) -
     return level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO"
 
 
+def gate_devices(engine: EngineConfig) -> list[int | str] | None:
+    """The devices the engine will see: [engine.env]'s CUDA_VISIBLE_DEVICES, else the supervisor's own."""
+    return visible_devices({**os.environ, **engine.env})
+
+
 def visible_devices(env: Mapping[str, str]) -> list[int | str] | None:
     """Devices named by CUDA_VISIBLE_DEVICES (indices or GPU UUIDs); None means all devices."""
     raw = env.get("CUDA_VISIBLE_DEVICES")

@@ -98,7 +98,6 @@ class EngineRun:
         self.phases: dict[str, float] = {}  # where the start's time went (decide/startup.phases)
         self.warmup_sizes: list[int] = []
         self.deadline = self.started_at  # by when the current step must be over (the watchdog's measure)
-        self.startup_step: tuple[str, float] | None = None  # vLLM's own step while loading, and since when
         self.steps: list[tuple[str, float]] = []  # every step vLLM went through, with when it began
         self.spawned_at: float | None = None
         self.engine_version: str | None = None
@@ -136,9 +135,8 @@ class EngineRun:
     def _on_line(self, line: str) -> None:
         if self.phase is Phase.LOADING:
             step = startup.step_of(line)
-            if step and (self.startup_step is None or self.startup_step[0] != step):
-                self.startup_step = (step, self.host.monotonic())
-                self.steps.append(self.startup_step)
+            if step and (not self.steps or self.steps[-1][0] != step):
+                self.steps.append((step, self.host.monotonic()))
             if self.engine_version is None:
                 self.engine_version = startup.version_of(line)
         text = self.console.feed(line)
@@ -164,6 +162,11 @@ class EngineRun:
 
     def _expect(self, seconds: float) -> None:
         self.deadline = self.host.monotonic() + seconds
+
+    @property
+    def startup_step(self) -> tuple[str, float] | None:
+        """vLLM's current step while loading, and since when."""
+        return self.steps[-1] if self.steps else None
 
     def deadline_at(self) -> float:
         """By when the current step must be over (the supervisor stops petting the watchdog after)."""
@@ -240,9 +243,9 @@ class EngineRun:
         not the rung's fault: the failure says so, and the utilization climbs back once it is free.
         """
         gpu = self.cfg.gpu
-        devices = launch.visible_devices({**os.environ, **self.cfg.engine.env})
+        devices = launch.gate_devices(self.cfg.engine)
         util = self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
-        headroom = int(gpu.start_headroom_gib * GIB)
+        headroom = gpu.start_headroom_bytes
         try:
             short = await self.host.wait_gpu_free(devices, util, headroom, gpu.free_wait_s)
         except GpuLost as exc:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from pathlib import Path
 from typing import Protocol
 
 import aiohttp
 
-from supervisor.config import HookConfig
+from supervisor.config import HookConfig, read_secret
 from supervisor.ops.alerts.rules import Alert
 
 PD_SEVERITY = {"info": "info", "warning": "warning", "error": "error", "critical": "critical"}
@@ -30,19 +28,6 @@ class Channel(Protocol):
     async def send(self, alert: Alert) -> None: ...
 
     async def close(self) -> None: ...
-
-
-def read_secret(name: str) -> str | None:
-    """``$name`` from the environment, else the systemd credential of that name."""
-    value = os.environ.get(name)
-    if value:
-        return value
-    creds = os.environ.get("CREDENTIALS_DIRECTORY")
-    if creds:
-        p = Path(creds) / name
-        if p.is_file():
-            return p.read_text().strip() or None
-    return None
 
 
 class MissingSecret(ValueError):
