@@ -56,6 +56,7 @@ from supervisor.event_stream import (
     StopRequested,
     SupervisorStarted,
 )
+from supervisor.gateway.server import COUNTERS, EngineView, Gateway
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost, short_of
 from supervisor.ops import control, incident, statefile
@@ -129,6 +130,11 @@ class Supervisor:
         # An optional listener with /metrics alone, for a central Prometheus (any address: it can change nothing).
         self.metrics_only = AdminServer(metrics_app(self.metrics.render), *cfg.admin.metrics_host_port) \
             if cfg.admin.metrics_listen else None
+        # The public port, when [gateway] is configured: it reads the stream, and drains before planned stops.
+        self.gateway = Gateway(cfg, host, self.publish, self._gateway_view) if cfg.gateway else None
+        if self.gateway is not None:
+            self.bus.subscribe("gateway", self.gateway.on_event)
+            self.metrics.gateway_from(self.gateway.status, COUNTERS)
         self._gpu_poll: asyncio.Task[None] | None = None
         self.control = ControlServer(control.path_in(cfg.state.dir), self.control_command)
 
@@ -176,7 +182,15 @@ class Supervisor:
             "timings": self.timings,
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
+            **({"gateway": self.gateway.status()} if self.gateway else {}),
         }
+
+    def _gateway_view(self) -> EngineView:
+        run = self.engine_run
+        chunk = self.profile.effective(Knob.MAX_NUM_BATCHED_TOKENS) or 8192
+        return EngineView(int(chunk), self.profile.max_model_len,
+                          set(run.child.known_pids) if run and run.child else set(),
+                          float(self.timings.get("start_to_ready_s") or 30.0))
 
     def _startup(self, run: EngineRun | None) -> dict[str, Any] | None:
         """While starting: vLLM's own step (loading weights, compiling, ...) and for how long."""
@@ -196,6 +210,8 @@ class Supervisor:
             return
         self.publish(StopRequested(at=self.host.wall(), reason=why))
         self.stop_asked.set()
+        if self.gateway is not None:
+            self.gateway.shutdown()
         if self.engine_run is not None:
             self.engine_run.end(TriggerKind.STOP, why)
 
@@ -250,6 +266,8 @@ class Supervisor:
         if self.metrics_only is not None:
             await self.metrics_only.start()
         await self.control.start()
+        if self.gateway is not None:
+            await self.gateway.start()
         self.bus.start()
         self.alerts.start()
         self._gpu_poll = asyncio.create_task(self._poll_gpu())
@@ -267,6 +285,9 @@ class Supervisor:
             if run is not None:
                 await run.stop(planned=True) if run.child and run.child.proc.returncode is None else await run.close()
             leftovers.clear(self.cfg.state.dir)
+            if self.gateway is not None:
+                self.gateway.shutdown()  # whoever still waits (a FATAL end) gets 503 now, not a reset
+                await self.gateway.close()
             if self._gpu_poll is not None:
                 self._gpu_poll.cancel()
             await self.admin.close()
@@ -300,6 +321,8 @@ class Supervisor:
                 run.end(TriggerKind.STOP, "stop requested")
             trigger = await self._drive(run)
             if trigger.kind is TriggerKind.STOP:
+                if self.gateway is not None:  # without one, nothing of the clients' passes through us to drain
+                    await self._drain("stop")
                 self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
                 await self._wait(run.conclude(trigger), run.deadline_at)
                 self.change_state(S.STOPPED, reason=trigger.evidence)  # STOPPING -> STOPPED
@@ -377,8 +400,7 @@ class Supervisor:
         target = self.climb_to if trigger.kind is TriggerKind.CLIMB else self.restart_to
         self.climb_to = self.restart_to = None
         target = target or self.profile
-        if self.state is S.READY:
-            self.change_state(S.DRAINING, reason=trigger.kind.value, target=target.knobs())  # READY -> DRAINING
+        await self._drain(trigger.kind.value, target=target.knobs())
         self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # -> STOPPING
         await self._wait(run.conclude(trigger), run.deadline_at)
         before, self.profile = self.profile, target
@@ -388,6 +410,15 @@ class Supervisor:
             self.publish(ProfileRaised(at=self.host.wall(), diff=before.diff(target), profile=target.knobs(),
                                        reason=trigger.evidence))
         self._learned()
+
+    async def _drain(self, why: str, **info: Any) -> None:
+        """READY -> DRAINING before a planned stop; with a gateway, its in-flight requests finish first."""
+        if self.state is not S.READY:
+            return
+        self.change_state(S.DRAINING, reason=why, **info)  # READY -> DRAINING
+        if self.gateway is not None:
+            bound = self.cfg.gateway.drain_timeout_s if self.cfg.gateway else 0.0
+            await self._wait(self.gateway.drain(why), self._within(bound + 5.0))
 
     # ---- control: the operator's commands and reloads ------------------------------------------------------
     def _soon(self, work: Callable[[], Awaitable[Any]]) -> None:
@@ -435,7 +466,7 @@ class Supervisor:
             if path is None:
                 raise ConfigError([("(file)", "this supervisor was started without a config file path")])
             new = config_mod.load(path)
-            fixed = [name for name in ("admin", "state") if getattr(new, name) != getattr(self.cfg, name)]
+            fixed = [name for name in ("admin", "state", "gateway") if getattr(new, name) != getattr(self.cfg, name)]
             if fixed:
                 raise ConfigError([(name, "changes only with a restart of the supervisor") for name in fixed])
             alerts = self._alerts_for(new) if new.alerts != self.cfg.alerts else None

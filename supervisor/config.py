@@ -212,6 +212,34 @@ class AlertsConfig:
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """[gateway]: the public OpenAI port in front of the engine (absent: clients talk to vLLM directly)."""
+
+    listen: str = "127.0.0.1:8000"
+    hold_timeout_s: float = 180.0  # how long a request may wait for the engine to be READY (an H200 restart: 70-90 s)
+    max_held: int = 256  # requests waiting at once; beyond: 503 (engine away) or 429 (caps full)
+    max_in_flight: int = 0  # requests at the engine at once; 0 = no cap
+    max_body_bytes: int = 16 * 2**20
+    max_replays: int = 3  # re-issues of one request across engine deaths
+    drain_timeout_s: float = 30.0  # SIGTERM and planned restarts: in-flight requests get this long to finish
+    retry_after_s: float = 2.0  # the Retry-After of a 429
+    quarantine_ttl_s: float = 86400.0
+    # Shedding on real memory pressure (0 switches a rule off).
+    min_free_mib: float = 256.0  # NVML free memory under this floor
+    foreign_growth_mib: float = 1024.0  # another process's memory grew this much within one poll
+    kv_cache_high: float = 0.98  # vLLM's KV cache this full ...
+    kv_waiting: int = 1  # ... with at least this many requests waiting
+    pressure_poll_s: float = 1.0
+    # prompt_logprobs materialises chunk x vocab logits at once: a known OOM trigger.
+    prompt_logprobs_max_gib: float = 2.0
+    vocab_size: int = 0  # 0: read from the model's config.json when it is a local path, else 128256
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _host_port(self.listen)
+
+
+@dataclass(frozen=True)
 class Config:
     engine: EngineConfig
     profile: Profile
@@ -224,6 +252,7 @@ class Config:
     admin: AdminConfig = AdminConfig()
     log: LogConfig = LogConfig()
     alerts: AlertsConfig = AlertsConfig()
+    gateway: GatewayConfig | None = None  # only with a [gateway] table
 
 
 _SECTIONS: dict[str, type] = {
@@ -238,7 +267,9 @@ _SECTIONS: dict[str, type] = {
     "admin": AdminConfig,
     "log": LogConfig,
     "alerts": AlertsConfig,
+    "gateway": GatewayConfig,
 }
+OPTIONAL_SECTIONS = ("gateway",)
 
 
 def load(path: str | Path) -> Config:
@@ -271,6 +302,8 @@ def parse(raw: dict[str, Any], source: str = "") -> Config:
             problems.append((name, f"unknown section; known: {', '.join(_SECTIONS)}"))
     built: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
+        if name in OPTIONAL_SECTIONS and name not in raw:
+            continue
         table = raw.get(name, {})
         if not isinstance(table, dict):
             problems.append((name, "must be a table ([" + name + "])"))
@@ -468,6 +501,19 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("escalate_after", obj.escalate_after >= 1, "must be >= 1")
     elif isinstance(obj, HookConfig):
         out.extend(_hook_problems(section, obj))
+    elif isinstance(obj, GatewayConfig):
+        host, sep, port = obj.listen.rpartition(":")
+        need("listen", bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+             f"must be HOST:PORT, e.g. \"0.0.0.0:8000\", got {obj.listen!r}")
+        for key in ("hold_timeout_s", "drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s"):
+            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
+        for key in ("max_held", "max_body_bytes"):
+            need(key, getattr(obj, key) >= 1, "must be >= 1")
+        for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size"):
+            need(key, getattr(obj, key) >= 0, "must be >= 0")
+        for key in ("min_free_mib", "foreign_growth_mib", "prompt_logprobs_max_gib"):
+            need(key, getattr(obj, key) >= 0, "must be >= 0 (0 switches the rule off)")
+        need("kv_cache_high", 0 <= obj.kv_cache_high <= 1, "must be a fraction in [0, 1] (0 switches the rule off)")
     elif isinstance(obj, LogConfig):
         need("format", obj.format in ("auto", "json", "console"), "must be one of auto, json, console")
         need("level", obj.level in ("debug", "info", "warning", "error"),
@@ -522,6 +568,10 @@ def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
     engine, admin = built.get("engine"), built.get("admin")
     if engine is not None and admin is not None and engine.port == admin.host_port[1]:
         out.append(("admin.listen", "must not use the engine's internal port"))
+    gateway = built.get("gateway")
+    if gateway is not None and engine is not None and admin is not None \
+            and gateway.host_port[1] in (engine.port, admin.host_port[1]):
+        out.append(("gateway.listen", "must not use the engine's internal port or admin.listen's port"))
     if engine is not None and admin is not None and admin.metrics_listen \
             and admin.metrics_host_port[1] in (engine.port, admin.host_port[1]):
         out.append(("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))

@@ -218,6 +218,51 @@ class RequestQuarantined(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RequestRejected(Event):
+    """The gateway answered a request itself (413, 429, 503); at most one record per code and second."""
+
+    name = "gateway.request_rejected"
+    status: int
+    code: str
+    request_id: str
+    count: int = 1  # rejections with this code since the last record (the first of them named)
+
+    def log_level(self) -> str:
+        return "warning" if self.status == 413 else "info"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestReplayed(Event):
+    """A request the engine lost before it sent the client anything goes to the new engine."""
+
+    name = "gateway.request_replayed"
+    request_id: str
+    replays: int
+    alone: bool  # the suspect of the death, sent alone first
+
+
+@dataclass(frozen=True, kw_only=True)
+class SheddingChanged(Event):
+    """The gateway started (reason) or stopped (empty) shedding new requests with 429."""
+
+    name = "gateway.shedding"
+    reason: str
+
+    def log_level(self) -> str:
+        return "warning" if self.reason else "info"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayDrained(Event):
+    """Before a planned stop of the engine: what the gateway let finish, and what it had to cut."""
+
+    name = "gateway.drained"
+    why: str
+    waited_s: float
+    cut: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlertOutcome(Event):
     """What became of one alert on one hook: sent, failed (after the retries), suppressed, dropped."""
 

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -138,9 +139,14 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
                 log.exception("EngineCore encountered a fatal error.")
             f.write(b'{"dead": true}\n')
             sys.exit(1)
-        time.sleep(delay * req["max_tokens"])
+        if req.get("stream"):
+            for _ in range(req["max_tokens"]):
+                time.sleep(delay)
+                f.write(json.dumps({"id": req["id"], "delta": " tok"}).encode() + b"\n")
+        else:
+            time.sleep(delay * req["max_tokens"])
         out = {"id": req["id"], "text": " tok" * req["max_tokens"], "prompt_tokens": n,
-               "completion_tokens": req["max_tokens"]}
+               "completion_tokens": req["max_tokens"], "done": True}
         f.write(json.dumps(out).encode() + b"\n")
     # The API server is gone (EOF): like vLLM's EngineCore, stay alive holding "the GPU" until killed.
     while True:
@@ -154,7 +160,7 @@ class Server:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.log = logging.getLogger("vllm.entrypoints.openai.api_server")
-        self.pending: dict[str, asyncio.Future[dict[str, object]]] = {}
+        self.pending: dict[str, asyncio.Queue[dict[str, Any] | BaseException]] = {}
         self.healthy = False
         self.dead = False
         self.prompt_total = 0
@@ -196,36 +202,44 @@ class Server:
                 except EngineDeadError as exc:
                     alog.exception("AsyncLLM output_handler failed.")
                     self.dead = True
-                    for fut in self.pending.values():
-                        if not fut.done():
-                            fut.set_exception(exc)
+                    for q in self.pending.values():
+                        q.put_nowait(exc)
                 asyncio.get_running_loop().call_later(0.3, self.stop.set)
                 return
-            fut = self.pending.pop(msg["id"], None)
-            if fut and not fut.done():
-                fut.set_result(msg)
+            q = self.pending.get(msg["id"])
+            if q is not None:
+                q.put_nowait(msg)
 
     async def generate(self, request: web.Request, prompt_tokens: int, max_tokens: int,
-                       stop: list[str]) -> dict[str, object]:
+                       stop: list[str], stream: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """The engine core's messages for one request: deltas (streams), then the result."""
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         key = uuid.uuid4().hex
-        fut: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
-        self.pending[key] = fut
+        q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+        self.pending[key] = q
         req = {"id": key, "engine_id": f"cmpl-{rid}-0-{key[:8]}", "prompt_tokens": prompt_tokens,
-               "max_tokens": max_tokens, "stop": stop}
+               "max_tokens": max_tokens, "stop": stop, "stream": stream}
         if self.args.enable_log_requests:
             logging.getLogger("vllm.entrypoints.logger").info(
                 "Received request %s: params: SamplingParams(n=1, stop=%r, max_tokens=%d), lora_request: None.",
                 req["engine_id"], stop, max_tokens)
+        if self.dead:
+            raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
         self.writer.write(json.dumps(req).encode() + b"\n")
         self.running += 1
         try:
-            out = await fut
+            while True:
+                msg = await q.get()
+                if isinstance(msg, BaseException):
+                    raise msg
+                yield msg
+                if msg.get("done"):
+                    self.prompt_total += prompt_tokens
+                    self.gen_total += max_tokens
+                    return
         finally:
             self.running -= 1
-        self.prompt_total += prompt_tokens
-        self.gen_total += max_tokens
-        return out
+            self.pending.pop(key, None)
 
     # -- handlers
     async def health(self, _: web.Request) -> web.Response:
@@ -258,8 +272,12 @@ class Server:
         max_tokens = int(body.get("max_tokens") or 16)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
+        if body.get("stream"):
+            return await self._stream(request, n, max_tokens, stop, chat)
         try:
-            out = await self.generate(request, n, max_tokens, stop)
+            out: dict[str, Any] = {}
+            async for msg in self.generate(request, n, max_tokens, stop):
+                out = msg
         except EngineDeadError as exc:
             return web.json_response({"error": {"message": str(exc), "type": "InternalServerError",
                                                 "code": 500}}, status=500)
@@ -273,6 +291,25 @@ class Server:
                                   "choices": [{"index": 0, "text": out["text"], "finish_reason": "length"}],
                                   "usage": usage})
 
+    async def _stream(self, request: web.Request, n: int, max_tokens: int, stop: list[str],
+                      chat: bool) -> web.StreamResponse:
+        """Server-sent events like vLLM's: headers at once, a chunk per token, an error event if the engine dies."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            async for msg in self.generate(request, n, max_tokens, stop, stream=True):
+                if "delta" in msg:
+                    choice = {"index": 0, "delta": {"content": msg["delta"]}} if chat else \
+                        {"index": 0, "text": msg["delta"]}
+                    await resp.write(b"data: " + json.dumps({"object": kind, "choices": [choice]}).encode() + b"\n\n")
+        except EngineDeadError as exc:
+            err = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def completions(self, request: web.Request) -> web.Response:
         return await self._serve(request, chat=False)
 
@@ -281,11 +318,17 @@ class Server:
 
     async def metrics(self, _: web.Request) -> web.Response:
         m = self.args.model
+        # KV cache: each of max_num_seqs running requests holds its share; beyond them, requests wait.
+        seqs = self.args.max_num_seqs
+        waiting = max(0, self.running - seqs)
+        kv = min(1.0, self.running / seqs)
         text = (
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{engine="0",model_name="{m}"}} {self.running}\n'
             "# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{engine="0",model_name="{m}"}} 0\n'
+            f'vllm:num_requests_waiting{{engine="0",model_name="{m}"}} {waiting}\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="{m}"}} {kv}\n'
             "# TYPE vllm:prompt_tokens counter\n"
             f'vllm:prompt_tokens_total{{engine="0",model_name="{m}"}} {self.prompt_total}\n'
             "# TYPE vllm:generation_tokens counter\n"

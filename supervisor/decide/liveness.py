@@ -22,6 +22,7 @@ class Progress:
     running: float
     waiting: float
     tokens: float  # prompt + generated tokens, monotonic while the engine works
+    kv_usage: float = 0.0  # vLLM's KV cache usage, 0..1 (the fullest engine when there are several)
 
     @property
     def pending(self) -> bool:

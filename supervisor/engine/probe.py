@@ -15,6 +15,7 @@ from supervisor.decide.liveness import Progress
 TOKENS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the V1 name, then the V0 one
 
 
 def parse_progress(text: str) -> Progress:
@@ -24,6 +25,7 @@ def parse_progress(text: str) -> Progress:
     of histograms, and a full Prometheus parse every probe interval was most of our idle CPU.
     """
     sums: dict[str, float] = {}
+    kv = 0.0
     for line in text.splitlines():
         if not line.startswith(_WANTED):
             continue
@@ -32,15 +34,17 @@ def parse_progress(text: str) -> Progress:
                 name, value = line[:line.index("{")], line[line.rindex("}") + 1:].split()[0]
             else:
                 name, value = line.split()[:2]
-            if name in _NAMES:
+            if name in KV_USAGE:
+                kv = max(kv, float(value))
+            elif name in _NAMES:
                 sums[name] = sums.get(name, 0.0) + float(value)
         except (ValueError, IndexError):
             continue
-    return Progress(sums.get(RUNNING, 0.0), sums.get(WAITING, 0.0), sum(sums.get(t, 0.0) for t in TOKENS))
+    return Progress(sums.get(RUNNING, 0.0), sums.get(WAITING, 0.0), sum(sums.get(t, 0.0) for t in TOKENS), kv)
 
 
 _NAMES = frozenset((*TOKENS, RUNNING, WAITING))
-_WANTED = tuple(_NAMES)
+_WANTED = (*_NAMES, *KV_USAGE)
 
 
 class EngineError(RuntimeError):
@@ -107,8 +111,18 @@ class EngineClient:
         return self.model
 
     async def count_tokens(self, text: str, timeout: float = 30.0) -> int:
-        body = await self._json("POST", "/tokenize", {"model": await self.served_model(), "prompt": text}, timeout)
+        return await self.tokenize({"prompt": text}, timeout)
+
+    async def tokenize(self, payload: dict[str, Any], timeout: float = 30.0) -> int:
+        """Prompt tokens of a completions ``prompt`` or chat ``messages`` (the chat template applied)."""
+        body = await self._json("POST", "/tokenize", {"model": await self.served_model(), **payload}, timeout)
         return int(body["count"])
+
+    async def max_model_len(self, timeout: float = 10.0) -> int | None:
+        """The context length the engine serves (vLLM's /v1/models says it)."""
+        body = await self._json("GET", "/v1/models", None, timeout)
+        value = body["data"][0].get("max_model_len")
+        return int(value) if isinstance(value, int) else None
 
     async def complete(self, prompt: str, max_tokens: int, timeout: float,
                        request_id: str | None = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from supervisor.about import __version__
 from supervisor.decide.lifecycle import LEGAL_TRANSITIONS, EngineState, FailureKind
@@ -107,6 +108,10 @@ class Metrics:
         """Read the restart budget left at each scrape (it grows back as old restarts leave the window)."""
         self.budget_left.set_function(left)
 
+    def gateway_from(self, read: Callable[[], Mapping[str, Any]], outcomes: Sequence[str]) -> None:
+        """The gateway's own counters, read at each scrape (one source of truth: its /status object)."""
+        self.registry.register(_GatewayCollector(read, outcomes))
+
     def set_gpu(self, devices: Sequence[Any]) -> None:
         for d in devices:
             for kind in ("total", "free", "used"):
@@ -114,3 +119,25 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GatewayCollector:
+    def __init__(self, read: Callable[[], Mapping[str, Any]], outcomes: Sequence[str]) -> None:
+        self.read, self.outcomes = read, outcomes
+
+    def collect(self) -> list[Metric]:
+        doc = self.read()
+        requests = CounterMetricFamily("vllm_supervisor_gateway_requests",
+                                       "Requests by what the gateway did with them (forwarded, held, replayed, "
+                                       "the status it answered itself, quarantined, ...)", labels=["outcome"])
+        for outcome in self.outcomes:
+            requests.add_metric([outcome], float(doc.get(outcome, 0)))
+        return [requests,
+                GaugeMetricFamily("vllm_supervisor_gateway_in_flight", "Requests at the engine now",
+                                  value=float(doc["in_flight"])),
+                GaugeMetricFamily("vllm_supervisor_gateway_waiting", "Requests held waiting for the engine now",
+                                  value=float(doc["waiting"])),
+                GaugeMetricFamily("vllm_supervisor_gateway_shedding", "1 while new requests get 429 for memory "
+                                  "pressure", value=1.0 if doc.get("shedding") else 0.0),
+                GaugeMetricFamily("vllm_supervisor_gateway_quarantined", "Request hashes in quarantine now",
+                                  value=float(doc["quarantine_size"]))]

@@ -1,0 +1,267 @@
+"""What the gateway admits (pure): request parsing, the 413 limits, the 429 pressure rules, quarantine.
+
+Everything here treats the client's bytes as hostile: a body is parsed once, every field the
+gateway relies on is type-checked with an error naming it, and nothing a client sends ever
+reaches a log line (a request is known by its id, its size and its content hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 2**30
+MIB = 2**20
+# Chat templates add role markers and a generation prompt: a generous bound per message and per request.
+CHAT_TOKENS_PER_MESSAGE = 16
+CHAT_TOKENS_FIXED = 256
+# vLLM computes prompt logprobs from float32 logits over the whole vocabulary, one prefill chunk at a time,
+# and keeps the logprobs beside them: about 8 bytes per (token, vocabulary entry).
+PROMPT_LOGPROBS_BYTES = 8
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings"}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An answer the gateway gives itself, in OpenAI's error shape."""
+
+    status: int
+    code: str
+    message: str
+    type: str = "invalid_request_error"
+    retry_after_s: float | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+def bad_request(message: str, code: str = "invalid_request") -> Rejection:
+    return Rejection(400, code, message)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What the gateway needs to know about one generation request."""
+
+    route: str  # completions | chat | embeddings
+    stream: bool
+    text_bytes: int  # UTF-8 bytes of the prompt text: an upper bound on its tokens (plus specials)
+    messages: int  # chat messages (0 for a plain prompt)
+    token_ids: int  # prompt tokens given as ids: counted exactly
+    prompt_logprobs: int | None
+    digest: str  # of the content (route, model, prompt or messages): identical retries share it
+    tokenize_body: dict[str, Any] = field(default_factory=dict)  # what /tokenize needs to count it exactly
+
+    @property
+    def upper_bound(self) -> int:
+        """No tokenizer makes more tokens than bytes (plus a few specials; chat templates add their markers)."""
+        extra = CHAT_TOKENS_FIXED + CHAT_TOKENS_PER_MESSAGE * self.messages if self.route == "chat" else 8
+        return self.text_bytes + self.token_ids + extra
+
+
+def parse(route: str, raw: bytes) -> Parsed | Rejection:
+    """Parse and type-check a request body; a Rejection (400) names the field that is wrong."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        return bad_request(f"the request body is not valid JSON ({type(exc).__name__} at {_where(exc)}); "
+                           "send a JSON object", "invalid_json")
+    if not isinstance(body, dict):
+        return bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        return bad_request(f"'stream' must be true or false, got {type(stream).__name__}", "invalid_type")
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None and (isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int)):
+        return bad_request(f"'prompt_logprobs' must be an integer or null, got {type(prompt_logprobs).__name__}",
+                           "invalid_type")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return bad_request(f"'model' must be a string, got {type(model).__name__}", "invalid_type")
+    if route == "chat":
+        got = _messages(body.get("messages"))
+    else:
+        key = "input" if route == "embeddings" else "prompt"
+        got = _prompt(body.get(key), key)
+    if isinstance(got, Rejection):
+        return got
+    texts, ids, n_messages = got
+    what = body.get("messages") if route == "chat" else body.get("input" if route == "embeddings" else "prompt")
+    digest = hashlib.sha256(json.dumps([route, model, what], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    tokenize: dict[str, Any] = {"model": model} if model else {}
+    if route == "chat":
+        tokenize["messages"] = body["messages"]
+    elif ids == 0:
+        tokenize["prompt"] = "".join(texts)
+    return Parsed(route, bool(stream), sum(len(t.encode()) for t in texts), n_messages, ids, prompt_logprobs,
+                  digest[:32], tokenize)
+
+
+def _where(exc: Exception) -> str:
+    pos = getattr(exc, "pos", None)
+    return f"byte {pos}" if pos is not None else "the start"
+
+
+def _prompt(value: Any, key: str) -> tuple[list[str], int, int] | Rejection:
+    """A completions prompt: a string, a list of strings, a list of token ids, or a list of those lists."""
+    if isinstance(value, str):
+        return [value], 0, 0
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return list(value), 0, 0
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [], len(value), 0
+        if all(isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v) for v in value):
+            return [], sum(len(v) for v in value), 0
+    return bad_request(f"'{key}' is required: a string, a list of strings, or a list of token ids",
+                       "missing_prompt" if value is None else "invalid_type")
+
+
+def _messages(value: Any) -> tuple[list[str], int, int] | Rejection:
+    if not isinstance(value, list) or not value:
+        return bad_request("'messages' is required: a non-empty list of {role, content} objects",
+                           "missing_prompt" if value is None else "invalid_type")
+    texts: list[str] = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return bad_request(f"'messages[{i}]' must be an object with 'role' and 'content'", "invalid_type")
+        content = m.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    return bad_request(f"'messages[{i}].content[{j}]' must be an object", "invalid_type")
+                if isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+        elif content is not None:
+            return bad_request(f"'messages[{i}].content' must be a string or a list of parts, got "
+                               f"{type(content).__name__}", "invalid_type")
+    return texts, 0, len(value)
+
+
+# ---- 413: the prompt against the limits of the current profile ---------------------------------------------
+def too_long(tokens: int, limit: int, why: str) -> Rejection | None:
+    """``tokens`` over ``limit`` → 413 naming both (``why`` says where the limit comes from)."""
+    if tokens <= limit:
+        return None
+    return Rejection(413, "prompt_too_long",
+                     f"the prompt has {tokens} tokens; this server accepts at most {limit} ({why}). "
+                     "Shorten the prompt or split it into several requests.")
+
+
+def prompt_limit(max_model_len: int | None, safe_len: int | None) -> tuple[int | None, str]:
+    """The lesser of the engine's context length and the length learned from crash evidence."""
+    if safe_len is not None and (max_model_len is None or safe_len < max_model_len):
+        return safe_len, "a longer prompt crashed the engine recently"
+    return max_model_len, "the engine's max_model_len"
+
+
+def logprobs_too_big(parsed: Parsed, tokens: int, chunk: int, vocab: int, max_gib: float) -> Rejection | None:
+    """``prompt_logprobs`` on a long prompt needs chunk x vocabulary logits at once: refuse what cannot fit."""
+    if parsed.prompt_logprobs is None or not max_gib:
+        return None
+    need = min(tokens, chunk) * vocab * PROMPT_LOGPROBS_BYTES
+    if need <= max_gib * GIB:
+        return None
+    fits = int(max_gib * GIB // (vocab * PROMPT_LOGPROBS_BYTES))
+    return Rejection(413, "prompt_logprobs_too_large",
+                     f"prompt_logprobs on a {tokens}-token prompt needs about {need / GIB:.1f} GiB of logits "
+                     f"({min(tokens, chunk)} tokens x {vocab} vocabulary entries), more than the "
+                     f"{max_gib:g} GiB this server allows: it is a known out-of-memory trigger. Send at most "
+                     f"{fits} prompt tokens with prompt_logprobs, or leave prompt_logprobs out.")
+
+
+# ---- 429: real memory pressure -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PressureRules:
+    min_free_bytes: int
+    foreign_growth_bytes: int
+    kv_cache_high: float
+    kv_waiting: int
+
+
+def pressure(rules: PressureRules, *, free: Sequence[int], foreign: Sequence[int], foreign_before: Sequence[int],
+             kv_usage: float, waiting: float) -> str | None:
+    """Why the engine is under memory pressure now, or None.
+
+    vLLM preallocates its share of the card, so a high "used" is normal; what matters is what is
+    still free for the activations, another process growing into it, and the KV cache with a queue.
+    """
+    for i, f in enumerate(free):
+        if rules.min_free_bytes and f < rules.min_free_bytes:
+            return f"GPU {i}: {f / MIB:.0f} MiB free, under the {rules.min_free_bytes / MIB:.0f} MiB floor"
+    for i, (now, before) in enumerate(zip(foreign, foreign_before, strict=False)):
+        if rules.foreign_growth_bytes and now - before >= rules.foreign_growth_bytes:
+            return f"GPU {i}: another process grew by {(now - before) / MIB:.0f} MiB"
+    if rules.kv_cache_high and kv_usage >= rules.kv_cache_high and waiting >= rules.kv_waiting:
+        return f"KV cache {kv_usage:.0%} full with {waiting:.0f} requests waiting"
+    return None
+
+
+# ---- quarantine ----------------------------------------------------------------------------------------------
+@dataclass
+class Quarantine:
+    """Content hashes of requests that killed the engine again, each until it expires."""
+
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)  # hash -> {until, tokens, reason}
+
+    def add(self, digest: str, until: float, tokens: int | None, reason: str) -> None:
+        self.entries[digest] = {"until": until, "tokens": tokens, "reason": reason}
+
+    def holds(self, digest: str, now: float) -> dict[str, Any] | None:
+        entry = self.entries.get(digest)
+        return entry if entry is not None and entry["until"] > now else None
+
+    def prune(self, now: float) -> bool:
+        stale = [d for d, e in self.entries.items() if e["until"] <= now]
+        for d in stale:
+            del self.entries[d]
+        return bool(stale)
+
+    def safe_len(self, now: float) -> int | None:
+        """Shorter than the shortest quarantined prompt: the length learned from crash evidence."""
+        lengths = [int(e["tokens"]) for e in self.entries.values() if e["until"] > now and e.get("tokens")]
+        return min(lengths) - 1 if lengths else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"quarantine": self.entries}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Quarantine:
+        raw = doc.get("quarantine")
+        if not isinstance(raw, dict):
+            return cls()
+        ok = {str(k): dict(v) for k, v in raw.items()
+              if isinstance(v, dict) and isinstance(v.get("until"), (int, float))}
+        return cls(ok)
+
+
+def quarantined(entry: Mapping[str, Any], digest: str) -> Rejection:
+    return Rejection(413, "request_quarantined",
+                     f"this request (content hash {digest[:12]}) crashed the inference engine twice, the second "
+                     f"time alone after a restart, and is refused until the quarantine expires; it is not retried. "
+                     f"Change or shorten it ({entry.get('reason', '')}).")
+
+
+def suspect_of(suspect_request: str | None, in_flight: Mapping[str, int]) -> str | None:
+    """Which gateway request vLLM named (its req_id carries our X-Request-Id), else the largest prompt.
+
+    ``in_flight`` maps our request ids to their prompt size; the longest id wins when several match,
+    so a short hostile id cannot shadow another request's.
+    """
+    if not in_flight:
+        return None
+    if suspect_request:
+        named = [rid for rid in in_flight if _names(suspect_request, rid)]
+        if named:
+            return max(named, key=len)
+    return max(in_flight, key=lambda rid: in_flight[rid])
+
+
+def _names(req_id: str, rid: str) -> bool:
+    """vLLM's request ids are ``cmpl-<X-Request-Id>-<n>[-<hex>]`` and ``chatcmpl-<X-Request-Id>[...]``."""
+    return any(req_id == p + rid or req_id.startswith(p + rid + "-") for p in ("cmpl-", "chatcmpl-", "embd-", ""))

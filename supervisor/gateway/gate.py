@@ -1,0 +1,184 @@
+"""The gateway's view of the engine: who may go to it now, who waits, and who killed it.
+
+Requests wait here while the engine is not READY (held), go through when it is, and are
+re-issued after a death when nothing of theirs reached the client yet. After a death that a
+request can cause, the suspect (named by vLLM's scheduler dump, else the largest prompt that
+was in flight) goes alone first; if the engine dies again with it alone, it is quarantined.
+
+The gate reads the supervisor's state changes from the event stream and never writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from supervisor.decide import admission
+
+READY = "READY"
+# Deaths a request can cause; a hang or a device fault is not blamed on the batch.
+REQUEST_DEATHS = frozenset({"runtime_oom", "engine_dead", "signal"})
+
+
+@dataclass(eq=False)
+class Flight:
+    """One client request through the gateway."""
+
+    rid: str
+    digest: str | None  # content hash (generation routes only)
+    size: int  # prompt tokens: exact when counted, else the upper bound
+    tokens: int | None = None  # exact prompt tokens, when counted
+    generation: int = 0  # the READY period it was sent in
+    replays: int = 0
+    strikes: int = 0  # times it was the suspect of a death
+    quarantined: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class Refused(Exception):
+    """Not admitted: held too long, the hold queue is full, or the gateway is shutting down."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class EngineGate:
+    def __init__(self, max_held: int, max_in_flight: int = 0) -> None:
+        self.max_held = max_held
+        self.max_in_flight = max_in_flight
+        self.state = "STOPPED"
+        self.generation = 0
+        self.open = False  # READY and not draining
+        self.closing = False  # the supervisor is stopping: admit nothing more
+        self.at_engine: dict[str, Flight] = {}
+        self.waiting = 0
+        self.solo: Flight | None = None  # the suspect, replayed alone
+        self._dead_batch: list[Flight] = []
+        self._changed = asyncio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until(self, ready: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``ready()`` holds (re-checked on every change of the gate); False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not ready():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return ready()
+        return True
+
+    # ---- what the supervisor publishes ---------------------------------------------------------------
+    def on_state(self, old: str, new: str) -> None:
+        self.state = new
+        if new == READY:
+            self.generation += 1
+            self.open = not self.closing
+        else:
+            self.open = False
+            if old == READY and new == "STOPPING":  # unplanned: a planned stop drains first (DRAINING)
+                self._dead_batch = list(self.at_engine.values())
+        self._notify()
+
+    def on_failure(self, kind: str, suspect_request: str | None) -> Flight | None:
+        """After a death: pick the suspect to replay alone; the flight to quarantine, if any."""
+        batch, self._dead_batch = self._dead_batch, []
+        if kind not in REQUEST_DEATHS or not batch:
+            return None
+        if self.solo is not None and batch == [self.solo]:
+            return self._quarantine(self.solo)
+        sizes = {f.rid: f.size for f in batch}
+        rid = admission.suspect_of(suspect_request, sizes)
+        suspect = next(f for f in batch if f.rid == rid)
+        suspect.strikes += 1
+        if suspect.strikes >= 2:
+            return self._quarantine(suspect)
+        self.solo = suspect
+        self._notify()
+        return None
+
+    def _quarantine(self, flight: Flight) -> Flight:
+        flight.quarantined = True
+        if self.solo is flight:
+            self.solo = None
+        self._notify()
+        return flight
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def _may_go(self, f: Flight) -> bool:
+        if not self.open:
+            return False
+        if self.solo is not None:
+            return self.solo is f and not self.at_engine
+        return not self.max_in_flight or len(self.at_engine) < self.max_in_flight
+
+    async def admit(self, f: Flight, hold_s: float) -> bool:
+        """Wait (at most ``hold_s``) until ``f`` may go to the engine; True when it was held at all."""
+        if self.closing:
+            raise Refused(503, "shutting_down", "the server is shutting down; retry on another replica or later")
+        if self._may_go(f):
+            self._sent(f)
+            return False
+        if self.waiting >= self.max_held:
+            if self.open:
+                raise Refused(429, "too_many_requests", f"{self.max_held} requests are already waiting for a slot")
+            raise Refused(503, "engine_restarting",
+                          f"the engine is restarting and {self.max_held} requests are already waiting for it")
+        self.waiting += 1
+        try:
+            ok = await self._until(lambda: self.closing or f.quarantined or self._may_go(f), hold_s)
+        finally:
+            self.waiting -= 1
+        if self.closing:
+            raise Refused(503, "shutting_down", "the server is shutting down; retry on another replica or later")
+        if not ok:
+            raise Refused(503, "engine_unavailable",
+                          f"the engine did not become ready within the {hold_s:.0f}s this request may wait")
+        if not f.quarantined:
+            self._sent(f)
+        return True
+
+    def _sent(self, f: Flight) -> None:
+        f.generation = self.generation
+        self.at_engine[f.rid] = f
+
+    async def engine_left(self, f: Flight, within_s: float) -> bool:
+        """After an error from the engine: did the READY period ``f`` was sent in end (within ``within_s``)?"""
+        return await self._until(lambda: self.generation != f.generation or not self.open, within_s)
+
+    def leave(self, f: Flight) -> None:
+        """``f`` no longer occupies the engine (done, failed, lost or gone)."""
+        if self.at_engine.get(f.rid) is f:
+            del self.at_engine[f.rid]
+        if self.solo is f and f.generation == self.generation and self.open:
+            self.solo = None  # it went through alone and the engine lived
+        self._notify()
+
+    def forget(self, f: Flight) -> None:
+        """The client is gone for good: it is nobody's suspect any more."""
+        self.leave(f)
+        if self.solo is f:
+            self.solo = None
+            self._notify()
+
+    async def drained(self, timeout: float) -> int:
+        """Stop sending to the engine and wait for what is there to finish; how many were still there."""
+        self.open = False
+        self._notify()
+        await self._until(lambda: not self.at_engine, timeout)
+        return len(self.at_engine)
+
+    def shutdown(self) -> None:
+        """Admit nothing more; those waiting get 503 now."""
+        self.closing = True
+        self.open = False
+        self._notify()

@@ -1,0 +1,324 @@
+"""The public port: vLLM's OpenAI API, fronted so that clients see latency, never a restart.
+
+Each request: its body read under a size cap, parsed and type-checked (generation routes),
+refused if quarantined, shed (429) under real memory pressure, held while the engine is not
+READY, prechecked against the current profile's limits (413), forwarded, and re-issued to the
+next engine when the engine lost it before the client got a byte. The gateway learns the
+engine's state from the event stream and publishes what it does there; it never changes the
+supervisor's state (the supervisor asks it to drain before a planned stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from supervisor.config import Config, is_local_path
+from supervisor.decide import admission
+from supervisor.decide.admission import Parsed, Rejection
+from supervisor.engine import launch
+from supervisor.engine.probe import EngineClient, EngineError
+from supervisor.event_stream import (
+    Event,
+    FailureClassified,
+    GatewayDrained,
+    RequestQuarantined,
+    RequestRejected,
+    RequestReplayed,
+    SheddingChanged,
+    StateChanged,
+)
+from supervisor.gateway import pressure, proxy
+from supervisor.gateway.gate import EngineGate, Flight, Refused
+from supervisor.host import Host
+from supervisor.host.files import write_private
+
+log = structlog.get_logger("supervisor.gateway")
+RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# After an engine error: how long to wait for the supervisor to say whether the engine died
+# (IPC and the exit watch take milliseconds; /health 503 probes take a few seconds).
+DEATH_WAIT_S = 6.0
+DEFAULT_VOCAB = 128256  # Llama 3's: a conservative guess when the model's config cannot be read
+COUNTERS = ("forwarded", "held", "replayed", "400", "413", "429", "503", "quarantined", "client_disconnected",
+            "streams_broken", "engine_errors")
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the gateway may know of the engine the supervisor runs now."""
+
+    chunk: int  # the profile's max_num_batched_tokens (vLLM's default when unset)
+    max_model_len: int | None
+    pids: set[int] = field(default_factory=set)
+    restart_eta_s: float = 30.0
+
+
+class Gateway:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 view: Callable[[], EngineView]) -> None:
+        assert cfg.gateway is not None
+        self.cfg, self.g = cfg, cfg.gateway
+        self.host, self.publish, self.view = host, publish, view
+        self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.base_url = cfg.engine.base_url
+        self.client = EngineClient(self.base_url, launch.api_key(cfg.engine))
+        self.store = Path(cfg.state.dir) / "quarantine.json"
+        self.quarantine = self._load_quarantine()
+        self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
+        self.shedding: str | None = None
+        self._max_len: tuple[int, int | None] = (-1, None)  # (generation, vLLM's max_model_len)
+        self._rejected: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
+        self.watch = pressure.PressureWatch(self.g, host, self.client, launch.gate_devices(cfg.engine),
+                                            lambda: self.view().pids, lambda: self.gate.open,
+                                            lambda: bool(self.gate.at_engine), self._shedding_changed)
+        self._watch_task: asyncio.Task[None] | None = None
+        self.session = proxy.new_session()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the engine request.
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.runner.setup()
+        host, port = self.g.host_port
+        await web.TCPSite(self.runner, host, port, reuse_address=True).start()
+        self._watch_task = asyncio.create_task(self.watch.run(), name="gateway:pressure")
+        log.info("gateway.listening", listen=self.g.listen, quarantined=len(self.quarantine.entries))
+
+    def shutdown(self) -> None:
+        """SIGTERM: admit nothing more (503 + Retry-After); in-flight requests may finish (``drain``)."""
+        self.gate.shutdown()
+
+    async def drain(self, why: str) -> None:
+        """Before a planned stop of the engine: hold new requests and let those at the engine finish."""
+        t0 = self.host.monotonic()
+        cut = await self.gate.drained(self.g.drain_timeout_s)
+        self.publish(GatewayDrained(at=self.host.wall(), why=why, waited_s=round(self.host.monotonic() - t0, 3),
+                                    cut=cut))
+
+    async def close(self) -> None:
+        await pressure.stop(self._watch_task)
+        await self.runner.cleanup()
+        await self.session.close()
+        await self.client.close()
+
+    def status(self) -> dict[str, Any]:
+        now = self.host.wall()
+        return {"listen": self.g.listen, **self.counters, "in_flight": len(self.gate.at_engine),
+                "waiting": self.gate.waiting, "open": self.gate.open, "shedding": self.shedding,
+                "quarantine_size": sum(1 for e in self.quarantine.entries.values() if e["until"] > now),
+                "safe_prompt_tokens": self.quarantine.safe_len(now)}
+
+    # ---- the event stream ------------------------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, StateChanged):
+            self.gate.on_state(event.old, event.new)
+        elif isinstance(event, FailureClassified):
+            flight = self.gate.on_failure(event.kind, event.suspect_request)
+            if flight is not None and flight.digest is not None:
+                self._quarantine(flight, event.kind)
+
+    def _quarantine(self, flight: Flight, kind: str) -> None:
+        assert flight.digest is not None
+        reason = f"{kind} twice, the second time alone, with {flight.size} prompt tokens"
+        self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.size, reason)
+        self.counters["quarantined"] += 1
+        self._save_quarantine()
+        self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
+                                        evidence=f"{reason} (request {flight.rid})"))
+
+    def _shedding_changed(self, reason: str | None) -> None:
+        self.shedding = reason
+        self.publish(SheddingChanged(at=self.host.wall(), reason=reason or ""))
+
+    # ---- one request -----------------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id") or f"gw-{uuid.uuid4().hex[:24]}"
+        if not RID.fullmatch(rid):
+            rid = f"gw-{uuid.uuid4().hex[:24]}"
+            return self._reject(rid, Rejection(400, "invalid_request_id", "X-Request-Id must be 1-128 letters, "
+                                                                          "digits or ._:- characters"))
+        if request.path == "/health":
+            return self._health()
+        if self.gate.closing:
+            return self._reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
+                                               "server_error", self.g.retry_after_s))
+        body = await _read_capped(request, self.g.max_body_bytes)
+        if isinstance(body, Rejection):
+            return self._reject(rid, body)
+        route = admission.ROUTES.get(request.path) if request.method == "POST" else None
+        parsed = admission.parse(route, body) if route else None
+        if isinstance(parsed, Rejection):
+            return self._reject(rid, parsed)
+        if parsed is not None:
+            entry = self.quarantine.holds(parsed.digest, self.host.wall())
+            if entry is not None:
+                return self._reject(rid, admission.quarantined(entry, parsed.digest))
+        if self.shedding and self.gate.open:
+            return self._reject(rid, Rejection(429, "engine_overloaded", f"the engine is under memory pressure "
+                                               f"({self.shedding}); retry after a moment", "rate_limit_error",
+                                               self.g.retry_after_s))
+        flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0)
+        try:
+            return await self._through(request, flight, parsed, body)
+        except Refused as r:
+            retry = self.g.retry_after_s if r.status == 429 else max(self.g.retry_after_s, self.view().restart_eta_s)
+            return self._reject(rid, Rejection(r.status, r.code, r.message, "server_error", retry))
+        except asyncio.CancelledError:
+            self.counters["client_disconnected"] += 1
+            raise
+        finally:
+            self.gate.forget(flight)
+
+    async def _through(self, request: web.Request, flight: Flight, parsed: Parsed | None,
+                       body: bytes) -> web.StreamResponse:
+        url = self.base_url + str(request.rel_url)
+        while True:
+            left = flight.arrived + self.g.hold_timeout_s - self.host.monotonic()
+            if await self.gate.admit(flight, max(0.0, left)) and flight.replays == 0:
+                self.counters["held"] += 1
+            if flight.quarantined:
+                entry = self.quarantine.holds(flight.digest or "", self.host.wall()) or {}
+                return self._reject(flight.rid, admission.quarantined(entry, flight.digest or ""))
+            if flight.replays:
+                self.counters["replayed"] += 1
+                self.publish(RequestReplayed(at=self.host.wall(), request_id=flight.rid, replays=flight.replays,
+                                             alone=self.gate.solo is flight))
+            if parsed is not None:
+                refused = await self._precheck(parsed, flight)
+                if refused is not None:
+                    self.gate.leave(flight)
+                    return self._reject(flight.rid, refused)
+            out = await proxy.forward(self.session, url, request, body, flight.rid)
+            if not isinstance(out, proxy.Unsent):
+                self.gate.leave(flight)
+                self.counters["forwarded"] += 1
+                if isinstance(out, proxy.Forwarded) and out.broken:
+                    self.counters["streams_broken"] += 1
+                return out
+            died = await self.gate.engine_left(flight, DEATH_WAIT_S)
+            self.gate.leave(flight)
+            if not died:  # the engine lives: its error is the answer
+                self.counters["engine_errors"] += 1
+                return out.response(flight.rid)
+            if flight.replays >= self.g.max_replays:
+                raise Refused(503, "engine_unavailable", f"the engine failed this request {flight.replays + 1} "
+                                                         "times while restarting; retry later")
+            flight.replays += 1
+
+    async def _precheck(self, parsed: Parsed, flight: Flight) -> Rejection | None:
+        """413 over the current limits; counts the prompt exactly only when the byte bound is not enough."""
+        limit, why = admission.prompt_limit(await self._engine_max_len(), self.quarantine.safe_len(self.host.wall()))
+        if flight.tokens is None:
+            if parsed.token_ids and not parsed.text_bytes:
+                flight.tokens = parsed.token_ids
+            elif (limit is not None and parsed.upper_bound > limit) or parsed.prompt_logprobs is not None:
+                try:
+                    flight.tokens = await self.client.tokenize(parsed.tokenize_body)
+                except EngineError:
+                    return None  # the engine will judge it itself
+        if flight.tokens is None:
+            return None
+        flight.size = flight.tokens
+        if limit is not None:
+            refused = admission.too_long(flight.tokens, limit, why)
+            if refused is not None:
+                return refused
+        return admission.logprobs_too_big(parsed, flight.tokens, self.view().chunk, self.vocab,
+                                          self.g.prompt_logprobs_max_gib)
+
+    async def _engine_max_len(self) -> int | None:
+        gen, value = self._max_len
+        if gen != self.gate.generation:
+            try:
+                value = await self.client.max_model_len()
+            except (EngineError, KeyError, IndexError, TypeError):
+                value = None
+            value = value or self.view().max_model_len
+            self._max_len = (self.gate.generation, value)
+        return value
+
+    # ---- answers of the gateway's own ------------------------------------------------------------------
+    def _health(self) -> web.Response:
+        if self.gate.closing:
+            return web.json_response({"status": "shutting_down"}, status=503)
+        return web.json_response({"status": "ok" if self.gate.open else "holding", "engine": self.gate.state})
+
+    def _reject(self, rid: str, r: Rejection) -> web.Response:
+        self.counters[str(r.status)] = self.counters.get(str(r.status), 0) + 1
+        headers = {"X-Request-Id": rid}
+        if r.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(r.retry_after_s)))
+        self._record_rejection(rid, r)
+        return web.Response(status=r.status, text=json.dumps(r.body()), content_type="application/json",
+                            headers=headers)
+
+    def _record_rejection(self, rid: str, r: Rejection) -> None:
+        """One event per code and second at most: a 429 storm must not flood the log or the stream."""
+        now = self.host.monotonic()
+        last, since = self._rejected.get(r.code, (-math.inf, 0))
+        if now - last < 1.0:
+            self._rejected[r.code] = (last, since + 1)
+            return
+        self._rejected[r.code] = (now, 0)
+        self.publish(RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid,
+                                     count=since + 1))
+
+    # ---- the quarantine file -------------------------------------------------------------------------
+    def _load_quarantine(self) -> admission.Quarantine:
+        try:
+            q = admission.Quarantine.from_dict(json.loads(self.store.read_text()))
+        except FileNotFoundError:
+            return admission.Quarantine()
+        except (OSError, ValueError) as exc:
+            log.warning("gateway.quarantine_unreadable", path=str(self.store), error=str(exc))
+            return admission.Quarantine()
+        q.prune(self.host.wall())
+        return q
+
+    def _save_quarantine(self) -> None:
+        self.quarantine.prune(self.host.wall())
+        try:
+            self.store.parent.mkdir(parents=True, exist_ok=True)
+            write_private(self.store, json.dumps(self.quarantine.as_dict(), indent=1))
+        except OSError as exc:
+            log.error("gateway.quarantine_not_saved", path=str(self.store), error=str(exc))
+
+
+async def _read_capped(request: web.Request, cap: int) -> bytes | Rejection:
+    """The body, refused (413) as soon as it is known to be over ``cap``: a huge body is never read whole."""
+    too_big = Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server")
+    if request.content_length is not None and request.content_length > cap:
+        return too_big
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > cap:
+            return too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _vocab_of(model: str) -> int | None:
+    """The vocabulary size in a local model's config.json (the prompt_logprobs bound needs it)."""
+    if not is_local_path(model):
+        return None
+    try:
+        doc = json.loads((Path(model).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = doc.get("vocab_size") if isinstance(doc, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
