@@ -84,6 +84,7 @@ class Sup:
     state_dir: Path
     log_path: Path
     engine_pids: set[int] = field(default_factory=set)
+    gateway: str | None = None  # the gateway's base URL, when [gateway] is configured
 
     def status(self) -> dict[str, Any] | None:
         try:
@@ -183,6 +184,8 @@ class Launcher:
             "admin": {"listen": f"127.0.0.1:{admin_port}"},
         })
         doc = deep_merge(doc, overrides or {})
+        if "gateway" in doc and "listen" not in doc["gateway"]:
+            doc["gateway"]["listen"] = f"127.0.0.1:{free_port()}"
         cfg = self.workdir / f"sup{n}.toml"
         cfg.write_text(to_toml(doc))
         log_path = self.workdir / f"sup{n}.log"
@@ -191,7 +194,8 @@ class Launcher:
             proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
                                     stdout=logf, stderr=subprocess.STDOUT, env={**base, **(env or {})})
         sup = Sup(proc, cfg, doc["admin"]["listen"], f"http://127.0.0.1:{doc['engine']['port']}",
-                  Path(doc["state"]["dir"]), log_path)
+                  Path(doc["state"]["dir"]), log_path,
+                  gateway=f"http://{doc['gateway']['listen']}" if "gateway" in doc else None)
         self.started.append(sup)
         return sup
 

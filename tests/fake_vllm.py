@@ -358,7 +358,8 @@ async def api_server_main(args: argparse.Namespace) -> int:
     app.router.add_post("/v1/completions", srv.completions)
     app.router.add_post("/v1/chat/completions", srv.chat)
     app.router.add_get("/metrics", srv.metrics)
-    runner = web.AppRunner(app, access_log=None)
+    # vLLM's routes are cancelled when their client disconnects (with_cancellation): so are these.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     loop = asyncio.get_running_loop()

@@ -69,26 +69,21 @@ async def forward(session: aiohttp.ClientSession, url: str, request: web.Request
                                    headers=passed(request.headers, rid))
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         return Unsent(502, {}, _error_json(f"the engine did not answer: {type(exc).__name__}"), str(exc))
-    done = False
     try:
         if up.status >= 500:
-            data = await up.read()
-            done = True
-            return Unsent(up.status, up.headers, data, f"the engine answered {up.status}")
+            return Unsent(up.status, up.headers, await up.read(), f"the engine answered {up.status}")
         if "text/event-stream" not in up.headers.get("Content-Type", ""):
-            data = await up.read()
-            done = True
-            return web.Response(status=up.status, body=data, headers=passed(up.headers, rid))
+            return web.Response(status=up.status, body=await up.read(), headers=passed(up.headers, rid))
         first = await up.content.readany()  # the first token: until then the stream can still be replayed
         if not first or first.startswith(STREAM_ERROR_PREFIX):
-            rest = await up.read()
-            done = True
-            return Unsent(up.status, up.headers, first + rest, "the engine's stream failed before its first token")
+            return Unsent(up.status, up.headers, first + await up.read(),
+                          "the engine's stream failed before its first token")
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        up.close()
         return Unsent(502, {}, _error_json("the engine failed the request"), f"{type(exc).__name__}: {exc}")
-    finally:
-        if not done:
-            up.close()
+    except BaseException:
+        up.close()
+        raise
     try:
         return await _relay(up, first, request, rid)
     finally:

@@ -1,0 +1,327 @@
+"""The gateway end to end: `vllm-supervisor run` with [gateway], over loopback HTTP, in front of the stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from supervisor.engine.probe import parse_progress
+from tests.conftest import Sup
+
+GW: dict[str, Any] = {"gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2}}
+LONG = "word " * 30_000
+
+
+async def post(s: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None,
+               raw: bytes | None = None) -> tuple[int, dict[str, Any], CIMultiDict[str]]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    async with s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+        text = await r.text()
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            doc = {"_text": text}
+        return r.status, doc, CIMultiDict(r.headers)
+
+
+def completion(prompt: str | list[int], max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": prompt, "max_tokens": max_tokens, **extra}
+
+
+def engine_running(sup: Sup) -> float:
+    with urllib.request.urlopen(sup.engine_url + "/metrics", timeout=5) as r:
+        return parse_progress(r.read().decode()).running
+
+
+def gw_status(sup: Sup) -> dict[str, Any]:
+    st = sup.status()
+    assert st is not None
+    gw: dict[str, Any] = st["gateway"]
+    return gw
+
+
+async def test_forwards_keeps_the_request_id_and_streams_chunk_by_chunk(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.2"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        code, doc, headers = await post(s, sup.gateway + "/v1/completions", completion("hello", 2),
+                                        {"X-Request-Id": "client-id-1"})
+        assert code == 200 and doc["choices"][0]["text"] == " tok tok"
+        assert headers["X-Request-Id"] == "client-id-1"
+        code, doc, headers = await post(s, sup.gateway + "/v1/chat/completions",
+                                        {"model": "fake-model", "max_tokens": 1,
+                                         "messages": [{"role": "user", "content": "héllo ✓ 日本語"}]})
+        assert code == 200 and headers["X-Request-Id"].startswith("gw-")
+        async with s.get(sup.gateway + "/v1/models") as r:
+            assert r.status == 200 and (await r.json())["data"][0]["id"] == "fake-model"
+        # Streaming: each token's chunk reaches the client as it is made (0.2 s apart), not all at the end.
+        arrivals: list[float] = []
+        async with s.post(sup.gateway + "/v1/completions", json=completion("hi", 4, stream=True)) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    arrivals.append(time.monotonic())
+        assert len(arrivals) == 4
+        assert arrivals[-1] - arrivals[0] > 0.4
+    # vLLM saw our id: the stand-in names it in its request log like vLLM's request ids do.
+    gw = gw_status(sup)
+    assert gw["forwarded"] == 4 and gw["in_flight"] == 0
+
+
+async def test_authorization_passes_through_to_vllms_api_key(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"args": {"api_key": "sekrit"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        code, _, _ = await post(s, sup.gateway + "/v1/completions", completion("hi"))
+        assert code == 401
+        code, _, _ = await post(s, sup.gateway + "/v1/completions", completion("hi"),
+                                {"Authorization": "Bearer sekrit"})
+        assert code == 200
+
+
+async def test_precheck_at_the_limit_minus_one_the_limit_and_plus_one(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "profile": {"max_model_len": 300}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        url = sup.gateway + "/v1/completions"
+        codes = [(await post(s, url, completion("w " * n, 1)))[0] for n in (299, 300)]
+        assert codes == [200, 200]
+        code, doc, _ = await post(s, url, completion("w " * 301, 1))
+        assert code == 413 and doc["error"]["code"] == "prompt_too_long"
+        assert "301 tokens" in doc["error"]["message"] and "at most 300" in doc["error"]["message"]
+        assert set(doc["error"]) == {"message", "type", "code"}
+        # Token ids count exactly, without asking the engine.
+        code, doc, _ = await post(s, url, completion(list(range(301)), 1))
+        assert code == 413 and "301 tokens" in doc["error"]["message"]
+        # Chat: the template's tokens count too (the stand-in's template adds none).
+        code, doc, _ = await post(s, sup.gateway + "/v1/chat/completions",
+                                  {"model": "fake-model", "messages": [{"role": "user", "content": "w " * 301}]})
+        assert code == 413 and doc["error"]["code"] == "prompt_too_long"
+    assert gw_status(sup)["413"] == 3
+
+
+async def test_bad_input_gets_a_clear_error_naming_the_field(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "gateway": {**GW["gateway"], "max_body_bytes": 100_000}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    url = sup.gateway + "/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        code, doc, _ = await post(s, url, None, raw=b'{"prompt": "unterminated')
+        assert code == 400 and doc["error"]["code"] == "invalid_json"
+        code, doc, _ = await post(s, url, None, raw=b"\xff\xfe not utf-8")
+        assert code == 400 and doc["error"]["code"] == "invalid_json"
+        code, doc, _ = await post(s, url, [1, 2])
+        assert code == 400 and "JSON object" in doc["error"]["message"]
+        code, doc, _ = await post(s, url, completion("hi", stream="yes"))
+        assert code == 400 and "'stream'" in doc["error"]["message"]
+        code, doc, _ = await post(s, url, {"model": "fake-model", "prompt": {"a": 1}})
+        assert code == 400 and "'prompt'" in doc["error"]["message"]
+        code, doc, _ = await post(s, url, completion("hi", prompt_logprobs="all"))
+        assert code == 400 and "'prompt_logprobs'" in doc["error"]["message"]
+        code, doc, _ = await post(s, sup.gateway + "/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                           "content": 7}]})
+        assert code == 400 and "'messages[0].content'" in doc["error"]["message"]
+        code, doc, _ = await post(s, url, None, raw=b'{"prompt": "' + b"x" * 200_000 + b'"}')
+        assert code == 413 and doc["error"]["code"] == "body_too_large"
+        code, doc, _ = await post(s, url, completion("hi"), {"X-Request-Id": "bad id\twith tab"})
+        assert code == 400 and doc["error"]["code"] == "invalid_request_id"
+        code, doc, _ = await post(s, url, completion("ünïcödé ✓ 🚀 " * 20))
+        assert code == 200
+    gw = gw_status(sup)
+    assert gw["400"] == 8 and gw["413"] == 1 and gw["forwarded"] == 1
+
+
+async def test_requests_in_flight_at_an_oom_are_replayed_and_the_poison_is_quarantined(
+        supervise: Callable[..., Sup]) -> None:
+    # The stand-in's core works one request at a time: the ones sent after the poison wait behind it and die with it.
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000", "FAKE_VLLM_TOKEN_DELAY": "0.01"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    url = sup.gateway + "/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        poison = asyncio.create_task(post(s, url, completion(LONG), {"X-Request-Id": "poison-1"}))
+        await asyncio.sleep(0.05)  # the poison reaches the engine first (order, not luck: checked below)
+        smalls = await asyncio.gather(*(post(s, url, completion("hello " * 20, 8)) for _ in range(6)))
+        code, doc, _ = await poison
+        assert [c for c, _, _ in smalls] == [200] * 6
+        assert code == 413 and doc["error"]["code"] == "request_quarantined", doc
+        # A retrying client: the same content is refused at once, without another death.
+        restarts = sup.wait_ready()["restarts"]
+        code, doc, _ = await post(s, url, completion(LONG), {"X-Request-Id": "poison-2"})
+        assert code == 413 and doc["error"]["code"] == "request_quarantined"
+    st = sup.wait_ready()
+    assert st["restarts"] == restarts == 2  # 8192 and 6144 died; 4096 was never tried with it
+    gw = st["gateway"]
+    assert gw["replayed"] >= 1 and gw["quarantined"] == 1 and gw["safe_prompt_tokens"] == 30_000 - 1
+    replayed = sup.events("gateway.request_replayed")
+    assert replayed and replayed[0]["request_id"] == "poison-1" and replayed[0]["alone"] is True
+    q = sup.events("gateway.request_quarantined")
+    assert len(q) == 1 and q[0]["prompt_tokens"] == 30_000 and "word" not in json.dumps(q[0])
+    saved = json.loads((sup.state_dir / "quarantine.json").read_text())
+    assert list(saved["quarantine"]) == [q[0]["request_hash"]]
+    assert (sup.state_dir / "quarantine.json").stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_long_prompt_that_fits_after_the_step_down_is_served(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "7000"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        code, doc, _ = await post(s, sup.gateway + "/v1/completions", completion(LONG))
+    assert code == 200, doc
+    st = sup.wait_ready()
+    assert st["restarts"] == 1 and st["profile"]["max_num_batched_tokens"] == 6144
+    assert st["gateway"]["replayed"] == 1 and st["gateway"]["quarantined"] == 0
+
+
+async def test_the_quarantine_survives_a_restart_of_the_supervisor(supervise: Callable[..., Sup]) -> None:
+    overrides = {**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}}
+    sup = supervise(overrides)
+    sup.wait_ready()
+    assert sup.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        code, _, _ = await post(s, sup.gateway + "/v1/completions", completion(LONG))
+    assert code == 413
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(60) == 0
+    again = supervise({**overrides, "state": {"dir": str(sup.state_dir)}})
+    st = again.wait_ready()
+    assert again.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        code, doc, _ = await post(s, again.gateway + "/v1/completions", completion(LONG))
+        assert code == 413 and doc["error"]["code"] == "request_quarantined"
+        # Any prompt as long is over the learned safe length; a shorter one is served.
+        code, doc, _ = await post(s, again.gateway + "/v1/completions", completion(LONG + "more"))
+        assert code == 413 and doc["error"]["code"] == "prompt_too_long"
+        code, _, _ = await post(s, again.gateway + "/v1/completions", completion("word " * 2000))
+        assert code == 200
+    assert st["restarts"] == 0
+
+
+async def test_a_stream_under_way_when_the_engine_dies_ends_with_an_error_event(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    events: list[bytes] = []
+    async with aiohttp.ClientSession() as s, \
+            s.post(sup.gateway + "/v1/completions", json=completion("hi", 200, stream=True)) as r:
+        async for line in r.content:
+            if line.startswith(b"data:"):
+                events.append(line)
+                if len(events) == 2:
+                    core = [p for p in sup.engine_tree() if "--engine-core-fd" in " ".join(p.cmdline())]
+                    core[0].kill()
+    assert b'"error"' in events[-2] and events[-1].strip() == b"data: [DONE]"
+    sup.wait_ready(restarts=1)
+
+
+async def test_a_client_that_disconnects_aborts_its_engine_request(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(post(s, sup.gateway + "/v1/completions", completion("hi", 400)))
+        deadline = time.monotonic() + 10
+        while gw_status(sup)["in_flight"] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gw = gw_status(sup)
+        if gw["client_disconnected"] == 1 and gw["in_flight"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert gw["client_disconnected"] == 1 and gw["in_flight"] == 0
+    # The engine saw its client go and dropped the request (20 s of generation left).
+    assert engine_running(sup) == 0
+
+
+async def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.02"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    url = sup.gateway + "/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        inflight = [asyncio.create_task(post(s, url, completion("hello", 50))) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while gw_status(sup)["in_flight"] < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        sup.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while sup.status() and sup.status()["state"] == "READY" and time.monotonic() < deadline:  # type: ignore[index]
+            await asyncio.sleep(0.02)
+        code, doc, headers = await post(s, url, completion("late"))
+        assert code == 503 and doc["error"]["code"] == "shutting_down" and int(headers["Retry-After"]) >= 1
+        assert [c for c, _, _ in await asyncio.gather(*inflight)] == [200, 200, 200]
+    assert sup.wait_exit(60) == 0
+    drained = sup.events("gateway.drained")
+    assert drained and drained[0]["cut"] == 0
+
+
+async def test_held_through_a_planned_restart_costs_only_latency(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.01", "FAKE_VLLM_START_DELAY": "1.0"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    url = sup.gateway + "/v1/completions"
+    from supervisor.ops import control
+
+    async with aiohttp.ClientSession() as s:
+        stop = asyncio.Event()
+
+        async def client() -> list[int]:
+            codes = []
+            while not stop.is_set():
+                codes.append((await post(s, url, completion("hello", 5)))[0])
+            return codes
+
+        clients = [asyncio.create_task(client()) for _ in range(4)]
+        await asyncio.sleep(0.3)
+        answer = await asyncio.to_thread(control.send, control.path_in(sup.state_dir), "restart")
+        assert answer["ok"], answer
+        await asyncio.to_thread(sup.wait_for, lambda st: st["start"] >= 2 and st["ready"], 60, "restarted")
+        await asyncio.sleep(0.3)
+        stop.set()
+        codes = [c for t in clients for c in await t]
+    assert set(codes) == {200} and len(codes) > 8
+    gw = gw_status(sup)
+    assert gw["held"] >= 1 and gw["503"] == 0
+
+
+async def test_kv_cache_full_with_requests_waiting_sheds_new_ones_with_429(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "profile": {"max_num_seqs": 2}, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}},
+                     "gateway": {**GW["gateway"], "retry_after_s": 3.0}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    url = sup.gateway + "/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        # 40 tokens each: the serial stand-in finishes one every 2 s, within the 3 s hang rule.
+        busy = [asyncio.create_task(post(s, url, completion("hello", 40))) for _ in range(4)]
+        deadline = time.monotonic() + 10
+        while not gw_status(sup)["shedding"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        code, doc, headers = await post(s, url, completion("one more"))
+        assert code == 429 and doc["error"]["code"] == "engine_overloaded" and headers["Retry-After"] == "3"
+        assert "KV cache" in doc["error"]["message"]
+        assert [c for c, _, _ in await asyncio.gather(*busy)] == [200] * 4
+        deadline = time.monotonic() + 10
+        while gw_status(sup)["shedding"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        code, _, _ = await post(s, url, completion("after"))
+        assert code == 200
+    shed = sup.events("gateway.shedding")
+    assert shed[0]["reason"] and not shed[-1]["reason"]  # started (its reason may change), then stopped
