@@ -466,7 +466,10 @@ class Supervisor:
             if path is None:
                 raise ConfigError([("(file)", "this supervisor was started without a config file path")])
             new = config_mod.load(path)
-            fixed = [name for name in ("admin", "state", "gateway") if getattr(new, name) != getattr(self.cfg, name)]
+            fixed = [name for name in ("admin", "state") if getattr(new, name) != getattr(self.cfg, name)]
+            old_gw, new_gw = self.cfg.gateway, new.gateway
+            if (old_gw is None) != (new_gw is None) or (old_gw and new_gw and old_gw.listen != new_gw.listen):
+                fixed.append("gateway.listen")  # the public port itself; its other settings apply at once
             if fixed:
                 raise ConfigError([(name, "changes only with a restart of the supervisor") for name in fixed])
             alerts = self._alerts_for(new) if new.alerts != self.cfg.alerts else None
@@ -481,6 +484,8 @@ class Supervisor:
             await self.alerts.close()
             self.alerts = alerts
             self.alerts.start()
+        if self.gateway is not None and new.gateway is not None:
+            self.gateway.reconfigure(new.gateway)
         engine_restart = new.engine != old.engine or new.profile != old.profile
         self.publish(Reloaded(at=self.host.wall(), changed=changed, engine_restart=engine_restart))
         if not engine_restart:

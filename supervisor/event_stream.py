@@ -247,6 +247,7 @@ class SheddingChanged(Event):
 
     name = "gateway.shedding"
     reason: str
+    everyone: bool = False  # the KV cache is full: every new request; else only prompts that need new memory
 
     def log_level(self) -> str:
         return "warning" if self.reason else "info"

@@ -325,3 +325,25 @@ async def test_kv_cache_full_with_requests_waiting_sheds_new_ones_with_429(super
         assert code == 200
     shed = sup.events("gateway.shedding")
     assert shed[0]["reason"] and not shed[-1]["reason"]  # started (its reason may change), then stopped
+
+
+async def test_a_reload_applies_gateway_settings_at_once_but_not_a_new_listen(supervise: Callable[..., Sup]) -> None:
+    from supervisor.ops import control
+
+    sup = supervise({**GW, "gateway": {**GW["gateway"], "max_body_bytes": 1_000_000}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    body = completion("w " * 1000)  # about 2 kB
+    async with aiohttp.ClientSession() as s:
+        assert (await post(s, sup.gateway + "/v1/completions", body))[0] == 200
+        text = sup.config.read_text()
+        sup.config.write_text(text.replace("max_body_bytes = 1000000", "max_body_bytes = 1000"))
+        answer = await asyncio.to_thread(control.send, control.path_in(sup.state_dir), "reload")
+        assert answer["ok"] and "engine keeps running" in str(answer["message"]), answer
+        code, doc, _ = await post(s, sup.gateway + "/v1/completions", body)
+        assert code == 413 and doc["error"]["code"] == "body_too_large"
+        listen = sup.gateway.removeprefix("http://")
+        sup.config.write_text(text.replace(listen, "127.0.0.1:1"))
+        answer = await asyncio.to_thread(control.send, control.path_in(sup.state_dir), "reload")
+        assert not answer["ok"] and "gateway.listen" in str(answer["message"])
+    assert sup.status()["start"] == 1  # type: ignore[index]

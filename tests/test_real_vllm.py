@@ -65,7 +65,7 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
 @pytest.fixture(scope="module")
 def sup(launcher: Launcher) -> Sup:
     """One supervisor over real vLLM, shared by the crash tests below (each recovers it)."""
-    s = launcher.start()
+    s = launcher.start({"gateway": {"hold_timeout_s": float(START_S)}})
     s.wait_ready(START_S)
     return s
 
@@ -241,6 +241,107 @@ def test_worker_sigsegv_is_survived_and_a_repeat_with_the_same_request_is_memory
     assert lf["kind"] == "runtime_oom" and "treated as a memory failure" in lf["evidence"], lf
     assert st["profile"]["max_num_batched_tokens"] < before["profile"]["max_num_batched_tokens"]
     assert complete(sup, prompt="hello")[0] == 200
+
+
+def tokens_of(sup: Sup, prompt: str) -> int:
+    code, body = http_json(sup.engine_url + "/tokenize", {"model": "tiny-llama", "prompt": prompt})
+    assert code == 200, body
+    return int(body["count"])
+
+
+def prompt_of(sup: Sup, tokens: int) -> str:
+    """A prompt of exactly ``tokens`` tokens by the engine's own tokenizer."""
+    extra = tokens_of(sup, "hello " * 10) - 10  # BOS and the like
+    prompt = "hello " * (tokens - extra)
+    assert tokens_of(sup, prompt) == tokens
+    return prompt
+
+
+def test_gateway_forwards_streams_and_prechecks_with_vllms_own_tokenizer(sup: Sup) -> None:
+    assert sup.gateway is not None
+    url = sup.gateway + "/v1/completions"
+    code, body = http_json(url, {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4},
+                           headers={"X-Request-Id": "gw-real-1"})
+    assert code == 200 and body["choices"][0]["text"] is not None
+    assert "cmpl-gw-real-1" in sup.log_path.read_text(errors="replace")  # vLLM saw our request id
+    code, body = http_json(sup.gateway + "/v1/chat/completions",
+                           {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello ✓ 日本語"}],
+                            "max_tokens": 4})
+    assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
+    # max_model_len is 4096: limit - 1 is served; the limit passes the gateway and vLLM itself refuses it (400, no
+    # room to generate); limit + 1 is the gateway's 413, counted exactly by vLLM's tokenizer.
+    codes = [http_json(url, {"model": "tiny-llama", "prompt": prompt_of(sup, n), "max_tokens": 1}, timeout=120)
+             for n in (4095, 4096, 4097)]
+    assert [c for c, _ in codes] == [200, 400, 413], codes
+    assert codes[2][1]["error"]["code"] == "prompt_too_long" and "4097 tokens" in codes[2][1]["error"]["message"]
+    # A stream comes through chunk by chunk; a client that leaves mid-stream aborts vLLM's request.
+    req = urllib.request.Request(url, json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 3500,
+                                                  "ignore_eos": True, "stream": True}).encode(),
+                                 {"Content-Type": "application/json", "X-Request-Id": "leaves-early"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.readline().startswith(b"data: {")
+    # vLLM logs an abort only for a request it dropped unfinished (a finished one is not "aborted").
+    sup.wait_for(lambda _: "Aborted request(s) cmpl-leaves-early" in sup.log_path.read_text(errors="replace"),
+                 30, "vLLM aborting the request its client left")
+    gw = sup.status()["gateway"]  # type: ignore[index]
+    assert (gw["forwarded"], gw["413"], gw["client_disconnected"]) == (4, 1, 1)  # 200, chat 200, 200, vLLM's 400
+
+
+def test_gateway_clients_see_no_error_through_a_real_oom(sup: Sup) -> None:
+    """A real OOM with ordinary requests in flight: all answered 200, the killer replayed alone and served."""
+    import concurrent.futures
+
+    assert sup.gateway is not None
+    before = sup.status()
+    assert before is not None
+    worker = tree(sup)["worker"]
+    subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={worker.memory_info().vms + 4 * 2**20}"], check=True)
+    url = sup.gateway + "/v1/completions"
+
+    def ordinary(i: int) -> int:
+        return http_json(url, {"model": "tiny-llama", "prompt": f"hello {i}", "max_tokens": 64, "ignore_eos": True},
+                         timeout=START_S)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        first = [pool.submit(ordinary, i) for i in range(4)]
+        killer = pool.submit(lambda: http_json(url, {"model": "tiny-llama", "prompt": "word " * 3000,
+                                                     "prompt_logprobs": 1, "max_tokens": 2},
+                                               timeout=START_S, headers={"X-Request-Id": "killer-1"}))
+        later = [pool.submit(ordinary, i) for i in range(4, 8)]
+        codes = [f.result() for f in first + later]
+        killer_code, killer_body = killer.result()
+    st = sup.wait_ready(START_S)
+    assert st["restarts"] == before["restarts"] + 1 and st["last_failure"]["kind"] == "runtime_oom"
+    assert codes == [200] * 8
+    assert killer_code == 200, killer_body  # served after the step down
+    # Whichever request's allocation hit the cap first, what was in flight went again to the new engine,
+    # the suspect alone first.
+    replayed = sup.events("gateway.request_replayed")
+    assert replayed and replayed[0]["alone"] is True
+    assert st["gateway"]["503"] == 0 and st["gateway"]["quarantined"] == 0
+
+
+def test_gateway_sigterm_finishes_requests_in_flight_and_refuses_new_ones(sup: Sup) -> None:
+    """Last of the shared engine's tests: it stops the supervisor."""
+    import concurrent.futures
+
+    assert sup.gateway is not None
+    url = sup.gateway + "/v1/completions"
+
+    def long_one() -> int:
+        return http_json(url, {"model": "tiny-llama", "prompt": "hello", "max_tokens": 200, "ignore_eos": True},
+                         timeout=START_S)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        inflight = [pool.submit(long_one) for _ in range(2)]
+        sup.wait_for(lambda st: st["gateway"]["in_flight"] == 2, 60, "two requests at the engine")
+        sup.proc.send_signal(signal.SIGTERM)
+        sup.wait_for(lambda st: st["state"] != "READY", 30, "draining")
+        code, body = http_json(url, {"model": "tiny-llama", "prompt": "late", "max_tokens": 2})
+        assert code == 503 and body["error"]["code"] == "shutting_down"
+        assert [f.result() for f in inflight] == [200, 200]
+    assert sup.wait_exit(120) == 0
+    assert sup.events("gateway.drained")[0]["cut"] == 0
 
 
 def test_startup_memory_failure_lowers_max_model_len(launcher: Launcher) -> None:

@@ -184,22 +184,44 @@ class PressureRules:
     kv_waiting: int
 
 
+@dataclass(frozen=True)
+class Pressure:
+    """Why the engine is short of memory, and whom that concerns."""
+
+    reason: str
+    everyone: bool  # the KV cache is full: every new request waits; else only prompts that need new memory
+
+
 def pressure(rules: PressureRules, *, free: Sequence[int], foreign: Sequence[int], foreign_before: Sequence[int],
-             kv_usage: float, waiting: float) -> str | None:
+             kv_usage: float, waiting: float) -> Pressure | None:
     """Why the engine is under memory pressure now, or None.
 
     vLLM preallocates its share of the card, so a high "used" is normal; what matters is what is
     still free for the activations, another process growing into it, and the KV cache with a queue.
     """
+    if rules.kv_cache_high and kv_usage >= rules.kv_cache_high and waiting >= rules.kv_waiting:
+        return Pressure(f"KV cache {kv_usage:.0%} full with {waiting:.0f} requests waiting", True)
     for i, f in enumerate(free):
         if rules.min_free_bytes and f < rules.min_free_bytes:
-            return f"GPU {i}: {f / MIB:.0f} MiB free, under the {rules.min_free_bytes / MIB:.0f} MiB floor"
+            return Pressure(f"GPU {i}: {f / MIB:.0f} MiB free, under the {rules.min_free_bytes / MIB:.0f} MiB "
+                            "floor", False)
     for i, (now, before) in enumerate(zip(foreign, foreign_before, strict=False)):
         if rules.foreign_growth_bytes and now - before >= rules.foreign_growth_bytes:
-            return f"GPU {i}: another process grew by {(now - before) / MIB:.0f} MiB"
-    if rules.kv_cache_high and kv_usage >= rules.kv_cache_high and waiting >= rules.kv_waiting:
-        return f"KV cache {kv_usage:.0%} full with {waiting:.0f} requests waiting"
+            return Pressure(f"GPU {i}: another process grew by {(now - before) / MIB:.0f} MiB", False)
     return None
+
+
+def shed(p: Pressure | None, tokens: int | None, proven: int, retry_after_s: float) -> Rejection | None:
+    """429 under pressure: for everyone when the KV cache is full; else only for a prompt longer than the
+    engine has already run since its start (``proven``: its allocator holds that much; a longer prefill
+    needs memory the card no longer has). ``tokens`` None: not known to be short."""
+    if p is None:
+        return None
+    if not p.everyone and tokens is not None and tokens <= proven:
+        return None
+    who = "" if p.everyone else f" prompts over {proven} tokens are refused until it eases;"
+    return Rejection(429, "engine_overloaded", f"the engine is under memory pressure ({p.reason});{who} retry "
+                                               f"after {retry_after_s:g}s", "rate_limit_error", retry_after_s)
 
 
 # ---- quarantine ----------------------------------------------------------------------------------------------

@@ -24,16 +24,19 @@ log = structlog.get_logger("supervisor.gateway")
 class PressureWatch:
     def __init__(self, cfg: GatewayConfig, host: Host, client: EngineClient, devices: Sequence[Device] | None,
                  ours: Callable[[], set[int]], serving: Callable[[], bool], busy: Callable[[], bool],
-                 on_change: Callable[[str | None], None]) -> None:
+                 on_change: Callable[[admission.Pressure | None], None]) -> None:
+        self.configure(cfg)
+        self.host, self.client, self.devices = host, client, devices
+        self.ours, self.serving, self.busy, self.on_change = ours, serving, busy, on_change
+        self.now: admission.Pressure | None = None
+        self._foreign: list[int] = []
+        self._gpu = True  # False once NVML said there is no GPU to watch
+
+    def configure(self, cfg: GatewayConfig) -> None:
         self.rules = admission.PressureRules(int(cfg.min_free_mib * admission.MIB),
                                              int(cfg.foreign_growth_mib * admission.MIB),
                                              cfg.kv_cache_high, cfg.kv_waiting)
         self.poll_s = cfg.pressure_poll_s
-        self.host, self.client, self.devices = host, client, devices
-        self.ours, self.serving, self.busy, self.on_change = ours, serving, busy, on_change
-        self.reason: str | None = None
-        self._foreign: list[int] = []
-        self._gpu = True  # False once NVML said there is no GPU to watch
 
     async def run(self) -> None:
         while True:
@@ -44,7 +47,7 @@ class PressureWatch:
                 continue
             self._set(await self.check())
 
-    async def check(self) -> str | None:
+    async def check(self) -> admission.Pressure | None:
         free: list[int] = []
         foreign: list[int] = []
         if self._gpu:
@@ -67,10 +70,10 @@ class PressureWatch:
         return admission.pressure(self.rules, free=free, foreign=foreign, foreign_before=before,
                                   kv_usage=kv, waiting=waiting)
 
-    def _set(self, reason: str | None) -> None:
-        if reason != self.reason:
-            self.reason = reason
-            self.on_change(reason)
+    def _set(self, p: admission.Pressure | None) -> None:
+        if p != self.now:
+            self.now = p
+            self.on_change(p)
 
 
 async def stop(task: asyncio.Task[None] | None) -> None:

@@ -42,9 +42,10 @@ class Unsent:
 
 
 class Forwarded(web.StreamResponse):
-    """A stream the client received (``broken``: the engine died under it)."""
+    """A stream the client received (``broken``: the engine died under it; ``client_gone``: the client left)."""
 
     broken = False
+    client_gone = False
 
 
 def passed(headers: Mapping[str, str], rid: str) -> CIMultiDict[str]:
@@ -97,15 +98,18 @@ async def forward(session: aiohttp.ClientSession, url: str, request: web.Request
 async def _relay(up: aiohttp.ClientResponse, first: bytes, request: web.Request, rid: str) -> Forwarded:
     resp = Forwarded(status=up.status, headers=passed(up.headers, rid))
     await resp.prepare(request)
-    await resp.write(first)  # each write waits for the client's socket to drain: backpressure reaches the engine
-    async for chunk in _chunks(up):
-        if chunk is None:
-            resp.broken = True
-            await resp.write(engine_gone_event("the inference engine failed during this response and is "
-                                               "restarting; the response is incomplete, send the request again"))
-            break
-        await resp.write(chunk)
-    await resp.write_eof()
+    try:
+        await resp.write(first)  # each write waits for the client's socket to drain: backpressure reaches the engine
+        async for chunk in _chunks(up):
+            if chunk is None:
+                resp.broken = True
+                await resp.write(engine_gone_event("the inference engine failed during this response and is "
+                                                   "restarting; the response is incomplete, send the request again"))
+                break
+            await resp.write(chunk)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client left mid-stream; the caller closes the engine request
+        resp.client_gone = True
     return resp
 
 

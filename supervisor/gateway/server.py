@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from supervisor.config import Config, is_local_path
+from supervisor.config import Config, GatewayConfig, is_local_path
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
 from supervisor.engine import launch
@@ -76,7 +76,8 @@ class Gateway:
         self.store = Path(cfg.state.dir) / "quarantine.json"
         self.quarantine = self._load_quarantine()
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
-        self.shedding: str | None = None
+        self.pressure: admission.Pressure | None = None
+        self.proven_tokens = 0  # the longest prompt the current engine ran (its warm-up's): its memory is held
         self._max_len: tuple[int, int | None] = (-1, None)  # (generation, vLLM's max_model_len)
         self._rejected: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
         self.watch = pressure.PressureWatch(self.g, host, self.client, launch.gate_devices(cfg.engine),
@@ -114,10 +115,17 @@ class Gateway:
         await self.session.close()
         await self.client.close()
 
+    def reconfigure(self, g: GatewayConfig) -> None:
+        """A reload: every [gateway] setting but ``listen`` applies to the next request and the next poll."""
+        self.g = g
+        self.gate.max_held, self.gate.max_in_flight = g.max_held, g.max_in_flight
+        self.watch.configure(g)
+
     def status(self) -> dict[str, Any]:
         now = self.host.wall()
         return {"listen": self.g.listen, **self.counters, "in_flight": len(self.gate.at_engine),
-                "waiting": self.gate.waiting, "open": self.gate.open, "shedding": self.shedding,
+                "waiting": self.gate.waiting, "open": self.gate.open,
+                "shedding": self.pressure.reason if self.pressure else None,
                 "quarantine_size": sum(1 for e in self.quarantine.entries.values() if e["until"] > now),
                 "safe_prompt_tokens": self.quarantine.safe_len(now)}
 
@@ -125,6 +133,8 @@ class Gateway:
     def on_event(self, event: Event) -> None:
         if isinstance(event, StateChanged):
             self.gate.on_state(event.old, event.new)
+            if event.new == "READY":
+                self.proven_tokens = max((int(n) for n in event.info.get("warmup_prompts") or ()), default=0)
         elif isinstance(event, FailureClassified):
             flight = self.gate.on_failure(event.kind, event.suspect_request)
             if flight is not None and flight.digest is not None:
@@ -139,9 +149,10 @@ class Gateway:
         self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
                                         evidence=f"{reason} (request {flight.rid})"))
 
-    def _shedding_changed(self, reason: str | None) -> None:
-        self.shedding = reason
-        self.publish(SheddingChanged(at=self.host.wall(), reason=reason or ""))
+    def _shedding_changed(self, p: admission.Pressure | None) -> None:
+        self.pressure = p
+        self.publish(SheddingChanged(at=self.host.wall(), reason=p.reason if p else "",
+                                     everyone=bool(p and p.everyone)))
 
     # ---- one request -----------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -166,11 +177,12 @@ class Gateway:
             entry = self.quarantine.holds(parsed.digest, self.host.wall())
             if entry is not None:
                 return self._reject(rid, admission.quarantined(entry, parsed.digest))
-        if self.shedding and self.gate.open:
-            return self._reject(rid, Rejection(429, "engine_overloaded", f"the engine is under memory pressure "
-                                               f"({self.shedding}); retry after a moment", "rate_limit_error",
-                                               self.g.retry_after_s))
         flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0)
+        if parsed is not None and self.pressure is not None and self.gate.open:
+            refused = admission.shed(self.pressure, await self._tokens_if_long(parsed, flight, self.proven_tokens),
+                                     self.proven_tokens, self.g.retry_after_s)
+            if refused is not None:
+                return self._reject(rid, refused)
         try:
             return await self._through(request, flight, parsed, body)
         except Refused as r:
@@ -204,6 +216,9 @@ class Gateway:
             out = await proxy.forward(self.session, url, request, body, flight.rid)
             if not isinstance(out, proxy.Unsent):
                 self.gate.leave(flight)
+                if isinstance(out, proxy.Forwarded) and out.client_gone:
+                    self.counters["client_disconnected"] += 1
+                    return out
                 self.counters["forwarded"] += 1
                 if isinstance(out, proxy.Forwarded) and out.broken:
                     self.counters["streams_broken"] += 1
@@ -218,17 +233,27 @@ class Gateway:
                                                          "times while restarting; retry later")
             flight.replays += 1
 
-    async def _precheck(self, parsed: Parsed, flight: Flight) -> Rejection | None:
-        """413 over the current limits; counts the prompt exactly only when the byte bound is not enough."""
-        limit, why = admission.prompt_limit(await self._engine_max_len(), self.quarantine.safe_len(self.host.wall()))
+    async def _tokens_if_long(self, parsed: Parsed | None, flight: Flight, limit: int | None,
+                              always: bool = False) -> int | None:
+        """The prompt's exact tokens when its byte bound exceeds ``limit`` (or ``always``); else the bound."""
+        if parsed is None:
+            return 0
         if flight.tokens is None:
             if parsed.token_ids and not parsed.text_bytes:
                 flight.tokens = parsed.token_ids
-            elif (limit is not None and parsed.upper_bound > limit) or parsed.prompt_logprobs is not None:
+            elif (limit is not None and parsed.upper_bound > limit) or always:
                 try:
                     flight.tokens = await self.client.tokenize(parsed.tokenize_body)
                 except EngineError:
-                    return None  # the engine will judge it itself
+                    return None  # not known: the engine will judge it itself
+            else:
+                return parsed.upper_bound
+        return flight.tokens
+
+    async def _precheck(self, parsed: Parsed, flight: Flight) -> Rejection | None:
+        """413 over the current limits; counts the prompt exactly only when the byte bound is not enough."""
+        limit, why = admission.prompt_limit(await self._engine_max_len(), self.quarantine.safe_len(self.host.wall()))
+        await self._tokens_if_long(parsed, flight, limit, always=parsed.prompt_logprobs is not None)
         if flight.tokens is None:
             return None
         flight.size = flight.tokens

@@ -1,0 +1,248 @@
+"""On a lent H200: the seed's incident with the gateway in front (issue 7).
+
+1. the supervisor starts vLLM (0.9B random Llama, chunk 8192, gpu_memory_utilization 0.5) behind the gateway,
+   with the gateway's memory-floor rules off, so that the seed's crash happens as it did in the field;
+2. another process takes all but 16 MiB of the card;
+3. 16 clients send ordinary requests (half streaming) through the gateway, without pause;
+4. a 30,000-token prompt arrives through the gateway at chunk 8192: a real CUDA OOM; the gateway holds the
+   clients' requests, replays what the engine lost, sends the long prompt alone to the stepped-down engine;
+5. the config is reloaded with the memory floor on (256 MiB): with the other process still there, the same long
+   prompt is shed (429 + Retry-After) while the 16 clients go on being served;
+6. the other process leaves; the clients stop. Every answer the clients got is counted.
+Everything goes to $OUT: the supervisor's JSON events, /status snapshots, incidents, a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+MODEL = os.path.expanduser(os.environ.get("MODEL", "~/tinyllama"))
+DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "520"))
+T0 = time.monotonic()
+ADMIN, PORT, GW = "127.0.0.1:8001", 18000, "127.0.0.1:8000"
+notes: list[str] = []
+
+
+def note(msg: str) -> None:
+    line = f"[{time.monotonic() - T0:7.1f}s] {msg}"
+    print(line, flush=True)
+    notes.append(line)
+
+
+def http(url: str, body: Any = None, timeout: float = 400) -> tuple[int, Any, dict[str, str]]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            doc = json.loads(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
+            return r.status, doc, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw), dict(e.headers)
+        except ValueError:
+            return e.code, raw[:300].decode(errors="replace"), dict(e.headers)
+    except (urllib.error.URLError, OSError) as e:
+        return 0, str(e), {}
+
+
+def status() -> dict[str, Any] | None:
+    code, st, _ = http(f"http://{ADMIN}/status", timeout=5)
+    return st if code == 200 else None
+
+
+def wait(pred: Any, what: str) -> dict[str, Any] | None:
+    while time.monotonic() < DEADLINE:
+        st = status()
+        if st and pred(st):
+            return st
+        time.sleep(0.5)
+    note(f"gave up waiting for {what}; last status: {json.dumps(status())[:600]}")
+    return None
+
+
+class Clients:
+    """``n`` threads sending ordinary requests through the gateway until stopped; every answer counted."""
+
+    def __init__(self, n: int) -> None:
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.codes: dict[int, int] = {}
+        self.errors: list[str] = []
+        self.latencies: list[float] = []
+        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(n)]
+
+    def loop(self, i: int) -> None:
+        while not self.stop.is_set():
+            t = time.monotonic()
+            body = {"model": "tiny", "prompt": f"hello {i} " * 20, "max_tokens": 32, "stream": i % 2 == 0}
+            code, out, _ = http(f"http://{GW}/v1/completions", body)
+            if code == 200 and isinstance(out, str) and '"error"' in out:
+                code = 599  # a stream that ended in an error event
+            with self.lock:
+                self.codes[code] = self.codes.get(code, 0) + 1
+                self.latencies.append(time.monotonic() - t)
+                if code != 200 and len(self.errors) < 5:
+                    self.errors.append(f"{code}: {str(out)[:200]}")
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(450)
+
+
+def config(state: Path, floor_mib: int) -> str:
+    return f"""
+[engine]
+model = "{MODEL}"
+port = {PORT}
+env = {{ HF_HUB_OFFLINE = "1", VLLM_USE_FLASHINFER_SAMPLER = "0", VLLM_NO_USAGE_STATS = "1" }}
+start_timeout_s = 400.0
+[engine.args]
+served_model_name = "tiny"
+[profile]
+max_num_batched_tokens = 8192
+max_num_seqs = 16
+gpu_memory_utilization = 0.5
+max_model_len = 32768
+[ladder]
+climb_after_s = 0.0
+[restart]
+backoff_initial_s = 1.0
+[health]
+hang_timeout_s = 60.0
+probe_interval_s = 1.0
+canary_interval_s = 10.0
+[gpu]
+release_timeout_s = 30.0
+free_wait_s = 10.0
+[state]
+dir = "{state}"
+[admin]
+listen = "{ADMIN}"
+[log]
+format = "json"
+[gateway]
+listen = "{GW}"
+hold_timeout_s = 400.0
+min_free_mib = {floor_mib}
+foreign_growth_mib = 0
+"""
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    state = Path("/tmp/sup-state-gw")
+    shutil.rmtree(state, ignore_errors=True)
+    cfg = Path("/tmp/sup-gw.toml")
+    cfg.write_text(config(state, 0))
+    log = open(OUT / "supervisor.log", "w")  # noqa: SIM115
+    sup = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                           stdout=log, stderr=subprocess.STDOUT)
+    hog: subprocess.Popen[str] | None = None
+    clients = Clients(16)
+    snaps: list[dict[str, Any]] = []
+    try:
+        st = wait(lambda s: s["ready"], "first READY")
+        if not st:
+            return 1
+        snaps.append(st)
+        note(f"READY: start_to_ready {st['timings']['start_to_ready_s']} s, profile {st['profile']}")
+        hog = subprocess.Popen([sys.executable, "-c", (
+            "import torch, time\n"
+            "free, total = torch.cuda.mem_get_info()\n"
+            "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
+            "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
+            "time.sleep(3600)\n")], stdout=subprocess.PIPE, text=True)
+        assert hog.stdout is not None
+        note(hog.stdout.readline().strip())
+        clients.start()
+        time.sleep(5)
+        note(f"16 clients running: {clients.codes}")
+        t = time.monotonic()
+        code, body, _ = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
+                                                             "max_tokens": 4})
+        usage = body.get("usage") if isinstance(body, dict) else body
+        note(f"30k-token prompt through the gateway at chunk 8192 -> HTTP {code} after {time.monotonic() - t:.1f}s "
+             f"({usage if code == 200 else str(body)[:300]})")
+        st = wait(lambda s: s["ready"], "READY after the OOM")
+        if st:
+            snaps.append(st)
+            lf = st["last_failure"] or {}
+            note(f"READY: restarts {st['restarts']} profile {st['profile']} last {lf.get('kind')}: "
+                 f"{str(lf.get('evidence'))[:200]}")
+            note(f"gateway: {st.get('gateway')}")
+        time.sleep(5)
+        # Part two: the memory floor on (a reload), the other process still there.
+        cfg.write_text(config(state, 256))
+        r = subprocess.run([sys.executable, "-m", "supervisor", "reload", "--config", str(cfg)], capture_output=True,
+                           text=True, check=False)
+        note(f"reload with min_free_mib = 256: {r.stdout.strip() or r.stderr.strip()}")
+        st = wait(lambda s: s["gateway"]["shedding"], "shedding")
+        if st:
+            note(f"shedding: {st['gateway']['shedding']}")
+        code, body, headers = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
+                                                                   "max_tokens": 4})
+        note(f"the same 30k prompt now -> HTTP {code}, Retry-After {headers.get('Retry-After')}: {str(body)[:300]}")
+        time.sleep(5)
+        hog.kill()
+        hog.wait()
+        hog = None
+        note("the other process left the card")
+        wait(lambda s: not s["gateway"]["shedding"], "shedding over")
+        code, body, _ = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
+                                                             "max_tokens": 4})
+        note(f"the 30k prompt after the other process left -> HTTP {code}")
+    finally:
+        clients.finish()
+        lat = sorted(clients.latencies)
+        if lat:
+            note(f"ordinary requests: {sum(clients.codes.values())} answered, by status {clients.codes}; latency "
+                 f"p50 {lat[len(lat) // 2]:.2f}s max {lat[-1]:.1f}s; first errors {clients.errors}")
+        st = status()
+        if st:
+            snaps.append(st)
+            note(f"final gateway counters: {st.get('gateway')}")
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        sup.send_signal(signal.SIGTERM)
+        try:
+            rc = sup.wait(90)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            rc = sup.wait()
+        log.close()
+        note(f"supervisor exit status {rc}")
+        for line in (OUT / "supervisor.log").read_text().splitlines():
+            if any(f'"{e}"' in line for e in ("engine.failed", "engine.profile_lowered", "gateway.request_replayed",
+                                              "gateway.shedding", "gateway.request_quarantined",
+                                              "gpu.not_enough_free")):
+                note(line[:400])
+        (OUT / "status.json").write_text(json.dumps(snaps, indent=1))
+        (OUT / "summary.txt").write_text("\n".join(notes) + "\n")
+        incidents = sorted((state / "incidents").glob("*.json")) if (state / "incidents").exists() else []
+        for p in incidents[:3]:
+            shutil.copy(p, OUT / p.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
