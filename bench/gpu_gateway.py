@@ -6,9 +6,11 @@
 3. 16 clients send ordinary requests (half streaming) through the gateway, without pause;
 4. a 30,000-token prompt arrives through the gateway at chunk 8192: a real CUDA OOM; the gateway holds the
    clients' requests, replays what the engine lost, sends the long prompt alone to the stepped-down engine;
-5. the config is reloaded with the memory floor on (256 MiB): with the other process still there, the same long
-   prompt is shed (429 + Retry-After) while the 16 clients go on being served;
-6. the other process leaves; the clients stop. Every answer the clients got is counted.
+5. every answer the clients got is counted.
+PART=shed instead: the gateway's memory rules on (defaults, with a 256 MiB floor); while 16 clients are served,
+another process takes all but 16 MiB of what is free: the gateway sheds prompts longer than the engine has run
+(a 30,000-token prompt gets 429 + Retry-After) and the ordinary requests go on; once it leaves, the same prompt
+is served at chunk 8192.
 Everything goes to $OUT: the supervisor's JSON events, /status snapshots, incidents, a summary.
 """
 
@@ -143,73 +145,89 @@ format = "json"
 listen = "{GW}"
 hold_timeout_s = 400.0
 min_free_mib = {floor_mib}
-foreign_growth_mib = 0
+foreign_growth_mib = {1024 if floor_mib else 0}
 """
 
 
+HOG = ("import torch, time\n"
+       "free, total = torch.cuda.mem_get_info()\n"
+       "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
+       "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
+       "time.sleep(3600)\n")
+
+
+def start_hog() -> subprocess.Popen[str]:
+    """Another process that takes all but 16 MiB of what is free on the card."""
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
+    assert hog.stdout is not None
+    note(hog.stdout.readline().strip())
+    return hog
+
+
+def crash_through_the_gateway(cfg: Path, state: Path, clients: Clients) -> list[subprocess.Popen[str]]:
+    """Part one: the seed's crash with the gateway in front (its memory-floor rules off)."""
+    hogs = [start_hog()]
+    clients.start()
+    time.sleep(5)
+    note(f"16 clients running: {clients.codes}")
+    t = time.monotonic()
+    code, body, _ = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
+                                                         "max_tokens": 4})
+    usage = body.get("usage") if isinstance(body, dict) else body
+    note(f"30k-token prompt through the gateway at chunk 8192 -> HTTP {code} after {time.monotonic() - t:.1f}s "
+         f"({usage if code == 200 else str(body)[:300]})")
+    st = wait(lambda s: s["ready"], "READY after the OOM")
+    if st:
+        lf = st["last_failure"] or {}
+        note(f"READY: restarts {st['restarts']} profile {st['profile']} last {lf.get('kind')}: "
+             f"{str(lf.get('evidence'))[:200]}")
+        note(f"gateway: {st.get('gateway')}")
+    return hogs
+
+
+def shed_under_pressure(clients: Clients) -> list[subprocess.Popen[str]]:
+    """Part two: the card runs short while serving: long prompts get 429, ordinary ones go on."""
+    clients.start()
+    time.sleep(5)
+    note(f"16 clients running: {clients.codes}")
+    hogs = [start_hog()]
+    st = wait(lambda s: s["gateway"]["shedding"], "shedding")
+    if st:
+        note(f"shedding: {st['gateway']['shedding']}")
+    code, body, headers = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
+                                                               "max_tokens": 4})
+    note(f"30k-token prompt at chunk 8192 while the card is short -> HTTP {code}, Retry-After "
+         f"{headers.get('Retry-After')}: {str(body)[:300]}")
+    time.sleep(5)
+    hogs.pop().kill()
+    note("the other process left the card")
+    st = wait(lambda s: not s["gateway"]["shedding"], "shedding over")
+    t = time.monotonic()
+    code, body, _ = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
+                                                         "max_tokens": 4})
+    note(f"the same 30k prompt at chunk 8192 after the other process left -> HTTP {code} in "
+         f"{time.monotonic() - t:.2f}s")
+    return hogs
+
+
 def main() -> int:
+    part = os.environ.get("PART", "crash")
     OUT.mkdir(parents=True, exist_ok=True)
     state = Path("/tmp/sup-state-gw")
     shutil.rmtree(state, ignore_errors=True)
     cfg = Path("/tmp/sup-gw.toml")
-    cfg.write_text(config(state, 0))
+    cfg.write_text(config(state, 0 if part == "crash" else 256))
     log = open(OUT / "supervisor.log", "w")  # noqa: SIM115
     sup = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
                            stdout=log, stderr=subprocess.STDOUT)
-    hog: subprocess.Popen[str] | None = None
+    hogs: list[subprocess.Popen[str]] = []
     clients = Clients(16)
-    snaps: list[dict[str, Any]] = []
     try:
         st = wait(lambda s: s["ready"], "first READY")
         if not st:
             return 1
-        snaps.append(st)
         note(f"READY: start_to_ready {st['timings']['start_to_ready_s']} s, profile {st['profile']}")
-        hog = subprocess.Popen([sys.executable, "-c", (
-            "import torch, time\n"
-            "free, total = torch.cuda.mem_get_info()\n"
-            "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
-            "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
-            "time.sleep(3600)\n")], stdout=subprocess.PIPE, text=True)
-        assert hog.stdout is not None
-        note(hog.stdout.readline().strip())
-        clients.start()
-        time.sleep(5)
-        note(f"16 clients running: {clients.codes}")
-        t = time.monotonic()
-        code, body, _ = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
-                                                             "max_tokens": 4})
-        usage = body.get("usage") if isinstance(body, dict) else body
-        note(f"30k-token prompt through the gateway at chunk 8192 -> HTTP {code} after {time.monotonic() - t:.1f}s "
-             f"({usage if code == 200 else str(body)[:300]})")
-        st = wait(lambda s: s["ready"], "READY after the OOM")
-        if st:
-            snaps.append(st)
-            lf = st["last_failure"] or {}
-            note(f"READY: restarts {st['restarts']} profile {st['profile']} last {lf.get('kind')}: "
-                 f"{str(lf.get('evidence'))[:200]}")
-            note(f"gateway: {st.get('gateway')}")
-        time.sleep(5)
-        # Part two: the memory floor on (a reload), the other process still there.
-        cfg.write_text(config(state, 256))
-        r = subprocess.run([sys.executable, "-m", "supervisor", "reload", "--config", str(cfg)], capture_output=True,
-                           text=True, check=False)
-        note(f"reload with min_free_mib = 256: {r.stdout.strip() or r.stderr.strip()}")
-        st = wait(lambda s: s["gateway"]["shedding"], "shedding")
-        if st:
-            note(f"shedding: {st['gateway']['shedding']}")
-        code, body, headers = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
-                                                                   "max_tokens": 4})
-        note(f"the same 30k prompt now -> HTTP {code}, Retry-After {headers.get('Retry-After')}: {str(body)[:300]}")
-        time.sleep(5)
-        hog.kill()
-        hog.wait()
-        hog = None
-        note("the other process left the card")
-        wait(lambda s: not s["gateway"]["shedding"], "shedding over")
-        code, body, _ = http(f"http://{GW}/v1/completions", {"model": "tiny", "prompt": "hello " * 30000,
-                                                             "max_tokens": 4})
-        note(f"the 30k prompt after the other process left -> HTTP {code}")
+        hogs = crash_through_the_gateway(cfg, state, clients) if part == "crash" else shed_under_pressure(clients)
     finally:
         clients.finish()
         lat = sorted(clients.latencies)
@@ -218,9 +236,8 @@ def main() -> int:
                  f"p50 {lat[len(lat) // 2]:.2f}s max {lat[-1]:.1f}s; first errors {clients.errors}")
         st = status()
         if st:
-            snaps.append(st)
             note(f"final gateway counters: {st.get('gateway')}")
-        if hog is not None:
+        for hog in hogs:
             hog.kill()
             hog.wait()
         sup.send_signal(signal.SIGTERM)
@@ -232,11 +249,9 @@ def main() -> int:
         log.close()
         note(f"supervisor exit status {rc}")
         for line in (OUT / "supervisor.log").read_text().splitlines():
-            if any(f'"{e}"' in line for e in ("engine.failed", "engine.profile_lowered", "gateway.request_replayed",
-                                              "gateway.shedding", "gateway.request_quarantined",
-                                              "gpu.not_enough_free")):
+            if any(f'"{e}"' in line for e in ("engine.failed", "engine.profile_lowered", "gateway.shedding",
+                                              "gateway.request_quarantined", "gpu.not_enough_free")):
                 note(line[:400])
-        (OUT / "status.json").write_text(json.dumps(snaps, indent=1))
         (OUT / "summary.txt").write_text("\n".join(notes) + "\n")
         incidents = sorted((state / "incidents").glob("*.json")) if (state / "incidents").exists() else []
         for p in incidents[:3]:
