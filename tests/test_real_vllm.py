@@ -312,7 +312,9 @@ def test_gateway_clients_see_no_error_through_a_real_oom(sup: Sup) -> None:
         codes = [f.result() for f in first + later]
         killer_code, killer_body = killer.result()
     st = sup.wait_ready(START_S)
-    assert st["restarts"] == before["restarts"] + 1 and st["last_failure"]["kind"] == "runtime_oom"
+    # Whichever allocation hits the cap first decides how vLLM words the death (an ordinary request's decode step
+    # may fail outside the allocator's message): the core's classification is tested above; here, the clients.
+    assert st["restarts"] == before["restarts"] + 1 and st["last_failure"]["kind"] in ("runtime_oom", "engine_dead")
     assert codes == [200] * 8
     assert killer_code == 200, killer_body  # served after the step down
     # Whichever request's allocation hit the cap first, what was in flight went again to the new engine,
