@@ -124,9 +124,9 @@ async def latencies(urls: dict[str, str], model: str, n: int) -> dict[str, list[
     return out
 
 
-async def cost(label: str, sup: WithGateway, model: str, clients: int, seconds: float, max_tokens: int,
+async def cost(label: str, direct: str, gateway: str, model: str, clients: int, seconds: float, max_tokens: int,
                n_latency: int) -> list[str]:
-    urls = {"direct": sup.engine, "gateway": sup.gateway}
+    urls = {"direct": direct, "gateway": gateway}
     await latencies(urls, model, 20)  # warm both paths' connections
     rps: dict[str, list[float]] = {"direct": [], "gateway": []}
     for _ in range(2):  # interleaved: direct, gateway, direct, gateway
@@ -242,9 +242,10 @@ async def oom_under_load(python: str, model: str, clients: int) -> list[str]:
            "5 s in; until serving again for 10 s"]
     for name, got, restarts, kind, gw in rows:
         total = got["ok"] + got["failed"]
-        extra = f"  gateway: held {gw.get('held')}, replayed {gw.get('replayed')}, 413 {gw.get('413')}" if gw else ""
+        extra = (f"  gateway: held {gw.get('held')}, replayed {gw.get('replayed')}, streams cut short by the death "
+                 f"{gw.get('streams_broken')}, 413 {gw.get('413')}, 503 {gw.get('503')}") if gw else ""
         out.append(f"    {name:<20} client-visible failures {got['failed']:5d} of {total:5d} requests "
-                   f"(restarts {restarts}{', ' + kind if kind else ''}); the OOM request itself: "
+                   f"{got['kinds']} (restarts {restarts}{', ' + kind if kind else ''}); the OOM request itself: "
                    f"{got['killer'].get('status')} after {got['killer'].get('after_s')} s{extra}")
     return out
 
@@ -256,16 +257,21 @@ async def traffic_with_oom(url: str, api_pid: Callable[[], int], clients: int, s
     Runs until ``serving_again()`` has held for 10 s after the OOM (or ``max_s``).
     """
     ok = failed = 0
+    kinds: dict[str, int] = {}
     killer: dict[str, Any] = {}
     stop = asyncio.Event()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def client(i: int) -> None:
             nonlocal ok, failed
+            stream = i % 2 == 0
             while not stop.is_set():
-                if await one(s, url, "tiny-llama", 16, i % 2 == 0, prompt=f"hello {i}") == 200:
+                code = await one(s, url, "tiny-llama", 16, stream, prompt=f"hello {i}")
+                if code == 200:
                     ok += 1
                 else:
                     failed += 1
+                    what = ("stream " if stream else "") + ("cut short" if code == 599 and stream else str(code))
+                    kinds[what] = kinds.get(what, 0) + 1
                     await asyncio.sleep(0.2)  # a client's pause before it retries
 
         async def oom() -> None:
@@ -291,7 +297,7 @@ async def traffic_with_oom(url: str, api_pid: Callable[[], int], clients: int, s
         tasks = [asyncio.create_task(client(i)) for i in range(clients)]
         await asyncio.gather(oom(), watch())
         await asyncio.gather(*tasks)
-    return {"ok": ok, "failed": failed, "killer": killer}
+    return {"ok": ok, "failed": failed, "killer": killer, "kinds": kinds}
 
 
 # ---- (c) a client resending a poison prompt ---------------------------------------------------------------------
@@ -332,23 +338,28 @@ async def main() -> None:
     ap.add_argument("--model", default=".cache/tiny-llama")
     ap.add_argument("--standin-only", action="store_true")
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
     a = ap.parse_args()
     report: list[str] = []
-    sup = WithGateway(standin_toml())
-    try:
-        await asyncio.to_thread(wait_ready, sup.admin, 0, 60)
-        report += await cost("stand-in", sup, "fake-model", 64, a.seconds, 16, 300)
-    finally:
-        sup.stop()
-    if not a.standin_only:
+    if "a" in a.parts:
+        sup = WithGateway(standin_toml())
+        try:
+            await asyncio.to_thread(wait_ready, sup.admin, 0, 60)
+            report += await cost("stand-in", sup.engine, sup.gateway, "fake-model", 64, a.seconds, 16, 300)
+        finally:
+            sup.stop()
+    if not a.standin_only and "a" in a.parts:
         sup = WithGateway(real_vllm_toml(a.model, a.vllm_python))
         try:
             await asyncio.to_thread(wait_ready, sup.admin, 0, 900)
-            report += await cost("real vLLM CPU, tiny model", sup, "tiny-llama", 64, a.seconds, 16, 100)
+            report += await cost("real vLLM CPU, tiny model", sup.engine, sup.gateway, "tiny-llama", 64, a.seconds, 16,
+                                 100)
         finally:
             sup.stop()
+    if not a.standin_only and "b" in a.parts:
         report += await oom_under_load(a.vllm_python, a.model, 32)
-    report += await poison_resends(6)
+    if "c" in a.parts:
+        report += await poison_resends(6)
     print("\n".join(report))
     print(json.dumps({"argv": sys.argv[1:]}))
 

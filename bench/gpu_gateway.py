@@ -11,6 +11,8 @@ PART=shed instead: the gateway's memory rules on (defaults, with a 256 MiB floor
 another process takes all but 16 MiB of what is free: the gateway sheds prompts longer than the engine has run
 (a 30,000-token prompt gets 429 + Retry-After) and the ordinary requests go on; once it leaves, the same prompt
 is served at chunk 8192.
+PART=cost: no incident; 64 concurrent streams and one request at a time, straight to vLLM vs through the gateway
+(bench/gateway.py's measure, interleaved).
 Everything goes to $OUT: the supervisor's JSON events, /status snapshots, incidents, a summary.
 """
 
@@ -107,7 +109,8 @@ class Clients:
     def finish(self) -> None:
         self.stop.set()
         for t in self.threads:
-            t.join(450)
+            if t.ident is not None:
+                t.join(450)
 
 
 def config(state: Path, floor_mib: int) -> str:
@@ -164,7 +167,7 @@ def start_hog() -> subprocess.Popen[str]:
     return hog
 
 
-def crash_through_the_gateway(cfg: Path, state: Path, clients: Clients) -> list[subprocess.Popen[str]]:
+def crash_through_the_gateway(clients: Clients) -> list[subprocess.Popen[str]]:
     """Part one: the seed's crash with the gateway in front (its memory-floor rules off)."""
     hogs = [start_hog()]
     clients.start()
@@ -210,6 +213,18 @@ def shed_under_pressure(clients: Clients) -> list[subprocess.Popen[str]]:
     return hogs
 
 
+def cost() -> None:
+    """PART=cost: 64 concurrent streams and one request at a time, straight to vLLM vs through the gateway."""
+    import asyncio
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gateway import cost as measure
+
+    for line in asyncio.run(measure("H200, vLLM 0.26, 0.9B model", f"http://127.0.0.1:{PORT}", f"http://{GW}",
+                                    "tiny", 64, 10.0, 16, 200)):
+        note(line)
+
+
 def main() -> int:
     part = os.environ.get("PART", "crash")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -227,7 +242,10 @@ def main() -> int:
         if not st:
             return 1
         note(f"READY: start_to_ready {st['timings']['start_to_ready_s']} s, profile {st['profile']}")
-        hogs = crash_through_the_gateway(cfg, state, clients) if part == "crash" else shed_under_pressure(clients)
+        if part == "cost":
+            cost()
+        else:
+            hogs = crash_through_the_gateway(clients) if part == "crash" else shed_under_pressure(clients)
     finally:
         clients.finish()
         lat = sorted(clients.latencies)

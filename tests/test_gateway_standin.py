@@ -225,7 +225,8 @@ async def test_a_stream_under_way_when_the_engine_dies_ends_with_an_error_event(
                     core = [p for p in sup.engine_tree() if "--engine-core-fd" in " ".join(p.cmdline())]
                     core[0].kill()
     assert b'"error"' in events[-2] and events[-1].strip() == b"data: [DONE]"
-    sup.wait_ready(restarts=1)
+    st = sup.wait_ready(restarts=1)
+    assert st["gateway"]["streams_broken"] == 1 and st["gateway"]["replayed"] == 0
 
 
 async def test_a_client_that_disconnects_aborts_its_engine_request(supervise: Callable[..., Sup]) -> None:

@@ -11,9 +11,8 @@ The gate reads the supervisor's state changes from the event stream and never wr
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from supervisor.decide import admission
 
@@ -34,7 +33,7 @@ class Flight:
     replays: int = 0
     strikes: int = 0  # times it was the suspect of a death
     quarantined: bool = False
-    arrived: float = field(default_factory=time.monotonic)
+    arrived: float = 0.0  # the host's monotonic clock at arrival
 
 
 class Refused(Exception):

@@ -30,7 +30,6 @@ class PressureWatch:
         self.ours, self.serving, self.busy, self.on_change = ours, serving, busy, on_change
         self.now: admission.Pressure | None = None
         self._foreign: list[int] = []
-        self._gpu = True  # False once NVML said there is no GPU to watch
 
     def configure(self, cfg: GatewayConfig) -> None:
         self.rules = admission.PressureRules(int(cfg.min_free_mib * admission.MIB),
@@ -48,17 +47,13 @@ class PressureWatch:
             self._set(await self.check())
 
     async def check(self) -> admission.Pressure | None:
-        free: list[int] = []
-        foreign: list[int] = []
-        if self._gpu:
-            try:
-                snaps = await self.host.gpu_snapshot(self.devices)
-            except GpuLost:
-                snaps = []
-            self._gpu = bool(snaps)
-            ours = self.ours()
-            free = [s.free for s in snaps]
-            foreign = [sum(b for pid, b in s.processes if pid not in ours) for s in snaps]
+        try:
+            snaps = await self.host.gpu_snapshot(self.devices)  # [] without NVML, or while it fails
+        except GpuLost:
+            snaps = []  # the supervisor's own checks act on it
+        ours = self.ours()
+        free = [s.free for s in snaps]
+        foreign = [sum(b for pid, b in s.processes if pid not in ours) for s in snaps]
         before, self._foreign = self._foreign or foreign, foreign
         kv = waiting = 0.0
         if self.busy():  # an idle engine has an empty queue: spare it the /metrics render

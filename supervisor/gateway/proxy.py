@@ -106,6 +106,8 @@ async def _relay(up: aiohttp.ClientResponse, first: bytes, request: web.Request,
                 await resp.write(engine_gone_event("the inference engine failed during this response and is "
                                                    "restarting; the response is incomplete, send the request again"))
                 break
+            if STREAM_ERROR_PREFIX in chunk:  # vLLM's own error event: the engine failed under this stream
+                resp.broken = True
             await resp.write(chunk)
         await resp.write_eof()
     except ConnectionResetError:  # the client left mid-stream; the caller closes the engine request

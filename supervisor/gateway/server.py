@@ -177,7 +177,8 @@ class Gateway:
             entry = self.quarantine.holds(parsed.digest, self.host.wall())
             if entry is not None:
                 return self._reject(rid, admission.quarantined(entry, parsed.digest))
-        flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0)
+        flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0,
+                        arrived=self.host.monotonic())
         if parsed is not None and self.pressure is not None and self.gate.open:
             refused = admission.shed(self.pressure, await self._tokens_if_long(parsed, flight, self.proven_tokens),
                                      self.proven_tokens, self.g.retry_after_s)
