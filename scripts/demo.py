@@ -1,5 +1,8 @@
 """The README's first command: vllm-supervisor over real vLLM (CPU) surviving a real out-of-memory death.
 
+Clients talk to the supervisor's gateway; the prompt that kills the engine is held while the engine
+restarts and answered by the stepped-down engine.
+
 Starts the supervisor over vLLM and the tiny local model, sends traffic, lowers the vLLM worker's
 address-space limit and sends a prompt with prompt_logprobs (the same death path as a CUDA OOM:
 fatal error, EngineDeadError, exit status 0), and shows the recovery with a lowered profile.
@@ -60,6 +63,8 @@ def _describe(ev: dict[str, Any], name: Any) -> Any:
         return "profile lowered: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in ev["diff"].items())
     if name == "engine.stopped":
         return f"engine tree stopped: pids {ev['pids']}, survivors {ev['survivors']}"
+    if name == "gateway.request_replayed":
+        return f"gateway: request {ev['request_id']} sent again to the new engine" + (" (alone)" if ev["alone"] else "")
     if name == "engine.recovered":
         return f"recovered {ev['recovered_after_s']}s after detection, profile {ev['profile']}"
     if name in ("supervisor.started", "supervisor.fatal", "supervisor.stop_requested"):
@@ -110,11 +115,12 @@ def show_status(title: str, st: dict[str, Any]) -> None:
     print("profile " + "  ".join(f"{k}={v}" for k, v in st["profile"].items()))
     lf = st["last_failure"]
     print("last failure " + (f"{lf['kind']}: {lf['evidence']}" if lf else "none"))
+    gw = st.get("gateway") or {}
+    print("gateway " + "  ".join(f"{k}={gw.get(k)}" for k in ("forwarded", "held", "replayed", "413", "429", "503")))
     print("-" * 40 + "\n", flush=True)
 
 
-def traffic(port: int, n: int) -> None:
-    base = f"http://127.0.0.1:{port}"
+def traffic(base: str, n: int) -> None:
     for i in range(n):
         t = time.monotonic()
         code, _ = http(base + "/v1/completions", {"model": "tiny-llama", "prompt": "hello world " * (50 * (i + 1)),
@@ -125,15 +131,18 @@ def traffic(port: int, n: int) -> None:
     say("client", f"chat completion -> HTTP {code}")
 
 
-def inject_oom(engine_pid: int, port: int) -> None:
+def inject_oom(engine_pid: int, base: str) -> int:
     worker = next(p for p in psutil.Process(engine_pid).children(recursive=True) if "Worker" in p.name())
     limit = worker.memory_info().vms + 4 * 2**20
     subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={limit}"], check=True)
     say("demo", f"lowered the address-space limit of vLLM worker pid {worker.pid} to its current size + 4 MiB")
     say("client", "sending a 3000-token prompt with prompt_logprobs (needs prompt x vocab x 4 bytes at once)")
-    code, _ = http(f"http://127.0.0.1:{port}/v1/completions",
-                   {"model": "tiny-llama", "prompt": "word " * 3000, "max_tokens": 2, "prompt_logprobs": 1})
-    say("client", f"-> HTTP {code} (the engine died under it)")
+    t = time.monotonic()
+    code, _ = http(f"{base}/v1/completions", {"model": "tiny-llama", "prompt": "word " * 3000, "max_tokens": 2,
+                                              "prompt_logprobs": 1}, timeout=600)
+    say("client", f"-> HTTP {code} after {time.monotonic() - t:.1f}s (the engine died under it; the gateway held it "
+                  "and sent it again to the restarted engine)")
+    return code
 
 
 def main() -> int:
@@ -144,13 +153,14 @@ def main() -> int:
     work = Path(".cache/demo")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    port, admin = free_port(), f"127.0.0.1:{free_port()}"
+    port, admin, gateway = free_port(), f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     cfg = Path("examples/cpu-tiny.toml").read_text()
     cfg = (cfg.replace('".venv-vllm/bin/python"', json.dumps(str(Path(a.vllm_python).absolute())))
               .replace('".cache/tiny-llama"', json.dumps(str(Path(a.model).resolve())))
               .replace("port = 18000", f"port = {port}")
               .replace('".cache/state"', json.dumps(str((work / "state").resolve())))
-              .replace('"127.0.0.1:8001"', json.dumps(admin)))
+              .replace('"127.0.0.1:8001"', json.dumps(admin))
+              .replace('"127.0.0.1:8000"', json.dumps(gateway)))
     (work / "config.toml").write_text(cfg + '\n[log]\nformat = "json"\n')
     say("demo", f"starting vllm-supervisor over real vLLM (CPU) with {a.model}; engine log: {work}/supervisor.log")
     sup = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--quiet-engine", "--config",
@@ -160,22 +170,23 @@ def main() -> int:
     try:
         before = wait_ready(admin, 0)
         show_status("before", before)
-        traffic(port, 3)
-        inject_oom(before["engine_pid"], port)
+        say("demo", f"clients talk to the gateway on {gateway}")
+        traffic(f"http://{gateway}", 3)
+        killer = inject_oom(before["engine_pid"], f"http://{gateway}")
         after = wait_ready(admin, 1)
         show_status("after", after)
         changed = {k: f"{before['profile'][k]} -> {v}" for k, v in after["profile"].items()
                    if before["profile"][k] != v}
         say("demo", f"profile changed by the supervisor: {changed}")
-        traffic(port, 3)
+        traffic(f"http://{gateway}", 3)
     finally:
         sup.send_signal(signal.SIGTERM)
         rc = sup.wait(120)
         reader.join(5)
         say("demo", f"supervisor stopped with exit status {rc}")
-    ok = after["last_failure"]["kind"] == "runtime_oom" and bool(changed)
-    print("\nDEMO OK: a real out-of-memory death was classified, the profile lowered, and the engine served again."
-          if ok else "\nDEMO FAILED", flush=True)
+    ok = after["last_failure"]["kind"] == "runtime_oom" and bool(changed) and killer == 200
+    print("\nDEMO OK: a real out-of-memory death was classified, the profile lowered, the engine served again, and "
+          "the client that sent the fatal prompt got its answer." if ok else "\nDEMO FAILED", flush=True)
     return 0 if ok else 1
 
 

