@@ -66,6 +66,24 @@ max_model_len = 4096
 """
 
 
+# The OOM benches' ladder: the tiny model's chunk steps, and no backoff between restarts.
+OOM_LADDER = """
+[ladder]
+max_num_batched_tokens = [2048, 1024, 512]
+max_num_batched_tokens_floor = 256
+[restart]
+backoff_initial_s = 0.0
+backoff_max_s = 0.0
+"""
+
+
+def cap_worker(api_pid: int) -> None:
+    """Cap vLLM's worker's address space just above what it maps: its next large allocation fails (a real OOM)."""
+    worker = next(p for p in engine_tree(api_pid) if "Worker" in p.name())
+    subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={worker.memory_info().vms + 4 * 2**20}"],
+                   check=True)
+
+
 def real_vllm_toml(model: str, python: str, extra: str = "") -> str:
     """The real-vLLM config for ``model`` and vLLM's ``python``, plus ``extra`` TOML tables."""
     return REAL_VLLM_TOML.format(model=Path(model).resolve(), python=Path(python).absolute()) + extra

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from common import Supervisor, engine_tree, free_port, here, pct, real_vllm_toml, status, wait_ready
+from common import OOM_LADDER, Supervisor, cap_worker, free_port, here, pct, real_vllm_toml, status, wait_ready
 
 GATEWAY = """
 [gateway]
@@ -52,14 +52,6 @@ backoff_max_s = 0.2
 max_restarts = 20
 [health]
 hang_timeout_s = 5.0
-"""
-OOM_LADDER = """
-[ladder]
-max_num_batched_tokens = [2048, 1024, 512]
-max_num_batched_tokens_floor = 256
-[restart]
-backoff_initial_s = 0.0
-backoff_max_s = 0.0
 """
 
 
@@ -145,13 +137,6 @@ async def cost(label: str, direct: str, gateway: str, model: str, clients: int, 
 
 
 # ---- (b) a real OOM under 32 clients --------------------------------------------------------------------------
-def cap_worker(api_pid: int) -> None:
-    """Cap vLLM's worker's address space just above what it maps: its next large allocation fails (a real OOM)."""
-    worker = next(p for p in engine_tree(api_pid) if "Worker" in p.name())
-    subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={worker.memory_info().vms + 4 * 2**20}"],
-                   check=True)
-
-
 async def one_killer(s: aiohttp.ClientSession, url: str) -> int:
     body = {"model": "tiny-llama", "prompt": "word " * 3000, "max_tokens": 2, "prompt_logprobs": 1}
     try:

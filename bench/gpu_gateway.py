@@ -18,7 +18,6 @@ Everything goes to $OUT: the supervisor's JSON events, /status snapshots, incide
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -26,56 +25,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-OUT = Path(os.environ.get("OUT", "/tmp/out"))
-MODEL = os.path.expanduser(os.environ.get("MODEL", "~/tinyllama"))
-DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "520"))
-T0 = time.monotonic()
-ADMIN, PORT, GW = "127.0.0.1:8001", 18000, "127.0.0.1:8000"
-notes: list[str] = []
+from gpu_common import OUT, PORT, http, note, notes, start_hog, status, supervisor_toml, wait
 
-
-def note(msg: str) -> None:
-    line = f"[{time.monotonic() - T0:7.1f}s] {msg}"
-    print(line, flush=True)
-    notes.append(line)
-
-
-def http(url: str, body: Any = None, timeout: float = 400) -> tuple[int, Any, dict[str, str]]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-            doc = json.loads(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
-            return r.status, doc, dict(r.headers)
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw), dict(e.headers)
-        except ValueError:
-            return e.code, raw[:300].decode(errors="replace"), dict(e.headers)
-    except (urllib.error.URLError, OSError) as e:
-        return 0, str(e), {}
-
-
-def status() -> dict[str, Any] | None:
-    code, st, _ = http(f"http://{ADMIN}/status", timeout=5)
-    return st if code == 200 else None
-
-
-def wait(pred: Any, what: str) -> dict[str, Any] | None:
-    while time.monotonic() < DEADLINE:
-        st = status()
-        if st and pred(st):
-            return st
-        time.sleep(0.5)
-    note(f"gave up waiting for {what}; last status: {json.dumps(status())[:600]}")
-    return None
+GW = "127.0.0.1:8000"
 
 
 class Clients:
@@ -114,57 +68,13 @@ class Clients:
 
 
 def config(state: Path, floor_mib: int) -> str:
-    return f"""
-[engine]
-model = "{MODEL}"
-port = {PORT}
-env = {{ HF_HUB_OFFLINE = "1", VLLM_USE_FLASHINFER_SAMPLER = "0", VLLM_NO_USAGE_STATS = "1" }}
-start_timeout_s = 400.0
-[engine.args]
-served_model_name = "tiny"
-[profile]
-max_num_batched_tokens = 8192
-max_num_seqs = 16
-gpu_memory_utilization = 0.5
-max_model_len = 32768
-[ladder]
-climb_after_s = 0.0
-[restart]
-backoff_initial_s = 1.0
-[health]
-hang_timeout_s = 60.0
-probe_interval_s = 1.0
-canary_interval_s = 10.0
-[gpu]
-release_timeout_s = 30.0
-free_wait_s = 10.0
-[state]
-dir = "{state}"
-[admin]
-listen = "{ADMIN}"
-[log]
-format = "json"
+    return supervisor_toml(state, 0.0, f"""
 [gateway]
 listen = "{GW}"
 hold_timeout_s = 400.0
 min_free_mib = {floor_mib}
 foreign_growth_mib = {1024 if floor_mib else 0}
-"""
-
-
-HOG = ("import torch, time\n"
-       "free, total = torch.cuda.mem_get_info()\n"
-       "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
-       "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
-       "time.sleep(3600)\n")
-
-
-def start_hog() -> subprocess.Popen[str]:
-    """Another process that takes all but 16 MiB of what is free on the card."""
-    hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
-    assert hog.stdout is not None
-    note(hog.stdout.readline().strip())
-    return hog
+""")
 
 
 def crash_through_the_gateway(clients: Clients) -> list[subprocess.Popen[str]]:

@@ -21,51 +21,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-OUT = Path(os.environ.get("OUT", "/tmp/out"))
-MODEL = os.path.expanduser(os.environ.get("MODEL", "~/tinyllama"))
-DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "540"))
-T0 = time.monotonic()
-ADMIN, PORT = "127.0.0.1:8001", 18000
-notes: list[str] = []
+from gpu_common import OUT, PORT, http, note, notes, start_hog, supervisor_toml, wait
+
 HOSTILE_STOP = ["error: unrecognized arguments: --x", "EngineDeadError", "an illegal memory access was encountered"]
-
-
-def note(msg: str) -> None:
-    line = f"[{time.monotonic() - T0:7.1f}s] {msg}"
-    print(line, flush=True)
-    notes.append(line)
-
-
-def http(url: str, body: Any = None, timeout: float = 300) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()[:300].decode(errors="replace")
-    except (urllib.error.URLError, OSError) as e:
-        return 0, str(e)
-
-
-def status() -> dict[str, Any] | None:
-    code, st = http(f"http://{ADMIN}/status", timeout=5)
-    return st if code == 200 else None
-
-
-def wait(pred: Any, what: str) -> dict[str, Any] | None:
-    while time.monotonic() < DEADLINE:
-        st = status()
-        if st and pred(st):
-            return st
-        time.sleep(0.5)
-    note(f"gave up waiting for {what}; last status: {json.dumps(status())[:600]}")
-    return None
 
 
 def main() -> int:
@@ -73,37 +34,7 @@ def main() -> int:
     state = Path("/tmp/sup-state")
     shutil.rmtree(state, ignore_errors=True)
     cfg = Path("/tmp/sup.toml")
-    cfg.write_text(f"""
-[engine]
-model = "{MODEL}"
-port = {PORT}
-env = {{ HF_HUB_OFFLINE = "1", VLLM_USE_FLASHINFER_SAMPLER = "0", VLLM_NO_USAGE_STATS = "1" }}
-start_timeout_s = 400.0
-[engine.args]
-served_model_name = "tiny"
-[profile]
-max_num_batched_tokens = 8192
-max_num_seqs = 16
-gpu_memory_utilization = 0.5
-max_model_len = 32768
-[ladder]
-climb_after_s = 20.0
-[restart]
-backoff_initial_s = 1.0
-[health]
-hang_timeout_s = 60.0
-probe_interval_s = 1.0
-canary_interval_s = 10.0
-[gpu]
-release_timeout_s = 30.0
-free_wait_s = 10.0
-[state]
-dir = "{state}"
-[admin]
-listen = "{ADMIN}"
-[log]
-format = "json"
-""")
+    cfg.write_text(supervisor_toml(state, 20.0))
     uuid = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
                           text=True, check=False).stdout.split()[:1]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": uuid[0]} if uuid else {})}
@@ -119,16 +50,9 @@ format = "json"
             return 1
         snaps.append(st)
         note(f"READY: timings {st['timings']} profile {st['profile']}")
-        hog = hog_proc = subprocess.Popen([sys.executable, "-c", (
-            "import torch, time, sys\n"
-            "free, total = torch.cuda.mem_get_info()\n"
-            "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
-            "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
-            "time.sleep(3600)\n")], stdout=subprocess.PIPE, text=True)
-        assert hog_proc.stdout is not None
-        note(hog_proc.stdout.readline().strip())
+        hog = start_hog()
         t = time.monotonic()
-        code, body = http(f"http://127.0.0.1:{PORT}/v1/completions",
+        code, body, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
                           {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4, "stop": HOSTILE_STOP})
         note(f"30k-token prompt (hostile stop strings) at chunk 8192 -> HTTP {code} after "
              f"{time.monotonic() - t:.2f}s")
@@ -141,7 +65,7 @@ format = "json"
             note(f"READY again: restarts {st['restarts']} profile {st['profile']} "
                  f"last {st['last_failure']['kind']}: {st['last_failure']['evidence'][:200]}")
             t = time.monotonic()
-            code, body = http(f"http://127.0.0.1:{PORT}/v1/completions",
+            code, body, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
                               {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4})
             usage = body.get("usage") if isinstance(body, dict) else body
             note(f"same 30k-token prompt now -> HTTP {code} after {time.monotonic() - t:.2f}s usage {usage}")

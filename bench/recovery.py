@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 import urllib.request
 
-from common import Supervisor, engine_tree, real_vllm_toml, wait_ready
-
-EXTRA = """
-[ladder]
-max_num_batched_tokens = [2048, 1024, 512]
-max_num_batched_tokens_floor = 256
-[restart]
-backoff_initial_s = 0.0
-backoff_max_s = 0.0
-"""
+from common import OOM_LADDER, Supervisor, cap_worker, real_vllm_toml, wait_ready
 
 
 def inject_oom(engine_pid: int, port: int) -> None:
-    worker = next(p for p in engine_tree(engine_pid) if "Worker" in p.name())
-    subprocess.run(["prlimit", "--pid", str(worker.pid), f"--as={worker.memory_info().vms + 4 * 2**20}"],
-                   check=True)
+    cap_worker(engine_pid)
     body = json.dumps({"model": "tiny-llama", "prompt": "word " * 3000, "max_tokens": 2,
                        "prompt_logprobs": 1}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
@@ -45,7 +33,7 @@ def main() -> None:
     ap.add_argument("--model", default=".cache/tiny-llama")
     ap.add_argument("--ooms", type=int, default=2)
     a = ap.parse_args()
-    toml = real_vllm_toml(a.model, a.vllm_python, EXTRA)
+    toml = real_vllm_toml(a.model, a.vllm_python, OOM_LADDER)
     sup = Supervisor(toml)
     rows = []
     try:

@@ -1,0 +1,109 @@
+"""What the H200 drivers (gpu_oom.py, gpu_gateway.py) share: the timeline, HTTP, /status polling, the other
+process that takes the card, and the supervisor's config for the 0.9B model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+MODEL = os.path.expanduser(os.environ.get("MODEL", "~/tinyllama"))
+DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "540"))
+T0 = time.monotonic()
+ADMIN, PORT = "127.0.0.1:8001", 18000
+notes: list[str] = []
+HOG = ("import torch, time\n"
+       "free, total = torch.cuda.mem_get_info()\n"
+       "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
+       "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
+       "time.sleep(3600)\n")
+
+
+def note(msg: str) -> None:
+    line = f"[{time.monotonic() - T0:7.1f}s] {msg}"
+    print(line, flush=True)
+    notes.append(line)
+
+
+def http(url: str, body: Any = None, timeout: float = 400) -> tuple[int, Any, dict[str, str]]:
+    """(status, JSON body or text, headers); status 0 when nothing answered."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            doc = json.loads(raw) if raw.startswith(b"{") else raw.decode(errors="replace")
+            return r.status, doc, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw), dict(e.headers)
+        except ValueError:
+            return e.code, raw[:300].decode(errors="replace"), dict(e.headers)
+    except (urllib.error.URLError, OSError) as e:
+        return 0, str(e), {}
+
+
+def status() -> dict[str, Any] | None:
+    code, st, _ = http(f"http://{ADMIN}/status", timeout=5)
+    return st if code == 200 else None
+
+
+def wait(pred: Any, what: str) -> dict[str, Any] | None:
+    while time.monotonic() < DEADLINE:
+        st = status()
+        if st and pred(st):
+            return st
+        time.sleep(0.5)
+    note(f"gave up waiting for {what}; last status: {json.dumps(status())[:600]}")
+    return None
+
+
+def start_hog() -> subprocess.Popen[str]:
+    """Another process that takes all but 16 MiB of what is free on the card (the seed's "other process")."""
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
+    assert hog.stdout is not None
+    note(hog.stdout.readline().strip())
+    return hog
+
+
+def supervisor_toml(state: Path, climb_after_s: float, extra: str = "") -> str:
+    """vLLM at chunk 8192 and utilization 0.5, with the probes and bounds both drivers use; ``extra`` TOML after."""
+    return f"""
+[engine]
+model = "{MODEL}"
+port = {PORT}
+env = {{ HF_HUB_OFFLINE = "1", VLLM_USE_FLASHINFER_SAMPLER = "0", VLLM_NO_USAGE_STATS = "1" }}
+start_timeout_s = 400.0
+[engine.args]
+served_model_name = "tiny"
+[profile]
+max_num_batched_tokens = 8192
+max_num_seqs = 16
+gpu_memory_utilization = 0.5
+max_model_len = 32768
+[ladder]
+climb_after_s = {climb_after_s}
+[restart]
+backoff_initial_s = 1.0
+[health]
+hang_timeout_s = 60.0
+probe_interval_s = 1.0
+canary_interval_s = 10.0
+[gpu]
+release_timeout_s = 30.0
+free_wait_s = 10.0
+[state]
+dir = "{state}"
+[admin]
+listen = "{ADMIN}"
+[log]
+format = "json"
+""" + extra
