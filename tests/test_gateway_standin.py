@@ -42,6 +42,11 @@ def engine_running(sup: Sup) -> float:
         return parse_progress(r.read().decode()).running
 
 
+async def until(sup: Sup, pred: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+    """Sup.wait_for (10 s) off the event loop: the test's own clients keep running meanwhile."""
+    return await asyncio.to_thread(sup.wait_for, pred, 10, what)
+
+
 def gw_status(sup: Sup) -> dict[str, Any]:
     st = sup.status()
     assert st is not None
@@ -235,19 +240,12 @@ async def test_a_client_that_disconnects_aborts_its_engine_request(supervise: Ca
     assert sup.gateway is not None
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(post(s, sup.gateway + "/v1/completions", completion("hi", 400)))
-        deadline = time.monotonic() + 10
-        while gw_status(sup)["in_flight"] == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(sup, lambda st: st["gateway"]["in_flight"] == 1, "the request at the engine")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        gw = gw_status(sup)
-        if gw["client_disconnected"] == 1 and gw["in_flight"] == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert gw["client_disconnected"] == 1 and gw["in_flight"] == 0
+    st = await until(sup, lambda st: st["gateway"]["client_disconnected"] == 1, "the disconnect counted")
+    assert st["gateway"]["in_flight"] == 0
     # The engine saw its client go and dropped the request (20 s of generation left).
     assert engine_running(sup) == 0
 
@@ -259,13 +257,9 @@ async def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(super
     url = sup.gateway + "/v1/completions"
     async with aiohttp.ClientSession() as s:
         inflight = [asyncio.create_task(post(s, url, completion("hello", 50))) for _ in range(3)]
-        deadline = time.monotonic() + 10
-        while gw_status(sup)["in_flight"] < 3 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until(sup, lambda st: st["gateway"]["in_flight"] == 3, "three requests at the engine")
         sup.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while sup.status() and sup.status()["state"] == "READY" and time.monotonic() < deadline:  # type: ignore[index]
-            await asyncio.sleep(0.02)
+        await until(sup, lambda st: st["state"] != "READY", "draining")
         code, doc, headers = await post(s, url, completion("late"))
         assert code == 503 and doc["error"]["code"] == "shutting_down" and int(headers["Retry-After"]) >= 1
         assert [c for c, _, _ in await asyncio.gather(*inflight)] == [200, 200, 200]
@@ -312,16 +306,12 @@ async def test_kv_cache_full_with_requests_waiting_sheds_new_ones_with_429(super
     async with aiohttp.ClientSession() as s:
         # 40 tokens each: the serial stand-in finishes one every 2 s, within the 3 s hang rule.
         busy = [asyncio.create_task(post(s, url, completion("hello", 40))) for _ in range(4)]
-        deadline = time.monotonic() + 10
-        while not gw_status(sup)["shedding"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(sup, lambda st: st["gateway"]["shedding"], "shedding")
         code, doc, headers = await post(s, url, completion("one more"))
         assert code == 429 and doc["error"]["code"] == "engine_overloaded" and headers["Retry-After"] == "3"
         assert "KV cache" in doc["error"]["message"]
         assert [c for c, _, _ in await asyncio.gather(*busy)] == [200] * 4
-        deadline = time.monotonic() + 10
-        while gw_status(sup)["shedding"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(sup, lambda st: not st["gateway"]["shedding"], "shedding over")
         code, _, _ = await post(s, url, completion("after"))
         assert code == 200
     shed = sup.events("gateway.shedding")
