@@ -234,11 +234,9 @@ class Gateway:
                                                          "times while restarting; retry later")
             flight.replays += 1
 
-    async def _tokens_if_long(self, parsed: Parsed | None, flight: Flight, limit: int | None,
+    async def _tokens_if_long(self, parsed: Parsed, flight: Flight, limit: int | None,
                               always: bool = False) -> int | None:
         """The prompt's exact tokens when its byte bound exceeds ``limit`` (or ``always``); else the bound."""
-        if parsed is None:
-            return 0
         if flight.tokens is None:
             if parsed.token_ids and not parsed.text_bytes:
                 flight.tokens = parsed.token_ids
