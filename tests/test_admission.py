@@ -242,6 +242,23 @@ async def test_a_suspect_that_lives_alone_releases_the_others() -> None:
     assert gate.solo is None and await other is True
 
 
+async def test_a_request_answered_before_the_verdict_is_never_the_one_to_go_alone() -> None:
+    gate = EngineGate(max_held=10)
+    gate.on_state("WARMING", "READY")
+    done, lost = flight("done", 30000), flight("lost", 10)
+    await gate.admit(done, 1.0)
+    await gate.admit(lost, 1.0)
+    gate.on_state("READY", "STOPPING")  # both at the engine when it died...
+    gate.forget(done)  # ...but this one's answer had arrived: its handler returned
+    gate.leave(lost)
+    assert gate.on_failure("runtime_oom", "cmpl-done-0-ab") is None
+    assert gate.solo is lost  # the largest prompt still waiting, not the finished one
+    gate.on_state("STARTING", "READY")
+    assert await gate.admit(lost, 1.0) is False
+    gate.forget(lost)
+    assert await gate.admit(flight("next"), 1.0) is False  # nothing blocks the gate
+
+
 async def test_deaths_no_request_causes_and_planned_stops_blame_nobody() -> None:
     gate = EngineGate(max_held=10)
     gate.on_state("WARMING", "READY")

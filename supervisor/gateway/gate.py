@@ -33,6 +33,7 @@ class Flight:
     replays: int = 0
     strikes: int = 0  # times it was the suspect of a death
     quarantined: bool = False
+    gone: bool = False  # answered, refused, or its client left: it will not come back to the gate
     arrived: float = 0.0  # the host's monotonic clock at arrival
 
 
@@ -90,7 +91,9 @@ class EngineGate:
 
     def on_failure(self, kind: str, suspect_request: str | None) -> Flight | None:
         """After a death: pick the suspect to replay alone; the flight to quarantine, if any."""
-        batch, self._dead_batch = self._dead_batch, []
+        # A request answered between the death and its classification is nobody's suspect: made the one to go
+        # alone, it would never come back, and every other request would wait for it.
+        batch, self._dead_batch = [f for f in self._dead_batch if not f.gone], []
         if kind not in REQUEST_DEATHS or not batch:
             return None
         if self.solo is not None and batch == [self.solo]:
@@ -163,7 +166,8 @@ class EngineGate:
         self._notify()
 
     def forget(self, f: Flight) -> None:
-        """The client is gone for good: it is nobody's suspect any more."""
+        """The request is over for good (answered, refused, or its client left): it is nobody's suspect any more."""
+        f.gone = True
         self.leave(f)
         if self.solo is f:
             self.solo = None
