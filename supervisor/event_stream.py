@@ -259,6 +259,7 @@ class GatewayDrained(Event):
 
     name = "gateway.drained"
     why: str
+    in_flight: int  # at the engine when the drain began
     waited_s: float
     cut: int
 

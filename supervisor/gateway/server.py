@@ -104,10 +104,10 @@ class Gateway:
 
     async def drain(self, why: str) -> None:
         """Before a planned stop of the engine: hold new requests and let those at the engine finish."""
-        t0 = self.host.monotonic()
+        t0, in_flight = self.host.monotonic(), len(self.gate.at_engine)
         cut = await self.gate.drained(self.g.drain_timeout_s)
-        self.publish(GatewayDrained(at=self.host.wall(), why=why, waited_s=round(self.host.monotonic() - t0, 3),
-                                    cut=cut))
+        self.publish(GatewayDrained(at=self.host.wall(), why=why, in_flight=in_flight,
+                                    waited_s=round(self.host.monotonic() - t0, 3), cut=cut))
 
     async def close(self) -> None:
         await pressure.stop(self._watch_task)
