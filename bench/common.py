@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,7 +55,7 @@ REAL_VLLM_TOML = """
 model = "{model}"
 port = {{port}}
 command = ["{python}", "-m", "vllm.entrypoints.openai.api_server"]
-env = {{{{ HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1" }}}}
+env = {{{{ HF_HUB_OFFLINE = "1", VLLM_NO_USAGE_STATS = "1"{env} }}}}
 start_timeout_s = 600.0
 [engine.args]
 kv_cache_memory_bytes = 268435456
@@ -84,9 +85,10 @@ def cap_worker(api_pid: int) -> None:
                    check=True)
 
 
-def real_vllm_toml(model: str, python: str, extra: str = "") -> str:
-    """The real-vLLM config for ``model`` and vLLM's ``python``, plus ``extra`` TOML tables."""
-    return REAL_VLLM_TOML.format(model=Path(model).resolve(), python=Path(python).absolute()) + extra
+def real_vllm_toml(model: str, python: str, extra: str = "", env: dict[str, str] | None = None) -> str:
+    """The real-vLLM config for ``model`` and vLLM's ``python``, plus ``extra`` TOML tables and engine ``env``."""
+    more = "".join(f", {k} = {json.dumps(v)}" for k, v in (env or {}).items()).replace("{", "{{").replace("}", "}}")
+    return REAL_VLLM_TOML.format(model=Path(model).resolve(), python=Path(python).absolute(), env=more) + extra
 
 
 # Every bench run: no GPU gate, its own state dir and admin port, JSON events.
@@ -114,6 +116,17 @@ class Supervisor:
         self.log = open(self.dir / "sup.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--quiet-engine", "--config",
                                       str(cfg)], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """The supervisor's own JSON events called ``name`` so far."""
+        out = []
+        for line in (self.dir / "sup.log").read_text(errors="replace").splitlines():
+            if line.startswith("{") and f'"{name}"' in line:
+                with contextlib.suppress(ValueError):
+                    doc = json.loads(line)
+                    if doc.get("event") == name:
+                        out.append(doc)
+        return out
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -34,6 +34,7 @@ from supervisor.decide.lifecycle import EngineState, ExitCode, Failure, Knob, Tr
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.decide.profile import Profile
 from supervisor.engine import launch
+from supervisor.engine.next_start import NextStart
 from supervisor.engine.probe import EngineClient
 from supervisor.engine.run import EngineRun, Trigger, Verdict
 from supervisor.event_stream import (
@@ -104,6 +105,7 @@ class Supervisor:
         self.ready_at: float | None = None
         self.stable_noted = False
         self.climb_to: Profile | None = None
+        self.idle_since: float | None = None  # READY with nothing at the engine since (precompiles wait for it)
         self.restart_to: Profile | None = None  # a planned restart asked for (operator, reload), and its profile
         self._background: set[asyncio.Task[Any]] = set()
         self.stop_asked = asyncio.Event()
@@ -136,6 +138,8 @@ class Supervisor:
             self.bus.subscribe("gateway", self.gateway.on_event)
             self.metrics.gateway_from(self.gateway.status, COUNTERS)
         self._gpu_poll: asyncio.Task[None] | None = None
+        # Prepared while the engine serves, so that a restart is shorter than a cold start.
+        self.next_start = NextStart(cfg, host, self.publish, self.policy.next_rungs)
         self.control = ControlServer(control.path_in(cfg.state.dir), self.control_command)
 
     # ---- publishing and state ----------------------------------------------------------------------
@@ -182,6 +186,7 @@ class Supervisor:
             "timings": self.timings,
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
+            "next_start": self.next_start.status(),
             **({"gateway": self.gateway.status()} if self.gateway else {}),
         }
 
@@ -189,7 +194,7 @@ class Supervisor:
         run = self.engine_run
         chunk = self.profile.effective(Knob.MAX_NUM_BATCHED_TOKENS) or 8192
         return EngineView(int(chunk), self.profile.max_model_len,
-                          set(run.child.known_pids) if run and run.child else set(),
+                          (set(run.child.known_pids) if run and run.child else set()) | self.next_start.pids(),
                           float(self.timings.get("start_to_ready_s") or 30.0))
 
     def _startup(self, run: EngineRun | None) -> dict[str, Any] | None:
@@ -262,6 +267,7 @@ class Supervisor:
             loop.add_signal_handler(signal.SIGHUP, self._soon, self.reload)
         # systemd's RuntimeDirectory= when there is one: private, and removed with the unit.
         self.run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
+        self.next_start.dir = self.run_dir
         await self.admin.start()
         if self.metrics_only is not None:
             await self.metrics_only.start()
@@ -285,6 +291,7 @@ class Supervisor:
             if run is not None:
                 await run.stop(planned=True) if run.child and run.child.proc.returncode is None else await run.close()
             leftovers.clear(self.cfg.state.dir)
+            await self.next_start.close()
             if self.gateway is not None:
                 self.gateway.shutdown()  # whoever still waits (a FATAL end) gets 503 now, not a reset
                 await self.gateway.close()
@@ -316,10 +323,13 @@ class Supervisor:
             self.starts += 1
             run = self.engine_run = EngineRun(self.cfg, self.host, self.profile, self.starts,
                                        self.run_dir / f"start-{self.starts}", self.publish, echo=self.echo,
-                                       client=self.client_factory() if self.client_factory else None)
+                                       client=self.client_factory() if self.client_factory else None,
+                                       standby=self.next_start.take_standby())
             if self.stop_asked.is_set():
                 run.end(TriggerKind.STOP, "stop requested")
             trigger = await self._drive(run)
+            self.next_start.give_back(run.standby)  # unused: the run ended before its spawn
+            await self.next_start.cancel_precompile()  # the host is the next start's now
             if trigger.kind is TriggerKind.STOP:
                 if self.gateway is not None:  # without one, nothing of the clients' passes through us to drain
                     await self._drain("stop")
@@ -348,6 +358,8 @@ class Supervisor:
         self.timings = {**run.timings, "phases": run.phases}
         self.change_state(S.READY, warmup_prompts=run.warmup_sizes, **self.timings)  # WARMING -> READY
         self._on_ready(run)
+        self.next_start.note_compiled(self.profile, run.engine_version)
+        self.next_start.want_standby()
         return await self._wait(run.serve(), run.deadline_at, on_tick=lambda: self._tick_ready(run))
 
     def _on_ready(self, run: EngineRun) -> None:
@@ -372,6 +384,10 @@ class Supervisor:
             self.stable_noted = True
             self.policy.on_stable()
             self.publish(Stable(at=self.host.wall(), ready_for_s=round(ready_for, 1)))
+        self.idle_since = (self.idle_since or self.host.monotonic()) if run.idle and not self._gateway_busy() else None
+        if self.idle_since is not None:
+            await self.next_start.maybe_precompile(self.profile, run.engine_version,
+                                                   self.host.monotonic() - self.idle_since)
         climb_after = self.cfg.ladder.climb_after_s
         if not climb_after or ready_for < climb_after or not run.idle or self.climb_to is not None:
             return
@@ -380,6 +396,9 @@ class Supervisor:
             return
         self.climb_to = target
         run.end(TriggerKind.CLIMB, f"stable for {ready_for:.0f}s")
+
+    def _gateway_busy(self) -> bool:
+        return self.gateway is not None and bool(self.gateway.gate.at_engine)
 
     async def _room_for(self, target: Profile) -> bool:
         """A utilization lowered for another process's memory climbs back only once that memory is free."""
@@ -486,6 +505,7 @@ class Supervisor:
             self.alerts.start()
         if self.gateway is not None and new.gateway is not None:
             self.gateway.reconfigure(new.gateway)
+        self.next_start.configure(new)
         engine_restart = new.engine != old.engine or new.profile != old.profile
         self.publish(Reloaded(at=self.host.wall(), changed=changed, engine_restart=engine_restart))
         if not engine_restart:

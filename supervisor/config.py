@@ -239,6 +239,21 @@ class GatewayConfig:
         return _host_port(self.listen)
 
 
+PRECOMPILE_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """[recovery]: what is prepared while the engine serves, so that a restart is shorter than a cold start."""
+
+    standby: bool = True  # an interpreter that already imported vLLM waits to become the next engine
+    # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto": only
+    # where no GPU is visible, since on a GPU it needs room for a second copy of the weights.
+    precompile: str = "auto"
+    precompile_idle_s: float = 30.0  # after this long READY with nothing at the engine
+    precompile_timeout_s: float = 600.0
+
+
 @dataclass(frozen=True)
 class Config:
     engine: EngineConfig
@@ -253,6 +268,7 @@ class Config:
     log: LogConfig = LogConfig()
     alerts: AlertsConfig = AlertsConfig()
     gateway: GatewayConfig | None = None  # only with a [gateway] table
+    recovery: RecoveryConfig = RecoveryConfig()
 
 
 _SECTIONS: dict[str, type] = {
@@ -268,6 +284,7 @@ _SECTIONS: dict[str, type] = {
     "log": LogConfig,
     "alerts": AlertsConfig,
     "gateway": GatewayConfig,
+    "recovery": RecoveryConfig,
 }
 OPTIONAL_SECTIONS = ("gateway",)
 
@@ -514,6 +531,10 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         for key in ("min_free_mib", "foreign_growth_mib", "prompt_logprobs_max_gib"):
             need(key, getattr(obj, key) >= 0, "must be >= 0 (0 switches the rule off)")
         need("kv_cache_high", 0 <= obj.kv_cache_high <= 1, "must be a fraction in [0, 1] (0 switches the rule off)")
+    elif isinstance(obj, RecoveryConfig):
+        need("precompile", obj.precompile in PRECOMPILE_MODES, "must be one of auto, on, off")
+        for key in ("precompile_idle_s", "precompile_timeout_s"):
+            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
     elif isinstance(obj, LogConfig):
         need("format", obj.format in ("auto", "json", "console"), "must be one of auto, json, console")
         need("level", obj.level in ("debug", "info", "warning", "error"),

@@ -104,6 +104,21 @@ class EngineSpawned(Event):
     pid: int
     start: int
     argv: tuple[str, ...]  # secrets already masked
+    standby: bool = False  # an interpreter that had imported vLLM already became this engine
+
+
+@dataclass(frozen=True, kw_only=True)
+class RungPrecompiled(Event):
+    """A throwaway engine compiled a rung's graphs into vLLM's cache ahead of need (or failed to)."""
+
+    name = "engine.rung_precompiled"
+    profile: Mapping[str, Any]
+    ok: bool
+    took_s: float
+    error: str | None = None
+
+    def log_level(self) -> str:
+        return "info" if self.ok else "warning"
 
 
 @dataclass(frozen=True, kw_only=True)

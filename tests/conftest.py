@@ -224,6 +224,7 @@ STANDIN_BASE: dict[str, Any] = {
     "warmup": {"max_tokens": 4, "timeout_s": 30.0},
     "gpu": {"release_timeout_s": 5.0, "free_wait_s": 0.0},
     "log": {"format": "json"},
+    "recovery": {"precompile": "off"},  # on where it is tested: a throwaway engine appears after 30 s idle
 }
 
 

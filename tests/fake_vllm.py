@@ -5,6 +5,7 @@ It speaks vLLM's HTTP surface (/health, /v1/models, /v1/completions, /v1/chat/co
 real logs in tests/fixtures/vllm-logs carry, through VLLM_LOGGING_CONFIG_PATH like vLLM), and
 it forks an EngineCore-like grandchild that does the "work". Behaviour is steered by env vars:
 
+  FAKE_VLLM_IMPORT_DELAY  seconds its "import vllm" takes (fake_vllm_import.py; default 0)
   FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
   FAKE_VLLM_OOM_TOKENS    a prefill chunk larger than this runs out of memory (CUDA OOM text)
   FAKE_VLLM_KV_TOKENS     KV capacity: --max-model-len above it fails at start like vLLM
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import logging.config
@@ -39,6 +41,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_vllm = importlib.import_module("fake_vllm_import")  # like `import vllm`: slow, and it configures logging
 
 
 class EngineDeadError(Exception):
@@ -64,11 +69,7 @@ def setup_logging(process_name: str) -> None:
         return rec
 
     logging.setLogRecordFactory(factory)
-    path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
-    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "1" and path:
-        with open(path) as f:
-            logging.config.dictConfig(json.load(f))
-    else:
+    if not _vllm.CONFIGURED:
         h = logging.StreamHandler(sys.stdout)
         h.setFormatter(logging.Formatter(
             "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
@@ -392,6 +393,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction)
     p.add_argument("--api-key", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto")
     p.add_argument("--engine-core-fd", type=int, default=None)
     return p.parse_args(argv)
 

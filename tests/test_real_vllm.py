@@ -51,6 +51,9 @@ REAL_BASE: dict[str, Any] = {
     "warmup": {"requests": 4, "concurrency": 2, "max_tokens": 8, "timeout_s": 120.0},
     "gpu": {"free_wait_s": 0.0},
     "log": {"format": "json"},
+    # A throwaway engine compiling a rung beside the shared one would compete for the 2 cores mid-test:
+    # bench/recovery.py measures it on real vLLM. The standby stays on: every restart below goes through it.
+    "recovery": {"precompile": "off"},
 }
 
 

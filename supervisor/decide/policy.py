@@ -220,11 +220,19 @@ class Policy:
             if util < self.ladder.gpu_memory_utilization_floor or current is None or util >= current:
                 return None
             return profile.with_(gpu_memory_utilization=util)
-        candidate = step_down(profile, self.ladder, failure.knob)
+        return self._step_down_past_failed(profile, failure.knob)
+
+    def _step_down_past_failed(self, profile: Profile, knob: Knob | None) -> Profile | None:
+        candidate = step_down(profile, self.ladder, knob)
         # Skip rungs already known to fail: keep lowering past them.
         while candidate is not None and self.rung_failures.get(candidate.key(), 0) >= self.ladder.max_rung_failures:
-            candidate = step_down(candidate, self.ladder, failure.knob)
+            candidate = step_down(candidate, self.ladder, knob)
         return candidate
+
+    def next_rungs(self, profile: Profile) -> list[Profile]:
+        """The rungs the next start would most likely use: a runtime OOM's step down, then the climb back."""
+        down = self._step_down_past_failed(profile, Knob.MAX_NUM_BATCHED_TOKENS)
+        return [p for p in (down, self.climb_target(profile)) if p is not None]
 
     def budget_left(self, now: float) -> int:
         """Failures that would still be restarted: the lesser of the window's and the crash loop's allowance."""

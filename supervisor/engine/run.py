@@ -36,6 +36,7 @@ from supervisor.decide.profile import Profile
 from supervisor.engine import ipc, launch, warmup
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.probe import EngineClient, EngineError, EngineStatusError
+from supervisor.engine.standby import Standby
 from supervisor.event_stream import EngineSpawned, EngineStopped, Event
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost
@@ -73,7 +74,7 @@ class Verdict:
 class EngineRun:
     def __init__(self, cfg: Config, host: Host, profile: Profile, number: int, run_dir: Path,
                  publish: Callable[[Event], None], *, echo: TextIO | None = None,
-                 client: EngineClient | None = None) -> None:
+                 client: EngineClient | None = None, standby: Standby | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.profile = profile
@@ -90,6 +91,8 @@ class EngineRun:
                             redact=lambda line: launch.redact(line, self.secrets))
         self.server = ipc.EventServer(run_dir / "events.sock", self._on_event)
         self.child: Child | None = None
+        self.standby = standby  # becomes the engine instead of a cold spawn, when still there
+        self.from_standby = False
         self.liveness: Liveness | None = None
         self.started_at = host.monotonic()
         self.healthy_at: float | None = None
@@ -186,13 +189,13 @@ class EngineRun:
         await self.server.start()
         env = launch.build_env(e, ipc_env, str(self.run_dir))
         try:
-            self.child = await self.host.spawn(argv, env)
+            self.child = await self._spawn(argv, env)
         except OSError as exc:
             evidence = f"could not start the engine command {argv[0]!r}: {exc}"
             return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(FailureKind.CONFIG_ERROR, evidence))
         child = self.child
         self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number,
-                                   argv=tuple(launch.masked(argv, self.secrets))))
+                                   argv=tuple(launch.masked(argv, self.secrets)), standby=self.from_standby))
         try:
             leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
                 child.sid, self.host.create_time(child.pid), os.getpid()))
@@ -213,6 +216,18 @@ class EngineRun:
         # EngineCore and workers exist by now: remember them, they are the GPU memory holders.
         self.host.tree_pids(child)
         return None
+
+    async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            try:
+                child = await standby.activate(argv, env)
+                self.from_standby = True
+                return child
+            except OSError as exc:
+                log.warning("standby.lost", pid=standby.pid, error=str(exc), hint="starting the engine cold")
+                await standby.discard(self.host)
+        return await self.host.spawn(argv, env)
 
     async def _gates(self) -> Trigger | None:
         return await self._model_gate() or await self._gpu_gate()

