@@ -158,6 +158,8 @@ class NextStart:
 
     async def _compile(self, rung: Profile, version: str | None) -> None:
         e = self.cfg.engine
+        key = compile_key(rung)
+        rung = await self._beside_the_engine(rung)
         work = self.dir / f"precompile-{compile_key(rung).replace(' ', '').replace('-', '')[:40]}"
         engine = replace(e, port=free_port(), args={**e.args, **PRECOMPILE_ARGS})
         argv = launch.build_argv(engine, rung)
@@ -184,13 +186,26 @@ class NextStart:
         if ok:
             self.note_compiled(rung, version)
         else:
-            self._failed.add(compile_key(rung))
+            self._failed.add(key)
         self.publish(RungPrecompiled(at=self.host.wall(), profile=rung.knobs(), ok=ok, took_s=took,
                                      error=None if ok else f"{why}; last lines: {' | '.join(list(tail)[-5:])}"))
+
+    async def _beside_the_engine(self, rung: Profile) -> Profile:
+        """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start check wants
+        utilization x total free). The utilization is not part of the compile hash."""
+        try:
+            snaps = await self.host.gpu_snapshot(launch.gate_devices(self.cfg.engine))
+        except GpuLost:
+            snaps = []
+        if not snaps:
+            return rung
+        fits = min(s.free / s.total for s in snaps) / 2
+        return rung.with_(gpu_memory_utilization=round(max(0.01, fits), 3))
 
     async def _until_healthy(self, child: Child, client: EngineClient) -> tuple[bool, str]:
         deadline = self.host.monotonic() + self.cfg.recovery.precompile_timeout_s
         while self.host.monotonic() < deadline:
+            self.host.tree_pids(child)  # its EngineCore holds GPU memory: ours, not a foreign process's
             if child.proc.returncode is not None:
                 return False, f"exited with status {child.proc.returncode}"
             if await client.health(timeout=2.0) == 200:

@@ -1,0 +1,135 @@
+"""On a lent H200: a warm-cache cold start vs recovery from a real CUDA OOM to a rung never used before.
+
+One arm per call (PART=plain or PART=prepared), each with a fresh compile cache (VLLM_CACHE_ROOT,
+TORCHINDUCTOR_CACHE_DIR) warmed by one start at chunk 8192 and nothing else:
+1. the supervisor starts vLLM from that warm cache (the baseline: spawn -> READY);
+2. prepared only: it stays idle until its standby has imported vLLM and its precompile of the next rung ended
+   ([recovery] precompile = "on": a throwaway engine with dummy weights in half of the card's free memory);
+   plain: [recovery] standby = false, precompile = "off", idle as long;
+3. another process takes all but 16 MiB of the card and a 30,000-token prompt at chunk 8192 dies of a real
+   CUDA OOM; the other process leaves as soon as the supervisor saw the death (so that the GPU gate does not wait);
+4. the supervisor restarts at chunk 6144: recovery = death detected -> READY.
+$OUT gets summary-<part>.txt (figures, the phase table) and events-<part>.jsonl (the supervisor's own events).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_common import OUT, PORT, http, note, notes, start_hog, supervisor_toml, wait
+
+ARMS = {
+    "plain": '[recovery]\nstandby = false\nprecompile = "off"\n',
+    "prepared": '[recovery]\nstandby = true\nprecompile = "on"\nprecompile_idle_s = 3.0\n',
+}
+IDLE_S = 20.0
+
+
+def run_supervisor(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115 - the child holds it
+    return subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                            stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop(sup: subprocess.Popen[bytes]) -> None:
+    sup.send_signal(signal.SIGTERM)
+    try:
+        sup.wait(90)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        sup.wait()
+
+
+def events(log: Path, name: str) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and f'"{name}"' in line:
+            doc = json.loads(line)
+            if doc.get("event") == name:
+                out.append(doc)
+    return out
+
+
+def main() -> int:
+    part = os.environ.get("PART", "prepared")
+    OUT.mkdir(parents=True, exist_ok=True)
+    cache = Path(f"/tmp/vcache-{part}")
+    shutil.rmtree(cache, ignore_errors=True)
+    env = (f', VLLM_CACHE_ROOT = "{cache}/vllm", TORCHINDUCTOR_CACHE_DIR = "{cache}/inductor", '
+           f'TRITON_CACHE_DIR = "{cache}/triton"')
+    state = Path(f"/tmp/sup-state-{part}")
+    log = OUT / f"supervisor-{part}.log"
+    hog: subprocess.Popen[str] | None = None
+    try:
+        # The cache, warmed at chunk 8192 only.
+        shutil.rmtree(state, ignore_errors=True)
+        cfg = Path(f"/tmp/sup-{part}.toml")
+        base = supervisor_toml(state, 0.0).replace('VLLM_NO_USAGE_STATS = "1" }', f'VLLM_NO_USAGE_STATS = "1"{env} }}')
+        cfg.write_text(base + ARMS["plain"])
+        sup = run_supervisor(cfg, log)
+        st = wait(lambda s: s["ready"], "the cache-warming start")
+        note(f"cache-warming start (fresh cache): {st and st['timings']}")
+        stop(sup)
+        # The measured supervisor.
+        shutil.rmtree(state, ignore_errors=True)
+        cfg.write_text(base + ARMS[part])
+        log.write_text("")
+        sup = run_supervisor(cfg, log)
+        st = wait(lambda s: s["ready"], "READY from the warm cache")
+        if not st:
+            return 1
+        cold = st["timings"]
+        note(f"warm-cache cold start: {cold}")
+        t = time.monotonic()
+        if part == "prepared":
+            wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None
+                 and bool(events(log, "engine.rung_precompiled")) and not s["next_start"]["precompiling"],
+                 "the standby and the precompile")
+            note(f"precompiles: {events(log, 'engine.rung_precompiled')}")
+        time.sleep(max(0.0, IDLE_S - (time.monotonic() - t)))
+        note(f"idle for {time.monotonic() - t:.0f}s; then the other process and the 30k-token prompt")
+        hog = start_hog()
+        code, _, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
+                          {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4}, timeout=120)
+        note(f"30k-token prompt at chunk 8192 -> HTTP {code}")
+        wait(lambda s: s["state"] != "READY", "the death seen")
+        hog.kill()
+        hog.wait()
+        hog = None
+        note("the other process left")
+        st = wait(lambda s: s["ready"] and s["restarts"] >= 1, "READY after the OOM")
+        if not st:
+            return 1
+        lf = st["last_failure"]
+        spawned = events(log, "engine.spawned")
+        rec = lf["recovered_after_s"]
+        note(f"{part}: {lf['kind']} ({lf['evidence'][:120]}); recovery (detected -> READY at chunk "
+             f"{st['profile']['max_num_batched_tokens']}) {rec:.2f}s = {rec / cold['start_to_ready_s']:.2f}x the "
+             f"warm-cache cold start {cold['start_to_ready_s']:.2f}s; standby used: {spawned[-1].get('standby')}")
+        phases = [("cold start", cold["phases"]), (f"{part} recovery", st["timings"]["phases"])]
+        names = list(dict.fromkeys(k for _, p in phases for k in p))
+        note(f"{'phase':<26}" + "".join(f"{label:>20}" for label, _ in phases))
+        for n in names:
+            note(f"{n:<26}" + "".join(f"{p.get(n, 0.0):20.2f}" for _, p in phases))
+        stop(sup)
+    finally:
+        if hog is not None:
+            hog.kill()
+        (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")
+        ours = [line for line in log.read_text(errors="replace").splitlines()
+                if line.startswith('{"') and '"event": "' in line] if log.exists() else []
+        (OUT / f"events-{part}.jsonl").write_text("\n".join(ours) + "\n")
+        log.unlink(missing_ok=True)  # vLLM's own lines are long; the events and the summary come back
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
