@@ -56,8 +56,11 @@ def status() -> dict[str, Any] | None:
     return st if code == 200 else None
 
 
-def wait(pred: Any, what: str) -> dict[str, Any] | None:
+def wait(pred: Any, what: str, check: Any = None) -> dict[str, Any] | None:
+    """Poll /status until ``pred`` holds; ``check()`` each round may end the run (a supervisor that exited)."""
     while time.monotonic() < DEADLINE:
+        if check is not None:
+            check()
         st = status()
         if st and pred(st):
             return st

@@ -33,10 +33,20 @@ ARMS = {
 IDLE_S = 20.0
 
 
+ROOT = Path(__file__).resolve().parents[1]  # `-m supervisor` resolves from the checkout, whatever the cwd
+
+
 def run_supervisor(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
     out = open(log, "ab")  # noqa: SIM115 - the child holds it
     return subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
-                            stdout=out, stderr=subprocess.STDOUT)
+                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def alive(sup: subprocess.Popen[bytes], log: Path) -> None:
+    """A supervisor that exited ends the run at once, with its last lines (not after the whole budget)."""
+    if sup.poll() is not None:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        raise SystemExit(f"the supervisor exited with status {sup.returncode}:\n" + "\n".join(tail))
 
 
 def stop(sup: subprocess.Popen[bytes]) -> None:
@@ -68,6 +78,7 @@ def main() -> int:
     state = Path(f"/tmp/sup-state-{part}")
     log = OUT / f"supervisor-{part}.log"
     hog: subprocess.Popen[str] | None = None
+    sup: subprocess.Popen[bytes] | None = None
     try:
         # The cache, warmed at chunk 8192 only.
         shutil.rmtree(state, ignore_errors=True)
@@ -75,7 +86,7 @@ def main() -> int:
         base = supervisor_toml(state, 0.0).replace('VLLM_NO_USAGE_STATS = "1" }', f'VLLM_NO_USAGE_STATS = "1"{env} }}')
         cfg.write_text(base + ARMS["plain"])
         sup = run_supervisor(cfg, log)
-        st = wait(lambda s: s["ready"], "the cache-warming start")
+        st = wait(lambda s: s["ready"], "the cache-warming start", lambda: alive(sup, log))
         note(f"cache-warming start (fresh cache): {st and st['timings']}")
         stop(sup)
         # The measured supervisor.
@@ -83,7 +94,7 @@ def main() -> int:
         cfg.write_text(base + ARMS[part])
         log.write_text("")
         sup = run_supervisor(cfg, log)
-        st = wait(lambda s: s["ready"], "READY from the warm cache")
+        st = wait(lambda s: s["ready"], "READY from the warm cache", lambda: alive(sup, log))
         if not st:
             return 1
         cold = st["timings"]
@@ -123,11 +134,14 @@ def main() -> int:
     finally:
         if hog is not None:
             hog.kill()
+        if sup is not None and sup.poll() is None:
+            stop(sup)
         (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")
         ours = [line for line in log.read_text(errors="replace").splitlines()
                 if line.startswith('{"') and '"event": "' in line] if log.exists() else []
         (OUT / f"events-{part}.jsonl").write_text("\n".join(ours) + "\n")
-        log.unlink(missing_ok=True)  # vLLM's own lines are long; the events and the summary come back
+        if log.exists():  # vLLM's own lines are long: only the last of them come back
+            log.write_text("\n".join(log.read_text(errors="replace").splitlines()[-300:]) + "\n")
     return 0
 
 
