@@ -366,6 +366,7 @@ class Supervisor:
         assert run.ready_at is not None
         self.ready_at = run.ready_at
         self.stable_noted = False
+        self.idle_since = None
         self.policy.on_ready()
         if self.outage_since is not None and self.last_failure is not None:
             # From the first failure of this outage, however many failed starts followed it.
