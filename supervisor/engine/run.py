@@ -107,6 +107,7 @@ class EngineRun:
         self._tasks: list[asyncio.Task[Any]] = []
         self._canary: asyncio.Task[None] | None = None
         self._ending = False
+        self._aot_noted = False
 
     # ---- triggers ---------------------------------------------------------------------------
     def trigger(self, kind: TriggerKind, evidence: str, failure: Failure | None = None) -> Trigger:
@@ -142,6 +143,13 @@ class EngineRun:
                 self.steps.append((step, self.host.monotonic()))
             if self.engine_version is None:
                 self.engine_version = startup.version_of(line)
+            reason = None if self._aot_noted else startup.aot_cache_failure(line)
+            if reason:
+                self._aot_noted = True
+                log.warning("engine.compile_cache_unusable", reason=reason,
+                            hint="vLLM compiles the model again at every start (2-3 s of each on the tiny CPU "
+                                 "model, docs/recovery.md); VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it "
+                                 "use its older compile cache, which loads")
         text = self.console.feed(line)
         if text and not self._ending:
             found = death_evidence(text)
