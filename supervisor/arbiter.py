@@ -320,6 +320,7 @@ class Supervisor:
 
     async def _lifecycle(self) -> int:
         while True:
+            await self.next_start.settled()  # a throwaway precompile engine is gone before any start
             self.starts += 1
             run = self.engine_run = EngineRun(self.cfg, self.host, self.profile, self.starts,
                                        self.run_dir / f"start-{self.starts}", self.publish, echo=self.echo,
@@ -329,7 +330,7 @@ class Supervisor:
                 run.end(TriggerKind.STOP, "stop requested")
             trigger = await self._drive(run)
             self.next_start.give_back(run.standby)  # unused: the run ended before its spawn
-            await self.next_start.cancel_precompile()  # the host is the next start's now
+            self.next_start.stop_precompile()  # the host is the next start's now
             if trigger.kind is TriggerKind.STOP:
                 if self.gateway is not None:  # without one, nothing of the clients' passes through us to drain
                     await self._drain("stop")

@@ -126,3 +126,21 @@ def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
     leftover = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
                 if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
     assert leftover == []
+
+
+def throwaways() -> list[list[str]]:
+    return [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
+
+
+def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "4", "FAKE_VLLM_OOM_TOKENS": "5000"}},
+                     "recovery": {"precompile": "on", "precompile_idle_s": 0.2}})
+    sup.wait_ready(30)
+    sup.wait_for(lambda s: s["next_start"]["precompiling"], 30, "a precompile under way")
+    assert throwaways()
+    assert send_long_prompt(sup) == 500  # the engine dies while the throwaway is still starting (4 s)
+    sup.wait_for(lambda s: s["state"] == "STARTING", 30, "the restart")
+    assert throwaways() == []  # gone before the next engine started
+    sup.wait_ready(30, restarts=1)
+    assert not [e for e in sup.events("engine.rung_precompiled") if e["ok"]]

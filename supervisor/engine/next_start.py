@@ -148,12 +148,12 @@ class NextStart:
         """While READY and idle long enough: compile the next rung the policy would pick, one at a time."""
         if self._precompile is not None and not self._precompile.done():
             return
-        if idle_for_s < self.cfg.recovery.precompile_idle_s or not await self.precompile_allowed():
+        if idle_for_s < self.cfg.recovery.precompile_idle_s:
             return
         todo = [p for p in self.targets(profile)
                 if not self.is_compiled(p, version) and compile_key(p) not in self._failed
                 and compile_key(p) != compile_key(profile)]
-        if todo:
+        if todo and await self.precompile_allowed():
             self._precompile = asyncio.create_task(self._compile(todo[0], version), name="next-start:precompile")
 
     async def _compile(self, rung: Profile, version: str | None) -> None:
@@ -169,7 +169,13 @@ class NextStart:
         tail: deque[str] = deque(maxlen=40)
         t0 = self.host.monotonic()
         log.info("precompile.started", profile=rung.knobs(), port=engine.port)
-        child = self._precompile_child = await self.host.spawn(argv, env)
+        try:
+            child = self._precompile_child = await self.host.spawn(argv, env)
+        except OSError as exc:
+            self._failed.add(key)
+            self.publish(RungPrecompiled(at=self.host.wall(), profile=rung.knobs(), ok=False, took_s=0.0,
+                                         error=f"could not start {argv[0]!r}: {exc}"))
+            return
         drains = [asyncio.create_task(_collect(s, tail)) for s in (child.proc.stdout, child.proc.stderr) if s]
         client = EngineClient(engine.base_url, launch.api_key(e))
         ok, why = False, ""
@@ -213,13 +219,23 @@ class NextStart:
             await self.host.sleep(0.5)
         return False, f"no /health 200 within {self.cfg.recovery.precompile_timeout_s:g}s"
 
-    async def cancel_precompile(self) -> None:
-        """The engine needs the host (it failed or stops): a precompile under way is killed, not waited for."""
+    def stop_precompile(self) -> None:
+        """The engine ended (it failed or stops): a precompile under way is killed, not waited for. The kill runs
+        beside the engine's own stop; ``settled`` waits for it before the next start."""
+        if self._precompile is not None and not self._precompile.done():
+            self._precompile.cancel()
+
+    async def settled(self) -> None:
+        """No precompile left running (its processes may hold memory the next start needs)."""
         task, self._precompile = self._precompile, None
-        if task is not None and not task.done():
+        if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - a precompile's own fault never stops the supervision
+                log.warning("precompile.crashed", error=repr(exc))
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a precompile may hold GPU memory)."""
@@ -234,7 +250,7 @@ class NextStart:
         }
 
     async def close(self) -> None:
-        await self.cancel_precompile()
+        await self.settled()
         if self._spawning is not None:
             self._spawning.cancel()
             with contextlib.suppress(asyncio.CancelledError):
