@@ -115,7 +115,7 @@ class NextStart:
     def take_standby(self) -> Standby | None:
         """The standby for the start about to happen, if it still fits the engine config."""
         s, self.standby = self.standby, None
-        if s is not None and not s.fits(self.cfg.engine):
+        if s is not None and not (self.cfg.recovery.standby and s.fits(self.cfg.engine)):
             self._later(s.discard(self.host))
             return None
         return s
@@ -154,7 +154,14 @@ class NextStart:
                 if not self.is_compiled(p, version) and compile_key(p) not in self._failed
                 and compile_key(p) != compile_key(profile)]
         if todo and await self.precompile_allowed():
-            self._precompile = asyncio.create_task(self._compile(todo[0], version), name="next-start:precompile")
+            self._precompile = asyncio.create_task(self._guarded(todo[0], version), name="next-start:precompile")
+
+    async def _guarded(self, rung: Profile, version: str | None) -> None:
+        try:
+            await self._compile(rung, version)
+        except Exception as exc:  # noqa: BLE001 - a precompile's own fault never stops the supervision
+            self._failed.add(compile_key(rung))
+            log.warning("precompile.crashed", profile=rung.knobs(), error=repr(exc))
 
     async def _compile(self, rung: Profile, version: str | None) -> None:
         e = self.cfg.engine
@@ -230,12 +237,8 @@ class NextStart:
         task, self._precompile = self._precompile, None
         if task is not None:
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
-            except Exception as exc:  # noqa: BLE001 - a precompile's own fault never stops the supervision
-                log.warning("precompile.crashed", error=repr(exc))
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a precompile may hold GPU memory)."""
