@@ -311,11 +311,17 @@ def test_gateway_forwards_streams_and_prechecks_with_vllms_own_tokenizer(sup: Su
     req = urllib.request.Request(url, json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 3500,
                                                   "ignore_eos": True, "stream": True}).encode(),
                                  {"Content-Type": "application/json", "X-Request-Id": "leaves-early"})
+    # vLLM logs an abort only for a request it dropped unfinished (a finished one is not "aborted"): the worker is
+    # frozen while the client leaves, so that a starved API server cannot be beaten to it by the last token.
+    worker = tree(sup)["worker"]
     with urllib.request.urlopen(req, timeout=120) as r:
         assert r.readline().startswith(b"data: {")
-    # vLLM logs an abort only for a request it dropped unfinished (a finished one is not "aborted").
-    sup.wait_for(lambda _: "Aborted request(s) cmpl-leaves-early" in sup.log_path.read_text(errors="replace"),
-                 30, "vLLM aborting the request its client left")
+        worker.suspend()
+    try:
+        sup.wait_for(lambda _: "Aborted request(s) cmpl-leaves-early" in sup.log_path.read_text(errors="replace"),
+                     30, "vLLM aborting the request its client left")
+    finally:
+        worker.resume()
     gw = sup.status()["gateway"]  # type: ignore[index]
     assert (gw["forwarded"], gw["413"], gw["client_disconnected"]) == (4, 1, 1)  # 200, chat 200, 200, vLLM's 400
 
