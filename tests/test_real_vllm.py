@@ -296,7 +296,8 @@ def test_gateway_forwards_streams_and_prechecks_with_vllms_own_tokenizer(sup: Su
     code, body = http_json(url, {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4},
                            headers={"X-Request-Id": "gw-real-1"})
     assert code == 200 and body["choices"][0]["text"] is not None
-    assert "cmpl-gw-real-1" in sup.log_path.read_text(errors="replace")  # vLLM saw our request id
+    # vLLM saw our request id (its line reaches our log through the supervisor's tail, maybe after the answer).
+    sup.wait_for(lambda _: "cmpl-gw-real-1" in sup.log_path.read_text(errors="replace"), 10, "vLLM naming gw-real-1")
     code, body = http_json(sup.gateway + "/v1/chat/completions",
                            {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello ✓ 日本語"}],
                             "max_tokens": 4})
