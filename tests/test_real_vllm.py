@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -308,16 +309,22 @@ def test_gateway_forwards_streams_and_prechecks_with_vllms_own_tokenizer(sup: Su
              for n in (4095, 4096, 4097)]
     assert [c for c, _ in codes] == [200, 400, 413], codes
     assert codes[2][1]["error"]["code"] == "prompt_too_long" and "4097 tokens" in codes[2][1]["error"]["message"]
-    # A stream comes through chunk by chunk; a client that leaves mid-stream aborts vLLM's request.
-    req = urllib.request.Request(url, json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 3500,
-                                                  "ignore_eos": True, "stream": True}).encode(),
-                                 {"Content-Type": "application/json", "X-Request-Id": "leaves-early"})
-    # vLLM logs an abort only for a request it dropped unfinished (a finished one is not "aborted"): the worker is
-    # frozen while the client leaves, so that a starved API server cannot be beaten to it by the last token.
+    # A stream comes through chunk by chunk; a client that leaves mid-stream aborts vLLM's request. vLLM logs an
+    # abort only for a request it dropped unfinished (a finished one is not "aborted"): the worker is frozen while the
+    # client leaves, so that the last token cannot beat the abort; and the client's socket is shut down outright (a
+    # closed urllib response may leave it open until collected, its buffer taking the whole stream meanwhile).
     worker = tree(sup)["worker"]
-    with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.readline().startswith(b"data: {")
-        worker.suspend()
+    conn = http.client.HTTPConnection(sup.gateway.removeprefix("http://"), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 3500,
+                                                        "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json", "X-Request-Id": "leaves-early"})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"data: {")
+    worker.suspend()
+    assert conn.sock is not None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    r.close()
+    conn.close()
     try:
         sup.wait_for(lambda _: "Aborted request(s) cmpl-leaves-early" in sup.log_path.read_text(errors="replace"),
                      30, "vLLM aborting the request its client left")
