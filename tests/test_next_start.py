@@ -144,3 +144,15 @@ def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(su
     assert throwaways() == []  # gone before the next engine started
     sup.wait_ready(30, restarts=1)
     assert not [e for e in sup.events("engine.rung_precompiled") if e["ok"]]
+
+
+def test_a_failed_precompile_quotes_its_last_lines_with_secrets_masked(supervise: Callable[..., Sup]) -> None:
+    key = "sk-precompile-secret-1"
+    sup = supervise({"engine": {"args": {"api_key": key}, "env": {"FAKE_VLLM_START_DELAY": "1.5"}},
+                     "recovery": {"precompile": "on", "precompile_idle_s": 0.2, "precompile_timeout_s": 0.8}})
+    sup.wait_ready(30)
+    sup.wait_for(lambda _: bool(sup.events("engine.rung_precompiled")), 30, "the precompile's end")
+    ev = sup.events("engine.rung_precompiled")[0]
+    assert ev["ok"] is False and "no /health 200 within 0.8s" in ev["error"], ev
+    assert "'api_key': '***'" in ev["error"], ev  # vLLM's args line, quoted with the key masked
+    assert key not in sup.log_path.read_text()

@@ -16,7 +16,6 @@ import contextlib
 import json
 import shutil
 import socket
-from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ import structlog
 from supervisor.config import Config
 from supervisor.decide.profile import Profile
 from supervisor.engine import ipc, launch
+from supervisor.engine.logtail import LogTail
 from supervisor.engine.probe import EngineClient
 from supervisor.engine.standby import Standby, fingerprint
 from supervisor.event_stream import Event, RungPrecompiled
@@ -167,13 +167,14 @@ class NextStart:
         e = self.cfg.engine
         key = compile_key(rung)
         rung = await self._beside_the_engine(rung)
-        work = self.dir / f"precompile-{compile_key(rung).replace(' ', '').replace('-', '')[:40]}"
+        work = self.dir / f"precompile-{key.replace(' ', '').replace('-', '')[:40]}"
         engine = replace(e, port=free_port(), args={**e.args, **PRECOMPILE_ARGS})
         argv = launch.build_argv(engine, rung)
         if shutil.which("nice"):
             argv = ["nice", "-n", "10", *argv]  # never the engine: a throwaway may be niced
         env = launch.build_env(e, ipc.prepare_child_env(work, str(work / "events.sock"), "INFO"), str(work))
-        tail: deque[str] = deque(maxlen=40)
+        secrets = launch.secrets(e)  # vLLM prints its args, --api-key included: the error quotes its last lines
+        tail = LogTail(40, redact=lambda line: launch.redact(line, secrets))
         t0 = self.host.monotonic()
         log.info("precompile.started", profile=rung.knobs(), port=engine.port)
         try:
@@ -183,11 +184,12 @@ class NextStart:
             self.publish(RungPrecompiled(at=self.host.wall(), profile=rung.knobs(), ok=False, took_s=0.0,
                                          error=f"could not start {argv[0]!r}: {exc}"))
             return
-        drains = [asyncio.create_task(_collect(s, tail)) for s in (child.proc.stdout, child.proc.stderr) if s]
+        drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
         client = EngineClient(engine.base_url, launch.api_key(e))
-        ok, why = False, ""
+        ok, why, lines = False, "", []
         try:
             ok, why = await self._until_healthy(child, client)
+            lines = tail.snapshot()[-5:]  # what it printed while failing, not its shutdown
         finally:
             await client.close()
             await self.host.terminate_tree(child, 5.0, 5.0)
@@ -201,7 +203,7 @@ class NextStart:
         else:
             self._failed.add(key)
         self.publish(RungPrecompiled(at=self.host.wall(), profile=rung.knobs(), ok=ok, took_s=took,
-                                     error=None if ok else f"{why}; last lines: {' | '.join(list(tail)[-5:])}"))
+                                     error=None if ok else f"{why}; last lines: {' | '.join(lines)}"))
 
     async def _beside_the_engine(self, rung: Profile) -> Profile:
         """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start check wants
@@ -263,8 +265,3 @@ class NextStart:
             await s.discard(self.host)
         if self._discarding:
             await asyncio.gather(*self._discarding, return_exceptions=True)
-
-
-async def _collect(stream: asyncio.StreamReader, tail: deque[str]) -> None:
-    while line := await stream.readline():
-        tail.append(line.decode(errors="replace").rstrip())
