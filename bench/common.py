@@ -119,14 +119,7 @@ class Supervisor:
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """The supervisor's own JSON events called ``name`` so far."""
-        out = []
-        for line in (self.dir / "sup.log").read_text(errors="replace").splitlines():
-            if line.startswith("{") and f'"{name}"' in line:
-                with contextlib.suppress(ValueError):
-                    doc = json.loads(line)
-                    if doc.get("event") == name:
-                        out.append(doc)
-        return out
+        return events_in(self.dir / "sup.log", name)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -135,6 +128,18 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+def events_in(log: Path, name: str) -> list[dict[str, Any]]:
+    """The supervisor's own JSON events called ``name`` in its output ``log`` (vLLM's lines are skipped)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and f'"{name}"' in line:
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
+                if doc.get("event") == name:
+                    out.append(doc)
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -14,7 +14,6 @@ $OUT gets summary-<part>.txt (figures, the phase table) and events-<part>.jsonl 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -22,8 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from common import events_in
 from gpu_common import OUT, PORT, http, note, notes, start_hog, supervisor_toml, wait
 
 ARMS = {
@@ -56,16 +55,6 @@ def stop(sup: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         sup.kill()
         sup.wait()
-
-
-def events(log: Path, name: str) -> list[dict[str, Any]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{") and f'"{name}"' in line:
-            doc = json.loads(line)
-            if doc.get("event") == name:
-                out.append(doc)
-    return out
 
 
 def main() -> int:
@@ -102,9 +91,9 @@ def main() -> int:
         t = time.monotonic()
         if part == "prepared":
             wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None
-                 and bool(events(log, "engine.rung_precompiled")) and not s["next_start"]["precompiling"],
+                 and bool(events_in(log, "engine.rung_precompiled")) and not s["next_start"]["precompiling"],
                  "the standby and the precompile")
-            note(f"precompiles: {events(log, 'engine.rung_precompiled')}")
+            note(f"precompiles: {events_in(log, 'engine.rung_precompiled')}")
         time.sleep(max(0.0, IDLE_S - (time.monotonic() - t)))
         note(f"idle for {time.monotonic() - t:.0f}s; then the other process and the 30k-token prompt")
         hog = start_hog()
@@ -120,7 +109,7 @@ def main() -> int:
         if not st:
             return 1
         lf = st["last_failure"]
-        spawned = events(log, "engine.spawned")
+        spawned = events_in(log, "engine.spawned")
         rec = lf["recovered_after_s"]
         note(f"{part}: {lf['kind']} ({lf['evidence'][:120]}); recovery (detected -> READY at chunk "
              f"{st['profile']['max_num_batched_tokens']}) {rec:.2f}s = {rec / cold['start_to_ready_s']:.2f}x the "
