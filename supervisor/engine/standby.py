@@ -72,6 +72,7 @@ def fingerprint(engine: EngineConfig) -> str:
 class Standby:
     def __init__(self, child: Child, entry: Entry, key: str, directory: Path) -> None:
         self.child, self.entry, self.key, self.dir = child, entry, key, directory
+        self._import_s: float | None = None
 
     @classmethod
     async def start(cls, host: Host, engine: EngineConfig, directory: Path) -> Standby | None:
@@ -95,11 +96,13 @@ class Standby:
         return self.child.proc.returncode is None
 
     def import_s(self) -> float | None:
-        """Seconds its imports took, once they are done."""
-        try:
-            return float((self.dir / READY_FILE).read_text())
-        except (OSError, ValueError):
-            return None
+        """Seconds its imports took, once they are done (read once: /status asks on every call)."""
+        if self._import_s is None:
+            try:
+                self._import_s = float((self.dir / READY_FILE).read_text())
+            except (OSError, ValueError):
+                pass
+        return self._import_s
 
     def fits(self, engine: EngineConfig) -> bool:
         return self.alive() and self.key == fingerprint(engine)
