@@ -386,7 +386,8 @@ class Supervisor:
             self.stable_noted = True
             self.policy.on_stable()
             self.publish(Stable(at=self.host.wall(), ready_for_s=round(ready_for, 1)))
-        self.idle_since = (self.idle_since or self.host.monotonic()) if run.idle and not self._gateway_busy() else None
+        busy = self.gateway is not None and self.gateway.busy()
+        self.idle_since = (self.idle_since or self.host.monotonic()) if run.idle and not busy else None
         if self.idle_since is not None:
             await self.next_start.maybe_precompile(self.profile, run.engine_version,
                                                    self.host.monotonic() - self.idle_since)
@@ -398,9 +399,6 @@ class Supervisor:
             return
         self.climb_to = target
         run.end(TriggerKind.CLIMB, f"stable for {ready_for:.0f}s")
-
-    def _gateway_busy(self) -> bool:
-        return self.gateway is not None and bool(self.gateway.gate.at_engine)
 
     async def _room_for(self, target: Profile) -> bool:
         """A utilization lowered for another process's memory climbs back only once that memory is free."""

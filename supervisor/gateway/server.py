@@ -82,7 +82,7 @@ class Gateway:
         self._rejected: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
         self.watch = pressure.PressureWatch(self.g, host, self.client, launch.gate_devices(cfg.engine),
                                             lambda: self.view().pids, lambda: self.gate.open,
-                                            lambda: bool(self.gate.at_engine), self._shedding_changed)
+                                            self.busy, self._shedding_changed)
         self._watch_task: asyncio.Task[None] | None = None
         self.session = proxy.new_session()
         app = web.Application()
@@ -97,6 +97,10 @@ class Gateway:
         await web.TCPSite(self.runner, host, port, reuse_address=True).start()
         self._watch_task = asyncio.create_task(self.watch.run(), name="gateway:pressure")
         log.info("gateway.listening", listen=self.g.listen, quarantined=len(self.quarantine.entries))
+
+    def busy(self) -> bool:
+        """A client request is at the engine now."""
+        return bool(self.gate.at_engine)
 
     def shutdown(self) -> None:
         """SIGTERM: admit nothing more (503 + Retry-After); in-flight requests may finish (``drain``)."""
