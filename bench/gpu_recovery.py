@@ -10,6 +10,8 @@ TORCHINDUCTOR_CACHE_DIR) warmed by one start at chunk 8192 and nothing else:
    CUDA OOM; the other process leaves as soon as the supervisor saw the death (so that the GPU gate does not wait);
 4. the supervisor restarts at chunk 6144: recovery = death detected -> READY.
 $OUT gets summary-<part>.txt (figures, the phase table) and events-<part>.jsonl (the supervisor's own events).
+ENGINE_ENV="K=V ..." adds engine environment to every start of the arm (both the baseline and the recovery), and
+LABEL names the run's files (summary-<part>-<label>.txt).
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ def main() -> int:
     shutil.rmtree(cache, ignore_errors=True)
     env = (f', VLLM_CACHE_ROOT = "{cache}/vllm", TORCHINDUCTOR_CACHE_DIR = "{cache}/inductor", '
            f'TRITON_CACHE_DIR = "{cache}/triton"')
+    extra = (kv.partition("=") for kv in os.environ.get("ENGINE_ENV", "").split())
+    env += "".join(f', {k} = "{v}"' for k, _, v in extra)
+    name = part + (f"-{os.environ['LABEL']}" if os.environ.get("LABEL") else "")
     state = Path(f"/tmp/sup-state-{part}")
-    log = OUT / f"supervisor-{part}.log"
+    log = OUT / f"supervisor-{name}.log"
     hog: subprocess.Popen[str] | None = None
     sup: subprocess.Popen[bytes] | None = None
     try:
@@ -90,9 +95,10 @@ def main() -> int:
         note(f"warm-cache cold start: {cold}")
         t = time.monotonic()
         if part == "prepared":
-            wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None
-                 and bool(events_in(log, "engine.rung_precompiled")) and not s["next_start"]["precompiling"],
-                 "the standby and the precompile")
+            ns = wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None
+                      and bool(events_in(log, "engine.rung_precompiled")) and not s["next_start"]["precompiling"],
+                      "the standby and the precompile")
+            note(f"standby: {ns and ns['next_start']['standby']}")
             note(f"precompiles: {events_in(log, 'engine.rung_precompiled')}")
         time.sleep(max(0.0, IDLE_S - (time.monotonic() - t)))
         note(f"idle for {time.monotonic() - t:.0f}s; then the other process and the 30k-token prompt")
@@ -125,10 +131,10 @@ def main() -> int:
             hog.kill()
         if sup is not None and sup.poll() is None:
             stop(sup)
-        (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")
+        (OUT / f"summary-{name}.txt").write_text("\n".join(notes) + "\n")
         ours = [line for line in log.read_text(errors="replace").splitlines()
                 if line.startswith('{"') and '"event": "' in line] if log.exists() else []
-        (OUT / f"events-{part}.jsonl").write_text("\n".join(ours) + "\n")
+        (OUT / f"events-{name}.jsonl").write_text("\n".join(ours) + "\n")
         if log.exists():  # vLLM's own lines are long: only the last of them come back
             log.write_text("\n".join(log.read_text(errors="replace").splitlines()[-300:]) + "\n")
     return 0

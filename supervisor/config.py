@@ -247,6 +247,9 @@ class RecoveryConfig:
     """[recovery]: what is prepared while the engine serves, so that a restart is shorter than a cold start."""
 
     standby: bool = True  # an interpreter that already imported vLLM waits to become the next engine
+    # A start from the standby forks its EngineCore from it (VLLM_WORKER_MULTIPROC_METHOD=fork, unless the
+    # engine's env names a method) instead of spawning one that imports vLLM again.
+    standby_fork: bool = True
     # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto": only
     # where no GPU is visible, since on a GPU it needs room for a second copy of the weights.
     precompile: str = "auto"

@@ -3,7 +3,9 @@
 It speaks vLLM's HTTP surface (/health, /v1/models, /v1/completions, /v1/chat/completions,
 /tokenize, /metrics) and its log surface (the same messages, prefixes and exception types the
 real logs in tests/fixtures/vllm-logs carry, through VLLM_LOGGING_CONFIG_PATH like vLLM), and
-it forks an EngineCore-like grandchild that does the "work". Behaviour is steered by env vars:
+it starts an EngineCore-like grandchild that does the "work": spawned (a new interpreter that
+imports again, vLLM's CLI default), or forked when VLLM_WORKER_MULTIPROC_METHOD=fork. Behaviour
+is steered by env vars:
 
   FAKE_VLLM_IMPORT_DELAY  seconds its "import vllm" takes (fake_vllm_import.py; default 0)
   FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
@@ -171,9 +173,21 @@ class Server:
 
     async def start_core(self) -> None:
         parent, child = socket.socketpair()
-        self.core = subprocess.Popen(  # noqa: ASYNC220 - a stand-in; Popen returns at once
-            [sys.executable, __file__, *sys.argv[1:], "--engine-core-fd", str(child.fileno())],
-            pass_fds=[child.fileno()])
+        if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork":
+            # Like vLLM with fork: the EngineCore is a copy of this process, its imports already done.
+            if os.fork() == 0:
+                parent.close()
+                code = 0
+                try:
+                    engine_core_main(child.fileno(), self.args)
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+                finally:
+                    os._exit(code)
+        else:  # spawn (vLLM's CLI default): a new interpreter that imports everything again
+            subprocess.Popen(  # noqa: ASYNC220 - a stand-in; Popen returns at once
+                [sys.executable, __file__, *sys.argv[1:], "--engine-core-fd", str(child.fileno())],
+                pass_fds=[child.fileno()])
         child.close()
         self.reader, self.writer = await asyncio.open_connection(sock=parent)
         line = json.loads(await self.reader.readline() or b"{}")

