@@ -360,7 +360,7 @@ class Supervisor:
         self.change_state(S.READY, warmup_prompts=run.warmup_sizes, **self.timings)  # WARMING -> READY
         self._on_ready(run)
         self.next_start.note_compiled(self.profile, run.engine_version)
-        self.next_start.want_standby()
+        self.next_start.want_standby(run.vllm_env)
         return await self._wait(run.serve(), run.deadline_at, on_tick=lambda: self._tick_ready(run))
 
     def _on_ready(self, run: EngineRun) -> None:

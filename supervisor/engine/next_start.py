@@ -16,7 +16,7 @@ import contextlib
 import json
 import shutil
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class NextStart:
         self.cfg, self.host, self.publish, self.targets = cfg, host, publish, targets
         self.dir = Path()
         self.standby: Standby | None = None
+        self.vllm_env: dict[str, str] = {}  # what vLLM set for the last reporting EngineCore (standby.py)
         self._spawning: asyncio.Task[None] | None = None
         self._precompile: asyncio.Task[None] | None = None
         self._precompile_child: Child | None = None
@@ -95,9 +96,11 @@ class NextStart:
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
 
-    def want_standby(self) -> None:
-        """After READY: start a standby for the next start unless a fitting one exists."""
-        if not self.cfg.recovery.standby or (self.standby is not None and self.standby.fits(self.cfg.engine)):
+    def want_standby(self, vllm_env: Mapping[str, str]) -> None:
+        """After READY: start a standby for the next start unless a fitting one exists. ``vllm_env``: what vLLM
+        set for that engine's EngineCore, when it reported it (a forked one does not: earlier reports stand)."""
+        self.vllm_env.update(vllm_env)
+        if not self.cfg.recovery.standby or (self.standby is not None and self._fits(self.standby)):
             return
         if self._spawning is None or self._spawning.done():
             self._spawning = asyncio.create_task(self._spawn_standby(), name="next-start:standby")
@@ -108,17 +111,25 @@ class NextStart:
             await old.discard(self.host)
         self._made += 1
         try:
-            self.standby = await Standby.start(self.host, self.cfg.engine, self.dir / f"standby-{self._made}")
+            self.standby = await Standby.start(self.host, self.cfg.engine, self.dir / f"standby-{self._made}",
+                                               self._standby_env())
         except OSError as exc:
             log.warning("standby.spawn_failed", error=str(exc), hint="restarts start cold")
 
     def take_standby(self) -> Standby | None:
         """The standby for the start about to happen, if it still fits the engine config."""
         s, self.standby = self.standby, None
-        if s is not None and not (self.cfg.recovery.standby and s.fits(self.cfg.engine)):
+        if s is not None and not (self.cfg.recovery.standby and self._fits(s)):
             self._later(s.discard(self.host))
             return None
         return s
+
+    def _standby_env(self) -> dict[str, str]:
+        """What vLLM sets for its engine processes matters only to a standby that forks them."""
+        return self.vllm_env if self.cfg.recovery.standby_fork else {}
+
+    def _fits(self, s: Standby) -> bool:
+        return s.fits(self.cfg.engine, self._standby_env())
 
     def give_back(self, standby: Standby | None) -> None:
         """A start that did not use its standby (it ended before the spawn) returns it for the next."""
@@ -250,7 +261,8 @@ class NextStart:
     def status(self) -> dict[str, Any]:
         s = self.standby
         return {
-            "standby": {"pid": s.pid, "imported_s": s.import_s()} if s is not None and s.alive() else None,
+            "standby": {"pid": s.pid, "imported_s": s.import_s(), "vllm_env": sorted(s.vllm_env)}
+            if s is not None and s.alive() else None,
             "precompiling": bool(self._precompile is not None and not self._precompile.done()),
         }
 

