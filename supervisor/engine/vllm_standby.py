@@ -66,6 +66,16 @@ def apply_logging(env: dict[str, str]) -> None:
             logging.config.dictConfig(json.load(f))
 
 
+def prepare_titles() -> None:
+    """vLLM names its processes (VLLM::EngineCore, VLLM::Worker) with setproctitle, which finds the memory it
+    writes the title over on first use, and finds none once the environment was replaced: a forked EngineCore
+    would show as "python". So it looks now, before the start's environment is taken."""
+    try:
+        importlib.import_module("setproctitle").getproctitle()
+    except Exception:  # noqa: BLE001 - not installed: vLLM does without it too
+        pass
+
+
 def keep_fork() -> None:
     """Wrap vLLM's platform hook so that a ``spawn`` it sets for nothing else (see module doc) becomes fork."""
     try:
@@ -152,6 +162,7 @@ def main() -> None:
         sys.exit(0)
     argv, env = become(json.loads(line))
     started = dict(os.environ)
+    prepare_titles()
     os.environ.clear()
     os.environ.update(env)
     apply_logging(env)
