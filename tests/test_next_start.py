@@ -12,12 +12,13 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.config import LadderConfig, RestartConfig
+from supervisor.config import LadderConfig, RestartConfig, parse
 from supervisor.decide.policy import Policy
 from supervisor.decide.profile import Profile
 from supervisor.engine import vllm_standby
-from supervisor.engine.next_start import compile_key
+from supervisor.engine.next_start import NextStart, compile_key
 from supervisor.engine.standby import VLLM_CLI, entry_of, start_env, vllm_env_of
+from supervisor.host.real import RealHost
 from tests.conftest import FAKE_VLLM, Sup, gone
 from tests.test_e2e_standin import cli, send_long_prompt
 
@@ -109,6 +110,18 @@ def test_what_vllm_set_for_its_engine_core_is_kept_without_the_per_start_variabl
                 "VLLM_SUPERVISOR_EVENTS": "/run/7/events.sock", "_VLLM_SUPERVISOR_HOOK_DIR": "/run/7", "N": 3}
     assert vllm_env_of(reported) == {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     assert vllm_env_of(None) == {} and vllm_env_of(["LD_PRELOAD"]) == {}
+
+
+def test_what_vllm_set_is_forgotten_when_the_engine_command_or_environment_changes(tmp_path: Path) -> None:
+    raw = {"engine": {"model": "m", "env": {"A": "1"}}, "state": {"dir": str(tmp_path)},
+           "recovery": {"standby": False}}
+    ns = NextStart(parse(raw), RealHost(), lambda _: None, lambda _: [])
+    ns.want_standby({"LD_PRELOAD": "gomp.so"})
+    ns.want_standby({})  # a forked EngineCore reports nothing: the last report stands
+    ns.configure(parse({**raw, "gateway": {"listen": "127.0.0.1:9"}}))
+    assert ns.vllm_env == {"LD_PRELOAD": "gomp.so"}
+    ns.configure(parse({**raw, "engine": {"model": "m", "env": {"A": "2"}}}))
+    assert ns.vllm_env == {}
 
 
 def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:

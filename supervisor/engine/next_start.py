@@ -94,6 +94,8 @@ class NextStart:
 
     # ---- the standby -------------------------------------------------------------------------------
     def configure(self, cfg: Config) -> None:
+        if fingerprint(cfg.engine) != fingerprint(self.cfg.engine):
+            self.vllm_env = {}  # what vLLM set for another command or environment: the next report says anew
         self.cfg = cfg
 
     def want_standby(self, vllm_env: Mapping[str, str]) -> None:
