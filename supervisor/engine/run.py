@@ -33,10 +33,10 @@ from supervisor.decide.evidence import ConsoleFilter, batch, event_evidence
 from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase, TriggerKind
 from supervisor.decide.liveness import Liveness
 from supervisor.decide.profile import Profile
-from supervisor.engine import ipc, launch, warmup
+from supervisor.engine import ipc, launch, vllm_hook, warmup
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.probe import EngineClient, EngineError, EngineStatusError
-from supervisor.engine.standby import VLLM_ENV, Standby, vllm_env_of
+from supervisor.engine.standby import Standby, vllm_env_of
 from supervisor.event_stream import EngineSpawned, EngineStopped, Event
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost
@@ -119,7 +119,7 @@ class EngineRun:
         self.triggers.put_nowait(self.trigger(kind, evidence, failure))
 
     def _on_event(self, event: dict[str, Any]) -> None:
-        if event.get("kind") == VLLM_ENV:  # not a log record: never evidence, never in an incident
+        if event.get("kind") == vllm_hook.VLLM_ENV_KIND:  # not a log record: never evidence, never in an incident
             self.vllm_env = vllm_env_of(event.get("env"))
             log.info("engine.vllm_env", pid=event.get("pid"), names=sorted(self.vllm_env))
             return

@@ -42,12 +42,11 @@ READY_FILE = "imported"
 VLLM_CLI = "vllm.entrypoints.cli.main:main"
 # `vllm serve` imports the server module only once it parsed its subcommand.
 VLLM_CLI_PRELOAD = ("vllm.entrypoints.openai.api_server",)
-MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+MP_METHOD = vllm_standby.MP_METHOD
 # Per-start variables of ours, not vLLM's: each start sets its own.
 OWN_ENV = ("PYTHONPATH", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", MP_METHOD)
 OWN_PREFIXES = ("VLLM_SUPERVISOR", "_VLLM_SUPERVISOR")
 MAX_VLLM_ENV = 200
-VLLM_ENV = "vllm_env"  # the IPC event's kind (vllm_hook.vllm_env_event)
 
 
 @dataclass(frozen=True)

