@@ -259,8 +259,8 @@ def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(su
     sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "4", "FAKE_VLLM_OOM_TOKENS": "5000"}},
                      "recovery": {"precompile": "on", "precompile_idle_s": 0.2}})
     sup.wait_ready(30)
-    sup.wait_for(lambda s: s["next_start"]["precompiling"], 30, "a precompile under way")
-    assert throwaways()
+    # "precompiling" turns true when the task is made, before its process is spawned: wait for the process.
+    sup.wait_for(lambda s: s["next_start"]["precompiling"] and bool(throwaways()), 30, "a throwaway engine running")
     assert send_long_prompt(sup) == 500  # the engine dies while the throwaway is still starting (4 s)
     sup.wait_for(lambda s: s["state"] == "STARTING", 30, "the restart")
     assert throwaways() == []  # gone before the next engine started
