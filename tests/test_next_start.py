@@ -229,6 +229,12 @@ def test_a_standby_for_another_command_is_not_used(supervise: Callable[..., Sup]
     sup.wait_for(lambda _: gone(stale), 10, "the stale standby gone")
 
 
+def throwaways() -> list[list[str]]:
+    """The precompile's throwaway engines running now (the stand-in with dummy weights)."""
+    return [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
+
+
 def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
         supervise: Callable[..., Sup]) -> None:
     sup = supervise({"recovery": {"precompile": "on", "precompile_idle_s": 0.5}})
@@ -245,14 +251,7 @@ def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
     logged = [json.loads(line) for line in sup.log_path.read_text().splitlines()
               if '"precompile.started"' in line]
     assert logged and f":{logged[0]['port']}" not in sup.engine_url
-    leftover = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
-                if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
-    assert leftover == []
-
-
-def throwaways() -> list[list[str]]:
-    return [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
-            if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
+    assert throwaways() == []
 
 
 def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(supervise: Callable[..., Sup]) -> None:
