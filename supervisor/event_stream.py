@@ -131,6 +131,7 @@ class EngineStopped(Event):
     kill_s: float
     drain_s: float
     gpu_release_s: float
+    planned: bool = False  # a stop the supervisor chose (SIGTERM, a climb, a restart): it should never need SIGKILL
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -86,10 +86,19 @@ def setup_logging(process_name: str) -> None:
         lg.propagate = False
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # EngineCore grandchild: reads JSON requests from a socket, answers with JSON results.
 
 def engine_core_main(fd: int, args: argparse.Namespace) -> None:
+    # Like vLLM's EngineCore (its signal_handler raises SystemExit): SIGTERM ends it at once. A forked core
+    # would otherwise inherit the API server's asyncio handler, which only writes to a wakeup fd nobody reads.
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
     setup_logging("EngineCore")
     log = logging.getLogger("vllm.v1.engine.core")
     sock = socket.socket(fileno=fd)
@@ -392,12 +401,6 @@ async def api_server_main(args: argparse.Namespace) -> int:
     srv.log.info("Starting vLLM server on http://%s:%d", args.host, args.port)
     await srv.stop.wait()
     await runner.cleanup()
-    if srv.core.poll() is None:
-        srv.core.terminate()
-        try:
-            srv.core.wait(5)
-        except subprocess.TimeoutExpired:
-            srv.core.kill()
     return 0  # like vLLM (bug #48966): status 0 even after the engine died
 
 

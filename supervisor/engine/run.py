@@ -445,7 +445,7 @@ class EngineRun:
             self.publish(EngineStopped(at=self.host.wall(), pids=report.pids, sigkilled=report.killed,
                                        survivors=report.survivors, returncode=report.returncode,
                                        kill_s=round(t1 - t0, 3), drain_s=round(t2 - t1, 3),
-                                       gpu_release_s=round(self.host.monotonic() - t2, 3)))
+                                       gpu_release_s=round(self.host.monotonic() - t2, 3), planned=planned))
         await self.close()
         return report
 
