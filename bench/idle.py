@@ -15,7 +15,7 @@ import psutil
 from common import Supervisor, real_vllm_toml, wait_ready
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.engine.probe import RUNNING, TOKENS, WAITING, parse_progress
+from supervisor.host.vllm_http import RUNNING, TOKENS, WAITING, parse_progress
 
 EXTRA = """
 [health]

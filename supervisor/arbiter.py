@@ -30,13 +30,11 @@ import structlog
 from supervisor import config as config_mod
 from supervisor.about import __version__
 from supervisor.config import Config, ConfigError
-from supervisor.decide.lifecycle import EngineState, ExitCode, Failure, Knob, TriggerKind, check_transition
 from supervisor.decide.policy import Policy, clamp_to_configured
-from supervisor.decide.profile import Profile
 from supervisor.engine import launch
 from supervisor.engine.next_start import NextStart
-from supervisor.engine.probe import EngineClient
 from supervisor.engine.run import EngineRun, Trigger, Verdict
+from supervisor.engine_states import EngineState, ExitCode, Failure, TriggerKind, check_transition
 from supervisor.event_stream import (
     Event,
     EventBus,
@@ -60,6 +58,7 @@ from supervisor.event_stream import (
 from supervisor.gateway.server import COUNTERS, EngineView, Gateway
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost, short_of
+from supervisor.host.vllm_http import EngineClient
 from supervisor.ops import control, incident, statefile
 from supervisor.ops.admin import AdminServer, make_app, metrics_app
 from supervisor.ops.alerts.channels import MissingSecret
@@ -69,6 +68,7 @@ from supervisor.ops.history import History
 from supervisor.ops.logs import log_event
 from supervisor.ops.metrics import Metrics
 from supervisor.ops.notify import Notifier
+from supervisor.profile import Knob, Profile
 
 log = structlog.get_logger("supervisor.arbiter")
 S = EngineState
@@ -109,7 +109,7 @@ class Supervisor:
         self.restart_to: Profile | None = None  # a planned restart asked for (operator, reload), and its profile
         self._background: set[asyncio.Task[Any]] = set()
         self.stop_asked = asyncio.Event()
-        self.secrets = launch.secrets(cfg.engine)
+        self.secrets = cfg.engine.secrets()
         self.run_dir = Path()
         self._stuck_logged = False
         self.tick_s = TICK_S
@@ -192,8 +192,7 @@ class Supervisor:
 
     def _gateway_view(self) -> EngineView:
         run = self.engine_run
-        chunk = self.profile.effective(Knob.MAX_NUM_BATCHED_TOKENS) or 8192
-        return EngineView(int(chunk), self.profile.max_model_len,
+        return EngineView(self.profile.chunk(), self.profile.max_model_len,
                           (set(run.child.known_pids) if run and run.child else set()) | self.next_start.pids(),
                           float(self.timings.get("start_to_ready_s") or 30.0))
 
@@ -406,7 +405,7 @@ class Supervisor:
         if util is None or util <= (self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0):
             return True
         try:
-            snaps = await self.host.gpu_snapshot(launch.gate_devices(self.cfg.engine))
+            snaps = await self.host.gpu_snapshot(self.cfg.engine.devices())
         except GpuLost:
             return False
         # Our own engine holds what it took; that memory is its successor's.
@@ -498,7 +497,7 @@ class Supervisor:
         old, self.cfg = self.cfg, new
         changed = tuple(f.name for f in dataclasses.fields(Config) if getattr(old, f.name) != getattr(new, f.name))
         self.policy.restart, self.policy.ladder, self.policy.configured = new.restart, new.ladder, new.profile
-        self.secrets = launch.secrets(new.engine)
+        self.secrets = new.engine.secrets()
         if alerts is not None:
             await self.alerts.close()
             self.alerts = alerts

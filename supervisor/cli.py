@@ -13,10 +13,10 @@ from typing import Any
 
 from supervisor import config as config_mod
 from supervisor.about import __version__
-from supervisor.decide.lifecycle import ExitCode
-from supervisor.decide.profile import Profile
 from supervisor.engine import launch
+from supervisor.engine_states import ExitCode
 from supervisor.ops import logs, oncall
+from supervisor.profile import Profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +84,7 @@ def _check(cfg: config_mod.Config) -> int:
     learned = statefile.load(cfg.state.dir)
     profile: Profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
     errors, warnings = config_mod.preflight(cfg)
-    argv = launch.masked(launch.build_argv(cfg.engine, profile), launch.secrets(cfg.engine))
+    argv = launch.masked(launch.build_argv(cfg.engine, profile), cfg.engine.secrets())
     # What would stop or slow a start on this machine. Not a bad config: a late mount is waited for, and a
     # missing engine command is the engine's configuration error (exit 3 at run).
     for name, msg in errors:

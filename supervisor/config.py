@@ -13,12 +13,12 @@ import sys
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.decide.lifecycle import Knob
-from supervisor.decide.profile import Profile
+from supervisor.profile import DEFAULT_CHUNK, Knob, Profile
 
 Scalar = str | int | float | bool
 # An [engine.args] value: a scalar, a list (a flag taking several values, e.g. lora_modules),
@@ -38,6 +38,29 @@ class ConfigError(ValueError):
         where = f"{source}: " if source else ""
         lines = [f"{where}{name}: {msg}" for name, msg in problems]
         super().__init__("\n".join(lines))
+
+
+# [engine.args] keys whose values are secrets: masked wherever the command is shown.
+SECRET_ARGS = frozenset({"api_key", "hf_token"})
+SECRET_ENV = ("VLLM_API_KEY",)
+
+
+def visible_devices(env: Mapping[str, str]) -> list[int | str] | None:
+    """Devices named by CUDA_VISIBLE_DEVICES (indices or GPU UUIDs); None means all devices."""
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    out: list[int | str] = []
+    for x in (p.strip() for p in raw.split(",")):
+        if not x:
+            continue
+        if x.isdigit():
+            out.append(int(x))
+        elif x.startswith(("GPU-", "MIG-")):
+            out.append(x)
+        else:
+            break  # CUDA stops at the first invalid entry
+    return out
 
 
 def _default_command() -> tuple[str, ...]:
@@ -68,10 +91,36 @@ class EngineConfig:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def _env(self, base: Mapping[str, str] | None) -> dict[str, str]:
+        return {**(os.environ if base is None else base), **self.env}
+
+    def secrets(self, base: Mapping[str, str] | None = None) -> list[str]:
+        """Secret values the engine is started with (to mask them, and to authenticate our own requests)."""
+        out: list[str] = []
+        for key, value in self.args.items():
+            if key.replace("-", "_") in SECRET_ARGS:
+                out += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+        merged = self._env(base)
+        out += [merged[k] for k in SECRET_ENV if merged.get(k)]
+        return [s for s in out if s]
+
+    def api_key(self, base: Mapping[str, str] | None = None) -> str | None:
+        """The key vLLM will demand of every request (--api-key, else VLLM_API_KEY), if any."""
+        value = self.args.get("api_key")
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value not in (None, "", False):
+            return str(value)
+        return self._env(base).get("VLLM_API_KEY") or None
+
+    def devices(self, base: Mapping[str, str] | None = None) -> list[int | str] | None:
+        """The devices the engine will see: [engine.env]'s CUDA_VISIBLE_DEVICES, else the supervisor's own."""
+        return visible_devices(self._env(base))
+
 
 @dataclass(frozen=True)
 class LadderConfig:
-    max_num_batched_tokens: tuple[int, ...] = (8192, 6144, 4096, 2048)
+    max_num_batched_tokens: tuple[int, ...] = (DEFAULT_CHUNK, 6144, 4096, 2048)
     max_num_batched_tokens_floor: int = 512
     max_num_seqs_floor: int = 1
     gpu_memory_utilization_step: float = 0.05

@@ -11,10 +11,10 @@ import pytest
 
 from supervisor.arbiter import Supervisor
 from supervisor.config import parse
-from supervisor.decide.lifecycle import ExitCode
-from supervisor.engine.probe import EngineError, Progress
+from supervisor.engine_states import ExitCode
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
 from supervisor.host.proctree import StopReport
+from supervisor.host.vllm_http import EngineError, Progress
 from supervisor.ops.notify import Notifier
 
 
@@ -317,8 +317,8 @@ async def test_warmup_without_tokenize_estimates_prompt_sizes(tmp_path: Path) ->
 
 def test_warmup_plan_spans_a_quarter_to_a_half_of_the_chunk_and_fits_the_model() -> None:
     from supervisor.config import WarmupConfig
-    from supervisor.decide.profile import Profile
     from supervisor.engine.warmup import plan
+    from supervisor.profile import Profile
 
     assert plan(Profile(max_num_batched_tokens=8192), WarmupConfig()) == [2048, 2730, 3413, 4096]
     assert max(plan(Profile(max_num_batched_tokens=8192, max_model_len=1024), WarmupConfig())) <= 1024 - 8

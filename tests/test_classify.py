@@ -8,7 +8,8 @@ import pytest
 
 from supervisor.decide.classify import ExitInfo, classify, death_evidence
 from supervisor.decide.evidence import ConsoleFilter, console_evidence, strip_prefix
-from supervisor.decide.lifecycle import FailureKind, Knob, Phase
+from supervisor.engine_states import FailureKind, Phase
+from supervisor.profile import Knob
 
 FIX = Path(__file__).parent / "fixtures" / "vllm-logs"
 

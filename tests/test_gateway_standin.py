@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from supervisor.engine.probe import parse_progress
+from supervisor.host.vllm_http import parse_progress
 from tests.conftest import Sup
 
 GW: dict[str, Any] = {"gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2}}

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import psutil
 
+from supervisor.child import vllm_standby
 from supervisor.config import LadderConfig, RestartConfig, parse
 from supervisor.decide.policy import Policy
-from supervisor.decide.profile import Profile
-from supervisor.engine import vllm_standby
 from supervisor.engine.next_start import NextStart, compile_key
 from supervisor.engine.standby import VLLM_CLI, entry_of, start_env, vllm_env_of
 from supervisor.host.real import RealHost
+from supervisor.profile import Profile
 from tests.conftest import FAKE_VLLM, Sup, gone
 from tests.test_e2e_standin import cli, send_long_prompt
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import LadderConfig, RestartConfig
-from supervisor.decide.lifecycle import ExitCode, Failure, FailureKind, Knob
 from supervisor.decide.policy import Policy, backoff_delay, clamp_to_configured, step_down, step_up
-from supervisor.decide.profile import Profile
+from supervisor.engine_states import ExitCode, Failure, FailureKind
+from supervisor.profile import Knob, Profile
 
 LADDER = LadderConfig()
 P = Profile(max_num_batched_tokens=8192, max_num_seqs=16, gpu_memory_utilization=0.9)

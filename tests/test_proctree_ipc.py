@@ -15,8 +15,8 @@ import psutil
 
 from supervisor.decide.liveness import Progress
 from supervisor.engine import ipc
-from supervisor.engine.probe import parse_progress
 from supervisor.host import proctree
+from supervisor.host.vllm_http import parse_progress
 
 TREE = textwrap.dedent("""
     import os, signal, subprocess, sys, time
@@ -133,7 +133,7 @@ def test_parse_progress_sums_vllm_metrics() -> None:
 
 def test_the_hook_lets_the_supervisor_trace_each_vllm_process(monkeypatch: Any) -> None:
     """PR_SET_PTRACER with the supervisor's PID, from every process the hook loads in (Yama ptrace_scope=1)."""
-    from supervisor.engine import vllm_hook
+    from supervisor.child import vllm_hook
 
     calls: list[tuple[int, ...]] = []
 

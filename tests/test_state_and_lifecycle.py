@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.decide.lifecycle import LEGAL_TRANSITIONS, EngineState, IllegalTransition, check_transition
-from supervisor.decide.profile import Profile
+from supervisor.engine_states import LEGAL_TRANSITIONS, EngineState, IllegalTransition, check_transition
 from supervisor.ops import statefile
+from supervisor.profile import Profile
 
 S = EngineState
 

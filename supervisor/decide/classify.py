@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from supervisor.decide import evidence
-from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase
+from supervisor.engine_states import Failure, FailureKind, Phase
+from supervisor.profile import Knob
 
 CONFIG_PATTERNS = [
     re.compile(r"error: unrecognized arguments:.*"),

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from supervisor.profile import DEFAULT_CHUNK
+
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1}
-LADDER = (8192, 6144, 4096, 2048, 1024, 512)
+LADDER = (DEFAULT_CHUNK, 6144, 4096, 2048, 1024, 512)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 from supervisor.config import LadderConfig, RestartConfig
 from supervisor.decide.evidence import request_stem
-from supervisor.decide.lifecycle import ExitCode, Failure, FailureKind, Knob
-from supervisor.decide.profile import Profile
+from supervisor.engine_states import ExitCode, Failure, FailureKind
+from supervisor.profile import Knob, Profile
 
 MEMORY = (FailureKind.RUNTIME_OOM, FailureKind.STARTUP_MEMORY)
 UNEXPLAINED = (FailureKind.ENGINE_DEAD, FailureKind.SIGNAL)

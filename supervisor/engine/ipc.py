@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.engine import vllm_hook
+from supervisor.child import vllm_hook
 
 log = structlog.get_logger("supervisor.engine.ipc")
 HOOK_MODULE = "vllm_supervisor_hook"

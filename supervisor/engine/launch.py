@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from supervisor.config import ArgValue, EngineConfig
-from supervisor.decide.profile import Profile
+from supervisor.profile import Profile
 
 # systemd's notify/watchdog variables belong to the supervisor: a child that inherited them could
 # send READY=1 or pet the watchdog on our behalf.
@@ -18,9 +18,6 @@ WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", 
 STORE_TRUE_ONLY = frozenset({"headless", "grpc", "data_parallel_multi_port_external_lb", "disable_log_stats",
                              "aggregate_engine_logging", "disable_log_requests"})
 
-# [engine.args] keys whose values are secrets: masked wherever the command is shown.
-SECRET_ARGS = frozenset({"api_key", "hf_token"})
-SECRET_ENV = ("VLLM_API_KEY",)
 MASK = "***"
 
 
@@ -63,28 +60,6 @@ def build_argv(engine: EngineConfig, profile: Profile) -> list[str]:
     ]
 
 
-def secrets(engine: EngineConfig, env: Mapping[str, str] | None = None) -> list[str]:
-    """Secret values the engine is started with (to mask them and to authenticate our own requests)."""
-    out: list[str] = []
-    for key, value in engine.args.items():
-        if key.replace("-", "_") in SECRET_ARGS:
-            out += [str(v) for v in value] if isinstance(value, list) else [str(value)]
-    merged = {**(os.environ if env is None else env), **engine.env}
-    out += [merged[k] for k in SECRET_ENV if merged.get(k)]
-    return [s for s in out if s]
-
-
-def api_key(engine: EngineConfig, env: Mapping[str, str] | None = None) -> str | None:
-    """The key vLLM will demand of every request (--api-key, else VLLM_API_KEY), if any."""
-    value = engine.args.get("api_key")
-    if isinstance(value, list):
-        value = value[0] if value else None
-    if value not in (None, "", False):
-        return str(value)
-    merged = {**(os.environ if env is None else env), **engine.env}
-    return merged.get("VLLM_API_KEY") or None
-
-
 def masked(argv: Sequence[str], secret_values: Sequence[str]) -> list[str]:
     """``argv`` with every secret value replaced by ``***``."""
     return [MASK if a in secret_values else redact(a, secret_values) for a in argv]
@@ -116,26 +91,3 @@ def vllm_log_level(engine: EngineConfig, env: Mapping[str, str] | None = None) -
         level = merged.get("VLLM_LOGGING_LEVEL", "INFO")
     level = level.upper()
     return level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO"
-
-
-def gate_devices(engine: EngineConfig) -> list[int | str] | None:
-    """The devices the engine will see: [engine.env]'s CUDA_VISIBLE_DEVICES, else the supervisor's own."""
-    return visible_devices({**os.environ, **engine.env})
-
-
-def visible_devices(env: Mapping[str, str]) -> list[int | str] | None:
-    """Devices named by CUDA_VISIBLE_DEVICES (indices or GPU UUIDs); None means all devices."""
-    raw = env.get("CUDA_VISIBLE_DEVICES")
-    if raw is None:
-        return None
-    out: list[int | str] = []
-    for x in (p.strip() for p in raw.split(",")):
-        if not x:
-            continue
-        if x.isdigit():
-            out.append(int(x))
-        elif x.startswith(("GPU-", "MIG-")):
-            out.append(x)
-        else:
-            break  # CUDA stops at the first invalid entry
-    return out

@@ -24,15 +24,15 @@ from typing import Any
 import structlog
 
 from supervisor.config import Config
-from supervisor.decide.profile import Profile
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
-from supervisor.engine.probe import EngineClient
 from supervisor.engine.standby import Standby, fingerprint
 from supervisor.event_stream import Event, RungPrecompiled
 from supervisor.host import Host, files
 from supervisor.host.gpu import GpuLost
 from supervisor.host.proctree import Child
+from supervisor.host.vllm_http import EngineClient
+from supervisor.profile import Profile
 
 log = structlog.get_logger("supervisor.engine.next_start")
 RECORD = "compiled.json"
@@ -153,7 +153,7 @@ class NextStart:
         if mode != "auto":
             return mode == "on"
         try:
-            return not await self.host.gpu_snapshot(launch.gate_devices(self.cfg.engine))
+            return not await self.host.gpu_snapshot(self.cfg.engine.devices())
         except GpuLost:
             return False
 
@@ -186,7 +186,7 @@ class NextStart:
         if shutil.which("nice"):
             argv = ["nice", "-n", "10", *argv]  # never the engine: a throwaway may be niced
         env = launch.build_env(e, ipc.prepare_child_env(work, str(work / "events.sock"), "INFO"), str(work))
-        secrets = launch.secrets(e)  # vLLM prints its args, --api-key included: the error quotes its last lines
+        secrets = e.secrets()  # vLLM prints its args, --api-key included: the error quotes its last lines
         tail = LogTail(40, redact=lambda line: launch.redact(line, secrets))
         t0 = self.host.monotonic()
         log.info("precompile.started", profile=rung.knobs(), port=engine.port)
@@ -198,7 +198,7 @@ class NextStart:
                                          error=f"could not start {argv[0]!r}: {exc}"))
             return
         drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
-        client = EngineClient(engine.base_url, launch.api_key(e))
+        client = EngineClient(engine.base_url, e.api_key())
         ok, why, lines = False, "", []
         try:
             ok, why = await self._until_healthy(child, client)
@@ -222,7 +222,7 @@ class NextStart:
         """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start check wants
         utilization x total free). The utilization is not part of the compile hash."""
         try:
-            snaps = await self.host.gpu_snapshot(launch.gate_devices(self.cfg.engine))
+            snaps = await self.host.gpu_snapshot(self.cfg.engine.devices())
         except GpuLost:
             snaps = []
         if not snaps:

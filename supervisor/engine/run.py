@@ -26,21 +26,22 @@ from typing import Any, TextIO
 import psutil
 import structlog
 
+from supervisor.child import vllm_hook
 from supervisor.config import Config, WarmupConfig, is_local_path
 from supervisor.decide import startup
 from supervisor.decide.classify import ExitInfo, classify, death_evidence, fraction_that_fits
 from supervisor.decide.evidence import ConsoleFilter, batch, event_evidence
-from supervisor.decide.lifecycle import Failure, FailureKind, Knob, Phase, TriggerKind
 from supervisor.decide.liveness import Liveness
-from supervisor.decide.profile import Profile
-from supervisor.engine import ipc, launch, vllm_hook, warmup
+from supervisor.engine import ipc, launch, warmup
 from supervisor.engine.logtail import LogTail
-from supervisor.engine.probe import EngineClient, EngineError, EngineStatusError
 from supervisor.engine.standby import Standby, vllm_env_of
+from supervisor.engine_states import Failure, FailureKind, Phase, TriggerKind
 from supervisor.event_stream import EngineSpawned, EngineStopped, Event
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost
 from supervisor.host.proctree import Child, StopReport
+from supervisor.host.vllm_http import EngineClient, EngineError, EngineStatusError
+from supervisor.profile import Knob, Profile
 
 log = structlog.get_logger("supervisor.engine")
 GIB = 2**30
@@ -81,8 +82,8 @@ class EngineRun:
         self.number = number
         self.run_dir = run_dir
         self.publish = publish
-        self.secrets = launch.secrets(cfg.engine)
-        self.client = client or EngineClient(cfg.engine.base_url, launch.api_key(cfg.engine))
+        self.secrets = cfg.engine.secrets()
+        self.client = client or EngineClient(cfg.engine.base_url, cfg.engine.api_key())
         self.triggers: asyncio.Queue[Trigger] = asyncio.Queue()
         self.phase = Phase.LOADING
         self.events: deque[dict[str, Any]] = deque(maxlen=1000)
@@ -271,7 +272,7 @@ class EngineRun:
         not the rung's fault: the failure says so, and the utilization climbs back once it is free.
         """
         gpu = self.cfg.gpu
-        devices = launch.gate_devices(self.cfg.engine)
+        devices = self.cfg.engine.devices()
         util = self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
         headroom = gpu.start_headroom_bytes
         try:

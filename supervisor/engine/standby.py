@@ -31,8 +31,9 @@ from pathlib import Path
 
 import structlog
 
+from supervisor.child import vllm_standby
 from supervisor.config import EngineConfig
-from supervisor.engine import ipc, launch, vllm_standby
+from supervisor.engine import ipc, launch
 from supervisor.host import Host
 from supervisor.host.proctree import Child
 

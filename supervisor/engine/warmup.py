@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import structlog
 
 from supervisor.config import WarmupConfig
-from supervisor.decide.lifecycle import Knob
-from supervisor.decide.profile import Profile
-from supervisor.engine.probe import EngineClient, EngineError
+from supervisor.host.vllm_http import EngineClient, EngineError
+from supervisor.profile import Profile
 
 FILLER = "The quick brown fox jumps over the lazy dog. "
 FILLER_WORDS = len(FILLER.split())
@@ -31,7 +30,7 @@ def plan(profile: Profile, cfg: WarmupConfig) -> list[int]:
     if cfg.prompt_tokens:
         sizes = list(cfg.prompt_tokens)
     else:
-        chunk = int(profile.effective(Knob.MAX_NUM_BATCHED_TOKENS) or 8192)
+        chunk = profile.chunk()
         lo, hi = chunk // 4, chunk // 2
         n = cfg.requests
         sizes = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]

@@ -14,9 +14,9 @@ import structlog
 
 from supervisor.config import GatewayConfig
 from supervisor.decide import admission
-from supervisor.engine.probe import EngineClient, EngineError
 from supervisor.host import Device, Host
 from supervisor.host.gpu import GpuLost
+from supervisor.host.vllm_http import EngineClient, EngineError
 
 log = structlog.get_logger("supervisor.gateway")
 

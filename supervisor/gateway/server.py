@@ -26,8 +26,6 @@ from aiohttp import web
 from supervisor.config import Config, GatewayConfig, is_local_path
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
-from supervisor.engine import launch
-from supervisor.engine.probe import EngineClient, EngineError
 from supervisor.event_stream import (
     Event,
     FailureClassified,
@@ -42,6 +40,7 @@ from supervisor.gateway import pressure, proxy
 from supervisor.gateway.gate import EngineGate, Flight, Refused
 from supervisor.host import Host
 from supervisor.host.files import write_private
+from supervisor.host.vllm_http import EngineClient, EngineError
 
 log = structlog.get_logger("supervisor.gateway")
 RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -72,7 +71,7 @@ class Gateway:
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.base_url = cfg.engine.base_url
-        self.client = EngineClient(self.base_url, launch.api_key(cfg.engine))
+        self.client = EngineClient(self.base_url, cfg.engine.api_key())
         self.store = Path(cfg.state.dir) / "quarantine.json"
         self.quarantine = self._load_quarantine()
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
@@ -80,7 +79,7 @@ class Gateway:
         self.proven_tokens = 0  # the longest prompt the current engine ran (its warm-up's): its memory is held
         self._max_len: tuple[int, int | None] = (-1, None)  # (generation, vLLM's max_model_len)
         self._rejected: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
-        self.watch = pressure.PressureWatch(self.g, host, self.client, launch.gate_devices(cfg.engine),
+        self.watch = pressure.PressureWatch(self.g, host, self.client, cfg.engine.devices(),
                                             lambda: self.view().pids, lambda: self.gate.open,
                                             self.busy, self._shedding_changed)
         self._watch_task: asyncio.Task[None] | None = None

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from supervisor.about import __version__
-from supervisor.decide.lifecycle import LEGAL_TRANSITIONS, EngineState, FailureKind
+from supervisor.engine_states import LEGAL_TRANSITIONS, EngineState, FailureKind
 from supervisor.event_stream import (
     AlertOutcome,
     Event,

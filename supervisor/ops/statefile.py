@@ -15,8 +15,8 @@ from typing import Any
 
 import structlog
 
-from supervisor.decide.profile import Profile
 from supervisor.event_stream import Event, LearnedChanged
+from supervisor.profile import Profile
 
 log = structlog.get_logger("supervisor.ops.statefile")
 VERSION = 1

@@ -1,9 +1,13 @@
-"""Engine states, failure kinds and the legal transitions between states (pure, stdlib only)."""
+"""Engine states, failure kinds, trigger kinds, exit codes and the legal transitions between states (pure).
+
+The ground floor with supervisor.profile: everything else may import it; it imports only the profile."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from supervisor.profile import Knob
 
 
 class EngineState(enum.Enum):
@@ -19,7 +23,7 @@ class EngineState(enum.Enum):
 
 S = EngineState
 
-# Each edge is a reason the engine moves; anything else is a bug in the arbiter.
+# Each edge is a reason the engine moves; anything else is a bug in the lifecycle.
 LEGAL_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     S.STOPPED: frozenset({S.STARTING}),
     S.STARTING: frozenset({S.WARMING, S.STOPPING}),
@@ -51,15 +55,6 @@ class FailureKind(enum.Enum):
     SIGNAL = "signal"
     DEVICE_FATAL = "device_fatal"
     CONFIG_ERROR = "config_error"
-
-
-class Knob(enum.Enum):
-    """The memory knobs the supervisor may lower, by vLLM's own (snake_case) names."""
-
-    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
-    MAX_NUM_SEQS = "max_num_seqs"
-    GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
-    MAX_MODEL_LEN = "max_model_len"
 
 
 class TriggerKind(enum.Enum):

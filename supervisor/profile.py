@@ -7,15 +7,25 @@ from; it then assumes vLLM's usual default (``VLLM_DEFAULTS``) and the knob beco
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
-from supervisor.decide.lifecycle import Knob
+
+class Knob(enum.Enum):
+    """The memory knobs the supervisor may lower, by vLLM's own (snake_case) names."""
+
+    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
+    MAX_NUM_SEQS = "max_num_seqs"
+    GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
+    MAX_MODEL_LEN = "max_model_len"
+
 
 # vLLM's defaults for its OpenAI server on a GPU (vllm/engine/arg_utils.py); used only to step down
 # from, or to size warm-up prompts, when the operator left a knob to vLLM.
+DEFAULT_CHUNK = 8192  # vLLM's max_num_batched_tokens on a GPU, and the top of the default ladder
 VLLM_DEFAULTS: dict[Knob, float] = {
-    Knob.MAX_NUM_BATCHED_TOKENS: 8192,
+    Knob.MAX_NUM_BATCHED_TOKENS: DEFAULT_CHUNK,
     Knob.MAX_NUM_SEQS: 256,
     Knob.GPU_MEMORY_UTILIZATION: 0.9,
 }
@@ -41,6 +51,10 @@ class Profile:
         """The value vLLM runs with: the knob's own, else vLLM's usual default (None: the model's length)."""
         v = self.value(knob)
         return VLLM_DEFAULTS.get(knob) if v is None else v
+
+    def chunk(self) -> int:
+        """The prefill chunk this profile runs with (the batch token budget)."""
+        return int(self.effective(Knob.MAX_NUM_BATCHED_TOKENS) or DEFAULT_CHUNK)
 
     def problems(self) -> list[tuple[str, str]]:
         """(knob, message) for every value vLLM would refuse or that makes no sense."""
@@ -76,10 +90,17 @@ class Profile:
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    # A rung has two identities, both here: ``key`` (every managed knob) names it where failures are
+    # remembered (state.json); ``compile_key`` (every flag but gpu_memory_utilization) is its part of
+    # vLLM's torch.compile hash, so rungs that differ only in utilization share compiled graphs.
     def key(self) -> str:
-        """A stable identity of the knob values, used to remember which rungs failed."""
+        """The rung's identity for remembering failures: every managed knob's value."""
         k = self.knobs()
         return ",".join(f"{name}={k[name]}" for name in self.MANAGED)
+
+    def compile_key(self) -> str:
+        """The rung's identity in vLLM's compile cache: every flag but gpu_memory_utilization."""
+        return " ".join(self.with_(gpu_memory_utilization=None).flags())
 
     def diff(self, other: Profile) -> dict[str, list[object]]:
         """Knobs that differ, as {knob: [self value, other value]}."""
