@@ -1,6 +1,6 @@
 """Kill the engine N times; print p50/p99 of death->detected and the supervisor's own share of recovery.
 
-Uses the stand-in engine (tests/fake_vllm.py) so that 50 recoveries take a minute, alternating
+Uses the stand-in engine (tests/helpers/fake_vllm.py) so that 50 recoveries take a minute, alternating
 SIGKILL of the API server (seen as a process exit) and of the EngineCore (seen on IPC/logs).
 Own share = detected->READY minus the engine's own start and warm-up (backoff set to 0).
 Goal: p99 detection <= 100 ms; own share <= 1 s. Never gates CI.
@@ -31,7 +31,7 @@ backoff_max_s = 0.0
 probe_interval_s = 0.5
 [warmup]
 max_tokens = 2
-""".format(sys.executable, here().parent / "tests" / "fake_vllm.py")
+""".format(sys.executable, here().parent / "tests" / "helpers" / "fake_vllm.py")
 
 
 def main() -> None:

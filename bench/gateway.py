@@ -56,7 +56,7 @@ hang_timeout_s = 5.0
 
 
 def standin_toml(env: str = "", extra: str = "") -> str:
-    fake = here().parent / "tests" / "fake_vllm.py"
+    fake = here().parent / "tests" / "helpers" / "fake_vllm.py"
     return STANDIN.format(python=sys.executable, fake=fake, env=env) + extra
 
 

@@ -101,13 +101,13 @@ def _check(cfg: config_mod.Config) -> int:
 
 def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:
     logs.configure(cfg.log.format, cfg.log.level)
-    from supervisor.arbiter import Supervisor
+    from supervisor.daemon import Daemon
     from supervisor.host.real import RealHost
     from supervisor.ops.alerts.channels import MissingSecret
 
     async def go() -> int:
-        supervisor = Supervisor(cfg, RealHost(), echo=sys.stderr if echo_engine else None, config_path=config_path)
-        return await supervisor.run()
+        daemon = Daemon(cfg, RealHost(), echo=sys.stderr if echo_engine else None, config_path=config_path)
+        return await daemon.run()
 
     try:
         return int(asyncio.run(go()))

@@ -56,6 +56,22 @@ class FailureKind(enum.Enum):
     DEVICE_FATAL = "device_fatal"
     CONFIG_ERROR = "config_error"
 
+    # What each kind means to the policy and to the gateway, decided here once.
+    @property
+    def memory(self) -> bool:
+        """A memory failure: the profile steps down."""
+        return self in (FailureKind.RUNTIME_OOM, FailureKind.STARTUP_MEMORY)
+
+    @property
+    def unexplained(self) -> bool:
+        """A death with no cause in the evidence; repeated with the same request it is treated as memory."""
+        return self in (FailureKind.ENGINE_DEAD, FailureKind.SIGNAL)
+
+    @property
+    def request_can_cause(self) -> bool:
+        """A death a request in the batch may have caused (a hang or a device fault is not blamed on one)."""
+        return self is FailureKind.RUNTIME_OOM or self.unexplained
+
 
 class TriggerKind(enum.Enum):
     """Why one engine run is ending."""

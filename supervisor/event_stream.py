@@ -1,9 +1,12 @@
 """The one event stream: frozen records of everything that changes, published once, read by subscribers.
 
-The supervisor publishes; logging, metrics, the systemd notifier, the /status history and the
-state file subscribe (the gateway and the alert hooks will too). Each subscriber reads from its
-own bounded queue in its own task, so a slow or failing subscriber never delays supervision:
-when its queue is full the event is dropped for that subscriber alone and counted.
+Each event type has one publisher (the lifecycle, an engine run, the gateway, recovery, the alert
+hooks); logging, metrics, the systemd notifier, the /status history, the state file, the gateway,
+the alert rules and recovery subscribe. Records are typed: states, failure and trigger kinds are
+the enums of supervisor.engine_states, profiles are Profile objects, and ``fields()`` renders them
+for the log line under the names docs/interface.md gives. Each subscriber implements ``on_event``
+and reads from its own bounded queue in its own task, so a slow or failing subscriber never delays
+supervision: when its queue is full the event is dropped for that subscriber alone and counted.
 
 (Not ``events.py``: supervisord, which vLLM installs, has a module of that name in its own
 ``supervisor`` package.)
@@ -13,12 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Protocol
 
 import structlog
+
+from supervisor.engine_states import EngineState, Failure, FailureKind, Phase, TriggerKind
+from supervisor.profile import Profile
 
 log = structlog.get_logger("supervisor.event_stream")
 
@@ -44,7 +51,7 @@ class SupervisorStarted(Event):
     name = "supervisor.started"
     admin: str
     engine: str
-    profile: Mapping[str, Any]
+    profile: Profile
     state_dir: str
 
 
@@ -54,21 +61,54 @@ class StopRequested(Event):
     reason: str
 
 
+@dataclass(frozen=True)
+class Ready:
+    """What one start reports when it reaches READY: where its time went, how it warmed up, what it runs."""
+
+    timings: Mapping[str, float]  # start_to_healthy_s, warmup_s, start_to_ready_s
+    phases: Mapping[str, float]  # seconds per phase, in order (decide/startup.phases)
+    warmup_prompts: tuple[int, ...]
+    engine_version: str | None = None
+    from_standby: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.timings, "phases": dict(self.phases)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class StateChanged(Event):
-    """The engine state moved along one edge of the lifecycle."""
+    """The engine state moved along one edge of the lifecycle; what moved it in named fields."""
 
     name = "engine.state_changed"
-    old: str
-    new: str
+    old: EngineState
+    new: EngineState
     after_s: float  # time spent in ``old``
-    profile: Mapping[str, Any]
+    profile: Profile
     restarts: int
-    info: Mapping[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+    evidence: str | None = None
+    start: int | None = None  # STARTING: the start's number
+    healthy_after_s: float | None = None  # WARMING
+    ready: Ready | None = None  # READY
+    delay_s: float | None = None  # BACKOFF
+    exit_code: int | None = None  # FATAL
+    target: Profile | None = None  # DRAINING before a planned restart
+    outage_s: float | None = None  # how long the engine has been out of service (None: it is not)
 
     def fields(self) -> dict[str, Any]:
-        out = {"from": self.old, "to": self.new, "after_s": self.after_s}
-        return {**out, **{k: _jsonable(v) for k, v in self.info.items()}}
+        out: dict[str, Any] = {"from": self.old.value, "to": self.new.value, "after_s": self.after_s,
+                               "profile": self.profile.knobs(), "restarts": self.restarts}
+        for name in ("reason", "evidence", "start", "healthy_after_s", "delay_s", "exit_code", "outage_s"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.target is not None:
+            out["target"] = self.target.knobs()
+        if self.ready is not None:
+            out.update(_jsonable(self.ready.as_dict()))
+            out["warmup_prompts"] = list(self.ready.warmup_prompts)
+            out["engine_version"] = self.ready.engine_version
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +116,7 @@ class ProfileRestored(Event):
     """At start: the profile learned by an earlier run, below what is configured."""
 
     name = "engine.profile_restored"
-    profile: Mapping[str, Any]
+    profile: Profile
     below_configured: Mapping[str, Any]
 
 
@@ -85,8 +125,8 @@ class ProfileLowered(Event):
     name = "engine.profile_lowered"
     level = "warning"
     diff: Mapping[str, Any]
-    profile: Mapping[str, Any]
-    kind: str
+    profile: Profile
+    kind: FailureKind
     evidence: str
 
 
@@ -94,7 +134,17 @@ class ProfileLowered(Event):
 class ProfileRaised(Event):
     name = "engine.profile_raised"
     diff: Mapping[str, Any]
-    profile: Mapping[str, Any]
+    profile: Profile
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileChanged(Event):
+    """The profile changed other than by a failure or a climb: an operator's restart target, a reload."""
+
+    name = "engine.profile_changed"
+    diff: Mapping[str, Any]
+    profile: Profile
     reason: str
 
 
@@ -112,7 +162,7 @@ class RungPrecompiled(Event):
     """A throwaway engine compiled a rung's graphs into vLLM's cache ahead of need (or failed to)."""
 
     name = "engine.rung_precompiled"
-    profile: Mapping[str, Any]
+    profile: Profile
     ok: bool
     took_s: float
     error: str | None = None
@@ -138,31 +188,34 @@ class EngineStopped(Event):
 class FailureDetected(Event):
     name = "engine.failure_detected"
     level = "warning"
-    trigger: str
+    trigger: TriggerKind
     evidence: str
-    state: str
+    state: EngineState
 
 
 @dataclass(frozen=True, kw_only=True)
 class FailureClassified(Event):
     name = "engine.failed"
     level = "warning"
-    kind: str
+    kind: FailureKind
     evidence: str
-    trigger: str
-    phase: str
+    trigger: TriggerKind
+    phase: Phase
     returncode: int | None
     suspect_request: str | None
-    failure: Mapping[str, Any]
+    failure: Failure
     incident: str | None
+    # vLLM's own record named the request in the failing batch (its scheduler dump): evidence that the
+    # request, not the engine, is to blame. None when nothing named one.
+    named_by_vllm: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
 class Recovered(Event):
     name = "engine.recovered"
-    kind: str | None
+    kind: FailureKind | None
     recovered_after_s: float
-    profile: Mapping[str, Any]
+    profile: Profile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,7 +230,7 @@ class Fatal(Event):
     level = "error"
     reason: str
     exit_code: int
-    failure: Mapping[str, Any]
+    failure: Failure | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +239,7 @@ class LearnedChanged(Event):
 
     name = "state.learned"
     level = "debug"
-    profile: Mapping[str, Any]
+    profile: Profile
     rung_failures: Mapping[str, int]
     last_failure: Mapping[str, Any] | None
     restarts_total: int
@@ -205,6 +258,7 @@ class Reloaded(Event):
     name = "supervisor.reloaded"
     changed: tuple[str, ...]  # the sections that differ
     engine_restart: bool  # engine settings changed: the engine is restarted (planned)
+    configured_profile: Profile | None = None  # [profile] as the new file has it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,9 +349,168 @@ class AlertOutcome(Event):
         return "info" if self.outcome == "sent" else "warning"
 
 
+# ---- what used to be bare log lines: now on the stream, so alert rules and metrics can read them ----
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisorStuck(Event):
+    """A step of the supervision loop ran past the bound it announced: the watchdog is no longer petted."""
+
+    name = "supervisor.stuck"
+    level = "error"
+    state: EngineState
+    overdue_s: float
+    hint: str = "the watchdog is no longer petted; systemd will restart the supervisor"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuNotReleased(Event):
+    """Processes of a stopped engine still hold GPU memory after ``[gpu] release_timeout_s``."""
+
+    name = "gpu.not_released"
+    level = "error"
+    held: Mapping[str, int]  # pid -> bytes
+    timeout_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuLostEvent(Event):
+    name = "gpu.lost"
+    level = "error"
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuShort(Event):
+    """The start gate found too little free GPU memory."""
+
+    name = "gpu.not_enough_free"
+    level = "warning"
+    devices: tuple[Mapping[str, Any], ...]
+    evidence: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeftoverEngineStopped(Event):
+    name = "engine.leftover_stopped"
+    level = "warning"
+    pids: tuple[int, ...]
+    sid: int
+    hint: str = "a previous supervisor died without stopping its engine"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelMissing(Event):
+    name = "engine.model_missing"
+    level = "warning"
+    model: str
+    waiting_up_to_s: float
+    hint: str = "a late mount? waiting for it before calling it a configuration error"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelAppeared(Event):
+    name = "engine.model_appeared"
+    model: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileCacheUnusable(Event):
+    name = "engine.compile_cache_unusable"
+    level = "warning"
+    reason: str
+    hint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanaryFailed(Event):
+    name = "engine.canary_failed"
+    level = "warning"
+    status: int
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoStackDump(Event):
+    name = "engine.no_stack_dump"
+    hint: str = "install py-spy to capture stacks of a hung engine"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineEnvReported(Event):
+    """The variables vLLM set for its EngineCore (the IPC hook's ``vllm_env``); the log line names them only."""
+
+    name = "engine.vllm_env"
+    pid: int | None
+    env: Mapping[str, str]
+
+    def fields(self) -> dict[str, Any]:
+        return {"pid": self.pid, "names": sorted(self.env)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineIdle(Event):
+    """While READY: nothing of the clients' or the supervisor's is at the engine (True), or work arrived."""
+
+    name = "engine.idle"
+    level = "debug"
+    idle: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class IncidentWriteFailed(Event):
+    name = "incident.write_failed"
+    level = "error"
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandbySpawned(Event):
+    name = "standby.spawned"
+    pid: int
+    mode: str
+    target: str
+    vllm_env: tuple[str, ...]  # names only
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandbyUnavailable(Event):
+    """A standby could not be made (``spawn_failed``) or was gone when the start wanted it (``lost``)."""
+
+    name = "standby.unavailable"
+    level = "warning"
+    what: str  # spawn_failed | lost
+    error: str
+    pid: int | None = None
+    hint: str = "this start is cold"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecompileStarted(Event):
+    name = "precompile.started"
+    profile: Profile
+    port: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecompileCrashed(Event):
+    """The precompiler's own fault (not the throwaway engine's): the rung is not tried again in this run."""
+
+    name = "precompile.crashed"
+    level = "warning"
+    profile: Profile
+    error: str
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, (str, int, float, bool, type(None))):
         return v
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, Profile):
+        return v.knobs()
+    if isinstance(v, Failure):
+        return v.as_dict()
     if isinstance(v, Mapping):
         return {str(k): _jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -305,13 +518,16 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
-Handler = Callable[[Event], Awaitable[None] | None]
+class Subscriber(Protocol):
+    """What every part that reads the stream implements: one event at a time, from its own queue."""
+
+    def on_event(self, event: Event) -> Awaitable[None] | None: ...
 
 
 @dataclass
 class Subscription:
     name: str
-    handler: Handler
+    subscriber: Subscriber
     queue: asyncio.Queue[Event]
     dropped: int = 0
     failed: int = 0
@@ -325,8 +541,8 @@ class EventBus:
         self.queue_size = queue_size
         self.subscriptions: list[Subscription] = []
 
-    def subscribe(self, name: str, handler: Handler, queue_size: int | None = None) -> Subscription:
-        sub = Subscription(name, handler, asyncio.Queue(queue_size or self.queue_size))
+    def subscribe(self, name: str, subscriber: Subscriber, queue_size: int | None = None) -> Subscription:
+        sub = Subscription(name, subscriber, asyncio.Queue(queue_size or self.queue_size))
         self.subscriptions.append(sub)
         return sub
 
@@ -347,7 +563,7 @@ class EventBus:
         while True:
             event = await sub.queue.get()
             try:
-                result = sub.handler(event)
+                result = sub.subscriber.on_event(event)
                 if inspect.isawaitable(result):
                     await result
             except Exception as exc:  # noqa: BLE001 - a subscriber's bug must not stop the others

@@ -21,9 +21,6 @@ from supervisor.decide.evidence import request_stem
 from supervisor.engine_states import ExitCode, Failure, FailureKind
 from supervisor.profile import Knob, Profile
 
-MEMORY = (FailureKind.RUNTIME_OOM, FailureKind.STARTUP_MEMORY)
-UNEXPLAINED = (FailureKind.ENGINE_DEAD, FailureKind.SIGNAL)
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -159,7 +156,7 @@ class Policy:
 
         nxt = profile
         reason = f"{kind.value}: restart with the same profile"
-        if kind in MEMORY:
+        if kind.memory:
             if failure.rung_at_fault:
                 self.rung_failures[profile.key()] = self.rung_failures.get(profile.key(), 0) + 1
             lowered = self._lower_for(failure, profile)
@@ -190,7 +187,7 @@ class Policy:
         at one profile (the same prompt length when vLLM printed it, else the same X-Request-Id) is the
         memory signature.
         """
-        if failure.kind not in UNEXPLAINED or failure.suspect_request is None:
+        if not failure.kind.unexplained or failure.suspect_request is None:
             return failure
         same: int | str = failure.suspect_tokens if failure.suspect_tokens is not None \
             else request_stem(failure.suspect_request)

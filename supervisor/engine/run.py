@@ -7,9 +7,10 @@ vLLM's own error record saying the engine died, a liveness rule, a warm-up failu
 climb asked by the supervisor) becomes one Trigger on that queue, and each step races its work
 against the queue, so the first trigger wins and nothing is polled for luck.
 
-The supervisor drives the steps (start → warm → serve → conclude) and is the only writer of the
-engine state; the run never imports it, and tells the world what it did only through
-``publish``. A new start is a new EngineRun: nothing is reset by hand.
+The lifecycle drives the steps (start → warm → serve → conclude) and is the only writer of the
+engine state; the run never imports it. Each step returns a record (Healthy, Ready, a Trigger,
+the Verdict) instead of leaving fields to be read, and the run tells the world what it did only
+through ``publish``. A new start is a new EngineRun: nothing is reset by hand.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import platform
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import psutil
 import structlog
 
+from supervisor.about import __version__
 from supervisor.child import vllm_hook
 from supervisor.config import Config, WarmupConfig, is_local_path
 from supervisor.decide import startup
@@ -34,9 +37,22 @@ from supervisor.decide.evidence import ConsoleFilter, batch, event_evidence
 from supervisor.decide.liveness import Liveness
 from supervisor.engine import ipc, launch, warmup
 from supervisor.engine.logtail import LogTail
-from supervisor.engine.standby import Standby, vllm_env_of
 from supervisor.engine_states import Failure, FailureKind, Phase, TriggerKind
-from supervisor.event_stream import EngineSpawned, EngineStopped, Event
+from supervisor.event_stream import (
+    CanaryFailed,
+    CompileCacheUnusable,
+    EngineEnvReported,
+    EngineSpawned,
+    EngineStopped,
+    Event,
+    GpuLostEvent,
+    GpuNotReleased,
+    GpuShort,
+    ModelAppeared,
+    ModelMissing,
+    NoStackDump,
+    Ready,
+)
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost
 from supervisor.host.proctree import Child, StopReport
@@ -58,11 +74,19 @@ class Trigger:
     at_mono: float
     # Set when the trigger already is the verdict (nothing ran that left logs to classify).
     failure: Failure | None = None
+    target: Profile | None = None  # a planned restart's profile (a climb, the operator's)
+
+
+@dataclass(frozen=True)
+class Healthy:
+    """The engine answered /health 200 ``after_s`` after the start began."""
+
+    after_s: float
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """How the run ended: the trigger, and for an unplanned end the classified failure."""
+    """How the run ended: the trigger, for an unplanned end the classified failure, and the evidence."""
 
     trigger: Trigger
     failure: Failure | None
@@ -70,12 +94,28 @@ class Verdict:
     returncode: int | None
     stop: StopReport | None
     stacks: dict[int, str] = field(default_factory=dict)
+    evidence: Mapping[str, Any] = field(default_factory=dict)  # for the incident bundle (secrets masked)
+
+
+class Prepared(Protocol):
+    """An interpreter prepared to become this start's engine (recovery's standby)."""
+
+    @property
+    def pid(self) -> int: ...
+    async def activate(self, argv: Sequence[str], env: Mapping[str, str], fork: bool) -> Child: ...
+
+
+class StandbySource(Protocol):
+    """Where a start takes its standby from, at the moment it spawns (recovery)."""
+
+    def take(self) -> Prepared | None: ...
+    def lost(self, standby: Any, error: str) -> None: ...
 
 
 class EngineRun:
     def __init__(self, cfg: Config, host: Host, profile: Profile, number: int, run_dir: Path,
                  publish: Callable[[Event], None], *, echo: TextIO | None = None,
-                 client: EngineClient | None = None, standby: Standby | None = None) -> None:
+                 client: EngineClient | None = None, standby: StandbySource | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.profile = profile
@@ -92,37 +132,40 @@ class EngineRun:
                             redact=lambda line: launch.redact(line, self.secrets))
         self.server = ipc.EventServer(run_dir / "events.sock", self._on_event)
         self.child: Child | None = None
-        self.standby = standby  # becomes the engine instead of a cold spawn, when still there
+        self.standby = standby  # asked for an interpreter that becomes the engine instead of a cold spawn
         self.from_standby = False
-        self.vllm_env: dict[str, str] = {}  # what vLLM set for its EngineCore, as the hook reported it
         self.liveness: Liveness | None = None
         self.started_at = host.monotonic()
         self.healthy_at: float | None = None
         self.ready_at: float | None = None
-        self.timings: dict[str, float] = {}
-        self.phases: dict[str, float] = {}  # where the start's time went (decide/startup.phases)
-        self.warmup_sizes: list[int] = []
         self.deadline = self.started_at  # by when the current step must be over (the watchdog's measure)
         self.steps: list[tuple[str, float]] = []  # every step vLLM went through, with when it began
         self.spawned_at: float | None = None
         self.engine_version: str | None = None
+        self._timings: dict[str, float] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._canary: asyncio.Task[None] | None = None
         self._ending = False
         self._aot_noted = False
 
     # ---- triggers ---------------------------------------------------------------------------
-    def trigger(self, kind: TriggerKind, evidence: str, failure: Failure | None = None) -> Trigger:
-        return Trigger(kind, evidence, self.host.wall(), self.host.monotonic(), failure)
+    def trigger(self, kind: TriggerKind, evidence: str, failure: Failure | None = None,
+                target: Profile | None = None) -> Trigger:
+        return Trigger(kind, evidence, self.host.wall(), self.host.monotonic(), failure, target)
 
-    def end(self, kind: TriggerKind, evidence: str, failure: Failure | None = None) -> None:
-        """Ask the run to end (a stop, a climb, or a rule that fired); the first trigger wins."""
-        self.triggers.put_nowait(self.trigger(kind, evidence, failure))
+    def end(self, kind: TriggerKind, evidence: str, failure: Failure | None = None,
+            target: Profile | None = None) -> None:
+        """Ask the run to end (a stop, a climb or restart to ``target``, or a rule that fired); the first wins."""
+        self.triggers.put_nowait(self.trigger(kind, evidence, failure, target))
 
     def _on_event(self, event: dict[str, Any]) -> None:
         if event.get("kind") == vllm_hook.VLLM_ENV_KIND:  # not a log record: never evidence, never in an incident
-            self.vllm_env = vllm_env_of(event.get("env"))
-            log.info("engine.vllm_env", pid=event.get("pid"), names=sorted(self.vllm_env))
+            env = event.get("env")
+            pid = event.get("pid")
+            self.publish(EngineEnvReported(
+                at=self.host.wall(), pid=pid if isinstance(pid, int) else None,
+                env={k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
+                if isinstance(env, dict) else {}))
             return
         if self.secrets:
             event = {k: self._redact(v) for k, v in event.items()}
@@ -152,10 +195,11 @@ class EngineRun:
             reason = None if self._aot_noted else startup.aot_cache_failure(line)
             if reason:
                 self._aot_noted = True
-                log.warning("engine.compile_cache_unusable", reason=reason,
-                            hint="vLLM compiles the model again at every start (2-3 s of each on the tiny CPU "
-                                 "model, docs/recovery.md); VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it "
-                                 "use its older compile cache, which loads")
+                self.publish(CompileCacheUnusable(
+                    at=self.host.wall(), reason=reason,
+                    hint="vLLM compiles the model again at every start (2-3 s of each on the tiny CPU model, "
+                         "docs/recovery.md); VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older "
+                         "compile cache, which loads"))
         text = self.console.feed(line)
         if text and not self._ending:
             found = death_evidence(text)
@@ -180,18 +224,30 @@ class EngineRun:
     def _expect(self, seconds: float) -> None:
         self.deadline = self.host.monotonic() + seconds
 
-    @property
-    def startup_step(self) -> tuple[str, float] | None:
-        """vLLM's current step while loading, and since when."""
-        return self.steps[-1] if self.steps else None
+    def status(self, warming_since: float | None = None) -> dict[str, Any]:
+        """This start's part of /status: the engine's pid, its phase, vLLM's step while it starts."""
+        child = self.child
+        now = self.host.monotonic()
+        startup: dict[str, Any] | None = None
+        if warming_since is not None:
+            startup = {"step": "warming", "for_s": round(now - warming_since, 1)}
+        elif self.phase is Phase.LOADING and not self._ending:
+            step, since = self.steps[-1] if self.steps else ("starting", self.started_at)
+            startup = {"step": step, "for_s": round(now - since, 1)}
+        return {"engine_pid": child.pid if child and child.proc.returncode is None else None,
+                "phase": self.phase.value, "startup": startup, "engine_version": self.engine_version}
+
+    def pids(self) -> set[int]:
+        """Every process of this start's tree seen so far (the GPU memory holders)."""
+        return set(self.child.known_pids) if self.child else set()
 
     def deadline_at(self) -> float:
         """By when the current step must be over (the supervisor stops petting the watchdog after)."""
         return self.deadline
 
     # ---- STARTING ------------------------------------------------------------------------------
-    async def start(self) -> Trigger | None:
-        """Gates, spawn, and wait for /health 200; None when the engine answers."""
+    async def start(self) -> Trigger | Healthy:
+        """Gates, spawn, and wait for /health 200."""
         e = self.cfg.engine
         self._expect(e.model_wait_s + self.cfg.gpu.free_wait_s + 30.0)
         gated = await self._race(self._gates())
@@ -229,18 +285,17 @@ class EngineRun:
         self.healthy_at = self.host.monotonic()
         # EngineCore and workers exist by now: remember them, they are the GPU memory holders.
         self.host.tree_pids(child)
-        return None
+        return Healthy(round(self.healthy_at - self.started_at, 3))
 
     async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
-        standby, self.standby = self.standby, None
-        if standby is not None:
+        standby = self.standby.take() if self.standby is not None else None
+        if standby is not None and self.standby is not None:
             try:
                 child = await standby.activate(argv, env, self.cfg.recovery.standby_fork)
                 self.from_standby = True
                 return child
             except OSError as exc:
-                log.warning("standby.lost", pid=standby.pid, error=str(exc), hint="starting the engine cold")
-                await standby.discard(self.host)
+                self.standby.lost(standby, str(exc))
         return await self.host.spawn(argv, env)
 
     async def _gates(self) -> Trigger | None:
@@ -251,14 +306,13 @@ class EngineRun:
         model, wait_s = self.cfg.engine.model, self.cfg.engine.model_wait_s
         if not is_local_path(model) or self.host.path_exists(model):
             return None
-        log.warning("engine.model_missing", model=model, waiting_up_to_s=wait_s,
-                    hint="a late mount? waiting for it before calling it a configuration error")
+        self.publish(ModelMissing(at=self.host.wall(), model=model, waiting_up_to_s=wait_s))
         deadline = self.host.monotonic() + wait_s
         delay = 1.0
         while self.host.monotonic() < deadline:
             await self.host.sleep(min(delay, max(0.0, deadline - self.host.monotonic())))
             if self.host.path_exists(model):
-                log.info("engine.model_appeared", model=model)
+                self.publish(ModelAppeared(at=self.host.wall(), model=model))
                 return None
             delay = min(30.0, delay * 2)
         evidence = f"local model path {model!r} does not exist (waited engine.model_wait_s={wait_s:g}s)"
@@ -273,7 +327,7 @@ class EngineRun:
         """
         gpu = self.cfg.gpu
         devices = self.cfg.engine.devices()
-        util = self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+        util = self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.0
         headroom = gpu.start_headroom_bytes
         try:
             short = await self.host.wait_gpu_free(devices, util, headroom, gpu.free_wait_s)
@@ -286,7 +340,7 @@ class EngineRun:
         evidence = (f"GPU {s.index}: {s.free / GIB:.2f} of {s.total / GIB:.2f} GiB free after waiting "
                     f"{gpu.free_wait_s:g}s, below gpu_memory_utilization {util:g} + "
                     f"{gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
-        log.warning("gpu.not_enough_free", devices=[d.as_dict() for d in short], evidence=evidence)
+        self.publish(GpuShort(at=self.host.wall(), devices=tuple(d.as_dict() for d in short), evidence=evidence))
         return self.trigger(TriggerKind.GPU_SHORT, evidence, Failure(
             FailureKind.STARTUP_MEMORY, evidence, knob=Knob.GPU_MEMORY_UTILIZATION,
             suggested=fraction_that_fits(max(0, s.free - headroom), s.total), rung_at_fault=False))
@@ -308,27 +362,27 @@ class EngineRun:
             delay = min(0.5, delay * 1.5)
 
     # ---- WARMING --------------------------------------------------------------------------------
-    async def warm(self) -> Trigger | None:
-        """Mid-length prompts before traffic; a failure is a startup failure."""
+    async def warm(self) -> Trigger | Ready:
+        """Mid-length prompts before traffic (a failure is a startup failure); the READY record."""
         w = self.cfg.warmup
-        self.warmup_sizes = warmup.plan(self.profile, w)
+        sizes = warmup.plan(self.profile, w)
         self._expect(w.timeout_s + 10.0)
         try:
-            warmed = await self._race(self._warm(w))
+            warmed = await self._race(self._warm(w, sizes))
         except warmup.WarmupFailed as exc:
             return self.trigger(TriggerKind.WARMUP_FAILED, str(exc))
         if warmed is not None:
             return warmed
         self.ready_at = t_ready = self.host.monotonic()
         assert self.healthy_at is not None
-        self.timings = {"start_to_healthy_s": round(self.healthy_at - self.started_at, 3),
-                        "warmup_s": round(t_ready - self.healthy_at, 3),
-                        "start_to_ready_s": round(t_ready - self.started_at, 3)}
-        self.phases = startup.phases(self.started_at, self.spawned_at, self.steps, self.healthy_at, t_ready)
-        return None
+        self._timings = {"start_to_healthy_s": round(self.healthy_at - self.started_at, 3),
+                         "warmup_s": round(t_ready - self.healthy_at, 3),
+                         "start_to_ready_s": round(t_ready - self.started_at, 3)}
+        phases = startup.phases(self.started_at, self.spawned_at, self.steps, self.healthy_at, t_ready)
+        return Ready(self._timings, phases, tuple(sizes), self.engine_version, self.from_standby)
 
-    async def _warm(self, w: WarmupConfig) -> None:
-        await warmup.run(self.client, self.warmup_sizes, w)
+    async def _warm(self, w: WarmupConfig, sizes: list[int]) -> None:
+        await warmup.run(self.client, sizes, w)
 
     # ---- READY ----------------------------------------------------------------------------------
     async def serve(self) -> Trigger:
@@ -387,7 +441,7 @@ class EngineRun:
             await self.client.complete("Hello", h.canary_max_tokens, timeout=h.hang_timeout_s * 2,
                                        request_id=f"canary-{self.number}-{int(self.host.wall())}")
         except EngineStatusError as exc:
-            log.warning("engine.canary_failed", status=exc.status, error=str(exc))
+            self.publish(CanaryFailed(at=self.host.wall(), status=exc.status, error=str(exc)))
         except EngineError:
             return  # no answer: the liveness rule fires on the clock
         live.canary_done()
@@ -411,14 +465,14 @@ class EngineRun:
             self._expect(30.0)
             stacks = await self.host.dump_stacks(self.host.tree_pids(child))
             if not stacks:
-                log.info("engine.no_stack_dump", hint="install py-spy to capture stacks of a hung engine")
+                self.publish(NoStackDump(at=self.host.wall()))
         report = await self.stop(planned=trigger.kind.planned)
         failure = None
         if not trigger.kind.planned:
             failure = trigger.failure or classify(
                 events=list(self.events), lines=self.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
                 trigger=trigger.evidence, hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)
-        return Verdict(trigger, failure, phase, rc, report, stacks)
+        return Verdict(trigger, failure, phase, rc, report, stacks, self._evidence())
 
     def stop_bound(self, planned: bool) -> float:
         e = self.cfg.engine
@@ -455,10 +509,18 @@ class EngineRun:
         try:
             held = await self.host.wait_gpu_released(pids, timeout)
         except GpuLost as exc:
-            log.error("gpu.lost", error=str(exc))
+            self.publish(GpuLostEvent(at=self.host.wall(), error=str(exc)))
             return
         if held:
-            log.error("gpu.not_released", held={str(k): v for k, v in held.items()}, timeout_s=timeout)
+            self.publish(GpuNotReleased(at=self.host.wall(), held={str(k): v for k, v in held.items()},
+                                        timeout_s=timeout))
+
+    async def shutdown(self) -> None:
+        """The supervisor is exiting: a planned stop of a live engine, else just release what the run holds."""
+        if self.child is not None and self.child.proc.returncode is None:
+            await self.stop(planned=True)
+        else:
+            await self.close()
 
     async def close(self) -> None:
         """Release what the run holds (idempotent)."""
@@ -470,10 +532,11 @@ class EngineRun:
         self.server.close()
         await self.client.close()
 
-    def evidence(self) -> dict[str, Any]:
+    def _evidence(self) -> dict[str, Any]:
         """What went into the verdict, for the incident bundle (secrets masked by the writer)."""
         events, lines = list(self.events), self.tail.snapshot()
         return {"requests_in_batch": batch(lines, events), "engine_version": self.engine_version,
-                "events": events[-100:], "log_tail": lines[-400:],
-                "timings": self.timings, "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile),
-                                                               self.secrets)}
+                "events": events[-100:], "log_tail": lines[-400:], "timings": self._timings,
+                "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
+                             "vllm": self.engine_version},
+                "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile), self.secrets)}

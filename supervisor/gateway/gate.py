@@ -15,10 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from supervisor.decide import admission
-
-READY = "READY"
-# Deaths a request can cause; a hang or a device fault is not blamed on the batch.
-REQUEST_DEATHS = frozenset({"runtime_oom", "engine_dead", "signal"})
+from supervisor.engine_states import EngineState, FailureKind
 
 
 @dataclass(eq=False)
@@ -49,7 +46,7 @@ class EngineGate:
     def __init__(self, max_held: int, max_in_flight: int = 0) -> None:
         self.max_held = max_held
         self.max_in_flight = max_in_flight
-        self.state = "STOPPED"
+        self.state = EngineState.STOPPED
         self.generation = 0
         self.open = False  # READY and not draining
         self.closing = False  # the supervisor is stopping: admit nothing more
@@ -78,23 +75,24 @@ class EngineGate:
         return True
 
     # ---- what the supervisor publishes ---------------------------------------------------------------
-    def on_state(self, old: str, new: str) -> None:
+    def on_state(self, old: EngineState, new: EngineState) -> None:
         self.state = new
-        if new == READY:
+        if new is EngineState.READY:
             self.generation += 1
             self.open = not self.closing
         else:
             self.open = False
-            if old == READY and new == "STOPPING":  # unplanned: a planned stop drains first (DRAINING)
+            # Unplanned: a planned stop drains first (READY -> DRAINING).
+            if old is EngineState.READY and new is EngineState.STOPPING:
                 self._dead_batch = list(self.at_engine.values())
         self._notify()
 
-    def on_failure(self, kind: str, suspect_request: str | None) -> Flight | None:
+    def on_failure(self, kind: FailureKind, suspect_request: str | None) -> Flight | None:
         """After a death: pick the suspect to replay alone; the flight to quarantine, if any."""
         # A request answered between the death and its classification is nobody's suspect: made the one to go
         # alone, it would never come back, and every other request would wait for it.
         batch, self._dead_batch = [f for f in self._dead_batch if not f.gone], []
-        if kind not in REQUEST_DEATHS or not batch:
+        if not kind.request_can_cause or not batch:
             return None
         if self.solo is not None and batch == [self.solo]:
             return self._quarantine(self.solo)

@@ -26,6 +26,7 @@ from aiohttp import web
 from supervisor.config import Config, GatewayConfig, is_local_path
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
+from supervisor.engine_states import FailureKind
 from supervisor.event_stream import (
     Event,
     FailureClassified,
@@ -136,16 +137,16 @@ class Gateway:
     def on_event(self, event: Event) -> None:
         if isinstance(event, StateChanged):
             self.gate.on_state(event.old, event.new)
-            if event.new == "READY":
-                self.proven_tokens = max((int(n) for n in event.info.get("warmup_prompts") or ()), default=0)
+            if event.ready is not None:
+                self.proven_tokens = max(event.ready.warmup_prompts, default=0)
         elif isinstance(event, FailureClassified):
             flight = self.gate.on_failure(event.kind, event.suspect_request)
             if flight is not None and flight.digest is not None:
                 self._quarantine(flight, event.kind)
 
-    def _quarantine(self, flight: Flight, kind: str) -> None:
+    def _quarantine(self, flight: Flight, kind: FailureKind) -> None:
         assert flight.digest is not None
-        reason = f"{kind} twice, the second time alone, with {flight.size} prompt tokens"
+        reason = f"{kind.value} twice, the second time alone, with {flight.size} prompt tokens"
         self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.size, reason)
         self.counters["quarantined"] += 1
         self._save_quarantine()
@@ -281,7 +282,7 @@ class Gateway:
     def _health(self) -> web.Response:
         if self.gate.closing:
             return web.json_response({"status": "shutting_down"}, status=503)
-        return web.json_response({"status": "ok" if self.gate.open else "holding", "engine": self.gate.state})
+        return web.json_response({"status": "ok" if self.gate.open else "holding", "engine": self.gate.state.value})
 
     def _reject(self, rid: str, r: Rejection) -> web.Response:
         self.counters[str(r.status)] = self.counters.get(str(r.status), 0) + 1

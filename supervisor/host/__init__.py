@@ -1,6 +1,6 @@
 """The OS seam: every effect the supervisor and an engine run have on the machine goes through Host.
 
-Tests replace it with a recording fake (tests/test_arbiter_fakes.py); production uses
+Tests replace it with a recording fake (tests/unit/test_supervision_fakes.py); production uses
 supervisor.host.real.RealHost.
 """
 

@@ -124,13 +124,28 @@ def holders(snaps: Sequence[DeviceSnapshot], pids: Collection[int]) -> dict[int,
     return out
 
 
-def short_of(snaps: Sequence[DeviceSnapshot], fraction: float, headroom: int = 0) -> list[DeviceSnapshot]:
-    """Devices whose free memory is below ``fraction`` of their total plus ``headroom`` bytes.
+# "Does it fit on the GPU" is decided here alone: the start gate, the climb's room check and the
+# precompiler's share all count free memory the same way, with what our own processes hold (the
+# engine about to be replaced) counted as free.
+def free_with(s: DeviceSnapshot, ours: Collection[int] = ()) -> int:
+    """Bytes free on the device once ``ours`` (processes of the supervisor's own) have let go."""
+    return s.free + sum(b for pid, b in s.processes if pid in ours)
+
+
+def short_of(snaps: Sequence[DeviceSnapshot], fraction: float, headroom: int = 0,
+             ours: Collection[int] = ()) -> list[DeviceSnapshot]:
+    """Devices whose free memory (counting ``ours`` as free) is below ``fraction`` of their total plus
+    ``headroom`` bytes.
 
     vLLM checks free >= fraction x total after its own CUDA context exists, which takes some
     hundreds of MiB that NVML still counts as free now: hence the headroom.
     """
-    return [s for s in snaps if s.free < fraction * s.total + headroom]
+    return [s for s in snaps if free_with(s, ours) < fraction * s.total + headroom]
+
+
+def free_fraction(snaps: Sequence[DeviceSnapshot], ours: Collection[int] = ()) -> float | None:
+    """The smallest free share of any device (counting ``ours`` as free); None without a GPU view."""
+    return min((free_with(s, ours) / s.total for s in snaps if s.total), default=None)
 
 
 async def _poll(nvml: Nvml, devices: Sequence[Device] | None, still: Callable[[list[DeviceSnapshot]], T],

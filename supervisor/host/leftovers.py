@@ -5,10 +5,16 @@ otherwise keep the port and the GPU memory, and every new start would fail."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.config import Config
+from supervisor.event_stream import Event, GpuNotReleased, LeftoverEngineStopped
+from supervisor.host import Host
 from supervisor.host.files import write_private
+from supervisor.host.gpu import GpuLost
 
 FILENAME = "engine.json"
 
@@ -36,3 +42,28 @@ def read(state_dir: str | Path) -> EngineRecord | None:
 
 def clear(state_dir: str | Path) -> None:
     (Path(state_dir) / FILENAME).unlink(missing_ok=True)
+
+
+def stop_bound_s(cfg: Config) -> float:
+    """How long ``stop_engine_left`` may take (the watchdog's measure)."""
+    e = cfg.engine
+    return e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s + 10.0
+
+
+async def stop_engine_left(cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
+    """An engine left by a supervisor that died holds the port and the GPU: stop it, and wait for the GPU."""
+    rec = read(cfg.state.dir)
+    if rec is None or rec.supervisor_pid == os.getpid():
+        return
+    e = cfg.engine
+    pids = await host.stop_leftover(rec.sid, rec.create_time, e.failed_stop_timeout_s, e.kill_timeout_s)
+    if pids:
+        publish(LeftoverEngineStopped(at=host.wall(), pids=tuple(pids), sid=rec.sid))
+        try:
+            held = await host.wait_gpu_released(pids, cfg.gpu.release_timeout_s)
+        except GpuLost:
+            held = {}
+        if held:
+            publish(GpuNotReleased(at=host.wall(), held={str(k): v for k, v in held.items()},
+                                   timeout_s=cfg.gpu.release_timeout_s))
+    clear(cfg.state.dir)

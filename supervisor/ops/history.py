@@ -12,7 +12,7 @@ class History:
     def __init__(self, maxlen: int = 50) -> None:
         self.entries: deque[dict[str, Any]] = deque(maxlen=maxlen)
 
-    def __call__(self, event: Event) -> None:
+    def on_event(self, event: Event) -> None:
         if isinstance(event, StateChanged):
             self.entries.append({**event.fields(), "at": event.at})
 

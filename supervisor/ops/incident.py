@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from supervisor.engine_states import Failure
 from supervisor.host.files import write_private
+from supervisor.profile import Profile
 
 MAX_KEPT = 50
 
@@ -25,3 +27,19 @@ def write(state_dir: str | Path, kind: str, bundle: dict[str, Any],
     for old in sorted(d.glob("*.json"))[:-MAX_KEPT]:
         old.unlink(missing_ok=True)
     return path
+
+
+def bundle(verdict: Any, failure: Failure, before: Profile, after: Profile, decision: str,
+           detected_after_s: float, gpu: Any) -> dict[str, Any]:
+    """The bundle of one failure: the verdict (an engine run's ``Verdict``), the decision, the GPU's state."""
+    t = verdict.trigger
+    evidence: Mapping[str, Any] = verdict.evidence
+    return {
+        "failure": failure.as_dict(), "decision": decision,
+        "trigger": {"kind": t.kind.value, "evidence": t.evidence, "at": t.at},
+        "phase": verdict.phase.value, "returncode": verdict.returncode,
+        "profile_before": before.knobs(), "profile_after": after.knobs(),
+        "stop": verdict.stop.__dict__ if verdict.stop else None, "gpu": gpu, "stacks": verdict.stacks,
+        "detected_after_state_s": detected_after_s,
+        **evidence,
+    }

@@ -53,6 +53,8 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
 _events_log = structlog.get_logger("supervisor")
 
 
-def log_event(event: Event) -> None:
+class EventLog:
     """Event-stream subscriber: one structlog line per event, at the event's level."""
-    getattr(_events_log, event.log_level())(event.name, **event.fields())
+
+    def on_event(self, event: Event) -> None:
+        getattr(_events_log, event.log_level())(event.name, **event.fields())

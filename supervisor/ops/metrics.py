@@ -18,10 +18,12 @@ from supervisor.event_stream import (
     AlertOutcome,
     Event,
     FailureClassified,
+    ProfileChanged,
     ProfileLowered,
     ProfileRaised,
     ProfileRestored,
     Recovered,
+    Reloaded,
     StateChanged,
 )
 
@@ -71,26 +73,29 @@ class Metrics:
         for old, news in LEGAL_TRANSITIONS.items():  # every series exists from the start, at 0
             for new in news:
                 self.transitions.labels(old.value, new.value)
-        self._configured = dict(configured or {})
-        for knob, value in self._configured.items():
-            self.configured.labels(knob).set(-1 if value is None else value)
+        self._configured: dict[str, Any] = {}
+        self._profile: dict[str, Any] = {}
+        self.set_configured(configured or {})
         if profile is not None:
             self.set_profile(profile)
 
-    def __call__(self, event: Event) -> None:
+    def on_event(self, event: Event) -> None:
         if isinstance(event, StateChanged):
-            self.state.labels(event.old).set(0)
-            self.state.labels(event.new).set(1)
-            self.transitions.labels(event.old, event.new).inc()
-            if event.new == EngineState.BACKOFF.value:
+            self.state.labels(event.old.value).set(0)
+            self.state.labels(event.new.value).set(1)
+            self.transitions.labels(event.old.value, event.new.value).inc()
+            if event.new is EngineState.BACKOFF:
                 self.restarts.inc()
-            if event.new == EngineState.READY.value and "start_to_ready_s" in event.info:
-                self.start.set(float(event.info["start_to_ready_s"]))
-                self.time_to_ready.observe(float(event.info["start_to_ready_s"]))
-        elif isinstance(event, (ProfileLowered, ProfileRaised, ProfileRestored)):
-            self.set_profile(event.profile)
+            self.set_profile(event.profile.knobs())
+            if event.ready is not None and "start_to_ready_s" in event.ready.timings:
+                self.start.set(float(event.ready.timings["start_to_ready_s"]))
+                self.time_to_ready.observe(float(event.ready.timings["start_to_ready_s"]))
+        elif isinstance(event, (ProfileLowered, ProfileRaised, ProfileRestored, ProfileChanged)):
+            self.set_profile(event.profile.knobs())
+        elif isinstance(event, Reloaded) and event.configured_profile is not None:
+            self.set_configured(event.configured_profile.knobs())
         elif isinstance(event, FailureClassified):
-            self.failures.labels(event.kind).inc()
+            self.failures.labels(event.kind.value).inc()
         elif isinstance(event, Recovered):
             self.recovery.set(event.recovered_after_s)
         elif isinstance(event, AlertOutcome):
@@ -99,10 +104,20 @@ class Metrics:
             counter.labels(event.channel).inc()
 
     def set_profile(self, knobs: Mapping[str, Any]) -> None:
+        self._profile = dict(knobs)
         for knob, value in knobs.items():
             self.profile.labels(knob).set(-1 if value is None else value)
-        if self._configured:
-            self.degraded.set(0 if dict(knobs) == self._configured else 1)
+        self._degraded()
+
+    def set_configured(self, knobs: Mapping[str, Any]) -> None:
+        self._configured = dict(knobs)
+        for knob, value in knobs.items():
+            self.configured.labels(knob).set(-1 if value is None else value)
+        self._degraded()
+
+    def _degraded(self) -> None:
+        if self._configured and self._profile:
+            self.degraded.set(0 if self._profile == self._configured else 1)
 
     def budget_from(self, left: Callable[[], float]) -> None:
         """Read the restart budget left at each scrape (it grows back as old restarts leave the window)."""

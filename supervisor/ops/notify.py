@@ -14,6 +14,7 @@ from typing import Any
 
 import sdnotify
 
+from supervisor.engine_states import EngineState
 from supervisor.event_stream import Event, Reloaded, ReloadFailed, Reloading, StateChanged, StopRequested
 
 
@@ -44,13 +45,13 @@ class Notifier:
         if self._n is not None:
             self._n.notify("\n".join(fields))
 
-    def __call__(self, event: Event) -> None:
+    def on_event(self, event: Event) -> None:
         if isinstance(event, StateChanged):
-            line = f"STATUS={status_line(event.new, event.profile, event.restarts)}"
-            if event.new == "READY" and (not self.ready_sent or self.reloading):
+            line = f"STATUS={status_line(event.new.value, event.profile.knobs(), event.restarts)}"
+            if event.new is EngineState.READY and (not self.ready_sent or self.reloading):
                 self.ready_sent, self.reloading = True, False
                 self.send("READY=1", line)
-            elif event.new == "STARTING" and not self.ready_sent and self.start_budget_s:
+            elif event.new is EngineState.STARTING and not self.ready_sent and self.start_budget_s:
                 # Until the first READY systemd's start timeout runs: extend it by one start's budget.
                 self.send(f"EXTEND_TIMEOUT_USEC={int(self.start_budget_s * 1e6)}", line)
             else:

@@ -91,11 +91,11 @@ class StateFileWriter:
     def __init__(self, state_dir: str | Path) -> None:
         self.state_dir = state_dir
 
-    def __call__(self, event: Event) -> None:
+    def on_event(self, event: Event) -> None:
         if not isinstance(event, LearnedChanged):
             return
         try:
-            save(self.state_dir, Learned(Profile.from_dict(dict(event.profile)), dict(event.rung_failures),
+            save(self.state_dir, Learned(event.profile, dict(event.rung_failures),
                                          dict(event.last_failure) if event.last_failure else None,
                                          event.restarts_total))
         except OSError as exc:

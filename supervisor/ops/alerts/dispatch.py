@@ -62,7 +62,7 @@ class Alerts:
         """Build every hook's channel; raises MissingSecret naming the field when a secret is absent."""
         return cls(cfg, [(h, make_channel(h)) for h in cfg.hooks], publish)
 
-    def __call__(self, event: Event) -> None:
+    def on_event(self, event: Event) -> None:
         for alert in self.rules.on_event(event, self.monotonic()):
             self.fan_out(alert)
 

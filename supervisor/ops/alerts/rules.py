@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.config import SEVERITIES, AlertsConfig
+from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import (
     Event,
     FailureClassified,
@@ -88,60 +89,66 @@ class AlertRules:
 
     def _map(self, ev: Event, now: float) -> list[Alert]:
         if isinstance(ev, StateChanged):
-            if ev.new == "READY":
-                self.not_ready_since = None
-                return []
-            if ev.old == "READY" or self.not_ready_since is None:
-                self.not_ready_since = now
-            if ev.new == "BACKOFF":
+            # The lifecycle says whether the engine is out of service and since how long (one definition).
+            self.not_ready_since = None if ev.outage_s is None else now - ev.outage_s
+            if ev.new is EngineState.READY and self.outage_key is not None and self.last_failure is None:
+                return [self._resolve_outage(ev.at, "engine READY after its first start")]
+            if ev.new is EngineState.BACKOFF:
                 return [self._restarted(ev, now)]
             return []
         if isinstance(ev, FailureClassified):
             self.last_failure = ev
-            if ev.kind == "hang":
-                return [self._alert("hang_detected", "warning", f"engine hung: {ev.evidence}", ev.at, ev.kind,
+            if ev.kind is FailureKind.HANG:
+                return [self._alert("hang_detected", "warning", f"engine hung: {ev.evidence}", ev.at, ev.kind.value,
                                     {"incident": ev.incident})]
             return []
         if isinstance(ev, ProfileLowered):
-            return [self._alert("profile_lowered", "warning", f"profile lowered after {ev.kind}: "
-                                f"{_diff(ev.diff)}", ev.at, ev.kind, {"profile": dict(ev.profile)})]
+            return [self._alert("profile_lowered", "warning", f"profile lowered after {ev.kind.value}: "
+                                f"{_diff(ev.diff)}", ev.at, ev.kind.value, {"profile": ev.profile.knobs()})]
         if isinstance(ev, ProfileRaised):
             return [self._alert("profile_raised", "info", f"profile raised: {_diff(ev.diff)}", ev.at,
-                                details={"profile": dict(ev.profile)})]
+                                details={"profile": ev.profile.knobs()})]
         if isinstance(ev, Recovered):
             key, self.outage_key = self.outage_key, None
+            kind = ev.kind.value if ev.kind else None
             return [self._alert("recovered", "info", f"engine READY again {ev.recovered_after_s:.0f}s after "
-                                f"the {ev.kind or 'failure'}", ev.at, ev.kind,
-                                {"recovered_after_s": ev.recovered_after_s, "profile": dict(ev.profile)},
+                                f"the {kind or 'failure'}", ev.at, kind,
+                                {"recovered_after_s": ev.recovered_after_s, "profile": ev.profile.knobs()},
                                 dedup_key=key, resolves=key is not None)]
         if isinstance(ev, RequestQuarantined):
             return [self._alert("request_quarantined", "warning", f"a request that killed the engine twice is "
                                 f"quarantined ({ev.prompt_tokens} prompt tokens): {ev.evidence}", ev.at,
-                                "runtime_oom", {"request_hash": ev.request_hash})]
+                                FailureKind.RUNTIME_OOM.value, {"request_hash": ev.request_hash})]
         if isinstance(ev, ReloadFailed):
             return [self._alert("config_reload_failed", "warning", "config reload refused, still running on the old "
                                 f"config: {ev.error}", ev.at)]
         if isinstance(ev, Fatal):
-            kind = str(ev.failure.get("kind")) if ev.failure else None
+            kind = ev.failure.kind.value if ev.failure else None
             return [self._alert("fatal", "critical", f"supervisor gave up (exit {ev.exit_code}): {ev.reason}",
-                                ev.at, kind, {"exit_code": ev.exit_code, "failure": dict(ev.failure)},
+                                ev.at, kind, {"exit_code": ev.exit_code,
+                                              "failure": ev.failure.as_dict() if ev.failure else {}},
                                 dedup_key=self._outage_key(ev.at))]
         return []
+
+    def _resolve_outage(self, at: float, why: str) -> Alert:
+        key, self.outage_key = self.outage_key, None
+        assert key is not None
+        return self._alert("recovered", "info", why, at, dedup_key=key, resolves=True)
 
     def _restarted(self, ev: StateChanged, now: float) -> Alert:
         while self.restarts and now - self.restarts[0] > self.cfg.escalate_window_s:
             self.restarts.popleft()
         self.restarts.append(now)
         f = self.last_failure
-        kind = f.kind if f else None
-        msg = f"engine restarted after {kind or 'a failure'}: {f.evidence if f else ev.info.get('reason', '')}"
+        kind = f.kind.value if f else None
+        msg = f"engine restarted after {kind or 'a failure'}: {f.evidence if f else ev.reason or ''}"
         severity = "warning"
         if len(self.restarts) >= self.cfg.escalate_after:
             severity = "error"  # restarts keep repeating: a person should look
             msg = f"{len(self.restarts)} restarts in {self.cfg.escalate_window_s:g}s; last: {msg}"
         return self._alert("engine_restarted", severity, msg, ev.at, kind,
                            {"restarts": ev.restarts + 1, "incident": f.incident if f else None,
-                            "delay_s": ev.info.get("delay_s")})
+                            "delay_s": ev.delay_s})
 
     def tick(self, now: float, wall: float) -> list[Alert]:
         """The outage rule: not READY for ``page_after_s`` pages once per outage."""
@@ -152,7 +159,7 @@ class AlertRules:
         f = self.last_failure
         msg = (f"engine not READY for {now - since:.0f}s (page_after_s={self.cfg.page_after_s:g})"
                + (f"; last failure {f.kind}: {f.evidence}" if f else ""))
-        return [self._alert("outage", "error", msg, wall, f.kind if f else None,
+        return [self._alert("outage", "error", msg, wall, f.kind.value if f else None,
                             {"not_ready_for_s": round(now - since, 1)}, dedup_key=key)]
 
     def _outage_key(self, wall: float) -> str:

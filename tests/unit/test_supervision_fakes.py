@@ -1,4 +1,4 @@
-"""The arbiter's state machine with a fake clock, a fake OS seam and a fake engine client."""
+"""The lifecycle's state machine, wired by the composition root, with a fake clock, OS seam and engine client."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
-from supervisor.arbiter import Supervisor
 from supervisor.config import parse
+from supervisor.daemon import Daemon
 from supervisor.engine_states import ExitCode
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
 from supervisor.host.proctree import StopReport
 from supervisor.host.vllm_http import EngineError, Progress
 from supervisor.ops.notify import Notifier
+from tests.helpers.processes import FIXTURES
 
 
 class FakeProc:
@@ -152,7 +153,7 @@ class FakeClient:
         pass
 
 
-def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Supervisor, FakeHost, FakeClient]:
+def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Daemon, FakeHost, FakeClient]:
     raw: dict[str, Any] = {"engine": {"model": "m", "command": ["fake-vllm"]},
                            "profile": {"max_num_seqs": 16},
                            "restart": {"backoff_initial_s": 2.0, "backoff_max_s": 8.0, "backoff_jitter": 0.0},
@@ -162,9 +163,9 @@ def make(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Supervisor, FakeHo
     for k, v in sections.items():
         raw[k] = {**raw.get(k, {}), **v}
     host, client = FakeHost(), FakeClient()
-    arb = Supervisor(parse(raw), host, notifier=Notifier(), install_signals=False,  # type: ignore[arg-type]
+    arb = Daemon(parse(raw), host, notifier=Notifier(), install_signals=False,  # type: ignore[arg-type]
                      client_factory=lambda: client)  # type: ignore[arg-type,return-value]
-    arb.tick_s = 0.02  # the loop's real-time heartbeat; the engine's time is the fake clock
+    arb.heartbeat.tick_s = 0.02  # the loop's real-time heartbeat; the engine's time is the fake clock
     return arb, host, client
 
 
@@ -176,7 +177,7 @@ async def until(pred: Any, what: str) -> None:
     raise AssertionError(f"never reached: {what}")
 
 
-async def states(arb: Supervisor) -> list[str]:
+async def states(arb: Daemon) -> list[str]:
     """The state transitions so far, once every subscriber has caught up."""
     await arb.bus.drain()
     return [h["to"] for h in arb.history.entries]
@@ -186,20 +187,20 @@ async def test_ready_to_backoff_on_runtime_oom_then_restart_with_a_lower_chunk(t
     arb, host, _ = make(tmp_path)
     run = asyncio.create_task(arb.run())
     first = await host.spawned.get()
-    await until(lambda: arb.state.value == "READY", "READY")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     first.proc.stdout.feed_data(b"(EngineCore pid=7) ERROR 11-30 07:36:17 [core.py:1332] "
                                 b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 176.00 MiB.\n")
     first.proc.stdout.feed_data(b"(EngineCore pid=7) ERROR 11-30 07:36:17 [core.py:1332] "
                                 b"EngineCore encountered a fatal error.\n")
     first.proc.exit(0)  # vLLM exits 0 after its engine died
     second = await host.spawned.get()
-    await until(lambda: arb.state.value == "READY", "READY again")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY again")
     assert await states(arb) == ["STARTING", "WARMING", "READY", "STOPPING", "BACKOFF", "STARTING", "WARMING", "READY"]
     assert "--max-num-batched-tokens" in second.argv
     assert second.argv[second.argv.index("--max-num-batched-tokens") + 1] == "6144"
-    assert arb.last_failure is not None and arb.last_failure["kind"] == "runtime_oom"
+    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "runtime_oom"
     assert 2.0 in host.slept  # the first backoff, on the fake clock
-    arb.request_stop("test")
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
     assert (await states(arb))[-2:] == ["STOPPING", "STOPPED"]
     assert host.terminated == [first.pid, second.pid]
@@ -223,13 +224,13 @@ async def test_backoff_grows_on_the_fake_clock_until_the_budget_is_spent(tmp_pat
     run = asyncio.create_task(arb.run())
     for _ in range(4):
         child = await host.spawned.get()
-        await until(lambda c=child: arb.state.value == "READY" and arb.engine_run is not None
-                    and arb.engine_run.child is c, "READY")
+        await until(lambda c=child: arb.lifecycle.state.value == "READY" and arb.lifecycle.run is not None
+                    and arb.lifecycle.run.child is c, "READY")
         child.proc.exit(-11)  # SIGSEGV
     assert await run == ExitCode.RESTART_BUDGET_SPENT
     backoffs = [h["delay_s"] for h in arb.history.entries if h["to"] == "BACKOFF"]
     assert backoffs == [2.0, 4.0, 8.0]
-    assert arb.last_failure is not None and arb.last_failure["kind"] == "signal"
+    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "signal"
 
 
 async def test_warmup_failure_is_a_startup_failure(tmp_path: Path) -> None:
@@ -243,7 +244,7 @@ async def test_warmup_failure_is_a_startup_failure(tmp_path: Path) -> None:
     await host.spawned.get()
     assert await run == ExitCode.RESTART_BUDGET_SPENT
     assert "READY" not in await states(arb)
-    assert arb.last_failure is not None and "warm-up" in arb.last_failure["evidence"]
+    assert arb.lifecycle.last_failure is not None and "warm-up" in arb.lifecycle.last_failure["evidence"]
 
 
 async def test_stop_during_backoff_exits_zero_without_another_start(tmp_path: Path) -> None:
@@ -258,10 +259,10 @@ async def test_stop_during_backoff_exits_zero_without_another_start(tmp_path: Pa
     host.sleep = slow_sleep  # type: ignore[method-assign]
     run = asyncio.create_task(arb.run())
     child = await host.spawned.get()
-    await until(lambda: arb.state.value == "READY", "READY")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     child.proc.exit(1)
-    await until(lambda: arb.state.value == "BACKOFF", "BACKOFF")
-    arb.request_stop("test")
+    await until(lambda: arb.lifecycle.state.value == "BACKOFF", "BACKOFF")
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
     assert (await states(arb))[-2:] == ["BACKOFF", "STOPPED"]
     assert len(host.children) == 1
@@ -279,8 +280,8 @@ async def test_ready_to_stopping_on_frozen_token_progress(tmp_path: Path, hang_a
     run = asyncio.create_task(arb.run())
     await host.spawned.get()
     assert await run == ExitCode.RESTART_BUDGET_SPENT
-    assert arb.last_failure is not None and arb.last_failure["kind"] == "hang"
-    assert "no token progress for 5s" in arb.last_failure["evidence"]
+    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "hang"
+    assert "no token progress for 5s" in arb.lifecycle.last_failure["evidence"]
 
 
 async def test_a_card_held_by_another_process_fails_the_start_before_spawning(tmp_path: Path) -> None:
@@ -290,13 +291,13 @@ async def test_a_card_held_by_another_process_fails_the_start_before_spawning(tm
     host.short = [DeviceSnapshot(0, 140 * gib, 70 * gib, 70 * gib, ((1000, 69 * gib),))]
     run = asyncio.create_task(arb.run())
     child = await host.spawned.get()
-    await until(lambda: arb.state.value == "READY", "READY")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     assert host.gate_asks == [0.5, 0.48]  # (70 - 1 GiB headroom) / 140 = 0.493, in hundredths one below
     assert child.argv[child.argv.index("--gpu-memory-utilization") + 1] == "0.48"
     assert len(host.children) == 1  # no doomed start was spawned
-    assert arb.last_failure is not None and arb.last_failure["kind"] == "startup_memory"
-    assert "held by pid 1000 (69.00 GiB)" in arb.last_failure["evidence"]
-    arb.request_stop("test")
+    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "startup_memory"
+    assert "held by pid 1000 (69.00 GiB)" in arb.lifecycle.last_failure["evidence"]
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
 
 
@@ -309,9 +310,9 @@ async def test_warmup_without_tokenize_estimates_prompt_sizes(tmp_path: Path) ->
     client.count_tokens = no_tokenize  # type: ignore[method-assign]
     run = asyncio.create_task(arb.run())
     await host.spawned.get()
-    await until(lambda: arb.state.value == "READY", "READY")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     assert client.completions == 4
-    arb.request_stop("test")
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
 
 
@@ -331,16 +332,17 @@ async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path
     gib = 2**30
     run = asyncio.create_task(arb.run())
     first = await host.spawned.get()
-    await until(lambda: arb.state.value == "READY", "READY")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     t_fail = host.now
     host.short = [DeviceSnapshot(0, 140 * gib, 70 * gib, 70 * gib, ())]  # the restart finds the card taken
     first.proc.exit(-9)
     await host.spawned.get()
-    await until(lambda: arb.state.value == "READY" and arb.restarts == 2, "READY after two failures")
-    assert arb.last_failure is not None and arb.last_failure["kind"] == "startup_memory"
+    life = arb.lifecycle
+    await until(lambda: life.state.value == "READY" and life.restarts == 2, "READY after two failures")
+    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "startup_memory"
     # backoffs of 2 s and 4 s on the fake clock lie between the first failure and READY
-    assert 6.0 <= arb.last_failure["recovered_after_s"] <= host.now - t_fail
-    arb.request_stop("test")
+    assert 6.0 <= arb.lifecycle.last_failure["recovered_after_s"] <= host.now - t_fail
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
 
 
@@ -354,7 +356,7 @@ async def test_an_engine_left_by_a_dead_supervisor_is_stopped_before_the_first_s
     assert host.leftover_stops == [4242]
     rec = leftovers.read(tmp_path / "state")
     assert rec is not None and rec.sid == host.children[0].sid  # now the new engine is on record
-    arb.request_stop("test")
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
     assert leftovers.read(tmp_path / "state") is None  # a clean stop leaves no record
 
@@ -367,20 +369,21 @@ async def test_a_start_failed_by_another_processs_memory_is_not_the_rungs_fault_
     arb, host, _ = make(tmp_path, profile={"gpu_memory_utilization": 0.5}, ladder={"climb_after_s": 100.0})
     host.short = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ((1000, 69 * GIB),))]
     run = asyncio.create_task(arb.run())
-    await until(lambda: arb.state.value == "READY", "READY at the lowered utilization")
-    assert arb.profile.gpu_memory_utilization == 0.48
-    assert arb.policy.rung_failures == {}  # the other process's memory is not held against the rung
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY at the lowered utilization")
+    assert arb.lifecycle.profile.gpu_memory_utilization == 0.48
+    assert arb.lifecycle.policy.rung_failures == {}  # the other process's memory is not held against the rung
     # The other process still holds its memory: no climb.
     host.snapshots = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ((1000, 69 * GIB),))]
     asked = host.snapshot_calls
     await until_async(lambda: host.snapshot_calls >= asked + 3, "the climb check looked at the card three times")
-    assert arb.profile.gpu_memory_utilization == 0.48 and arb.state.value == "READY"
+    assert arb.lifecycle.profile.gpu_memory_utilization == 0.48 and arb.lifecycle.state.value == "READY"
     # It is gone: the utilization climbs back to what is configured.
     host.snapshots = [DeviceSnapshot(0, 140 * GIB, 139 * GIB, 1 * GIB, ())]
-    await until_async(lambda: arb.profile.gpu_memory_utilization == 0.5 and arb.state.value == "READY",
+    life = arb.lifecycle
+    await until_async(lambda: life.profile.gpu_memory_utilization == 0.5 and life.state.value == "READY",
                       "climbed back to 0.5")
-    assert arb.restarts == 1
-    arb.request_stop("test")
+    assert arb.lifecycle.restarts == 1
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
     assert [e["to"] for e in arb.history.entries].count("DRAINING") == 1
 
@@ -409,8 +412,8 @@ async def test_a_model_path_missing_at_boot_is_waited_for_then_served(tmp_path: 
     run = asyncio.create_task(arb.run())
     await host.spawned.get()
     assert host.slept[:2] == [1.0, 2.0]  # backoff while waiting
-    await until(lambda: arb.state.value == "READY", "READY")
-    arb.request_stop("test")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
 
 
@@ -420,8 +423,8 @@ async def test_a_model_path_that_never_appears_is_a_config_error_after_the_wait(
     assert await arb.run() == ExitCode.ENGINE_CONFIG_ERROR
     assert host.children == []
     assert sum(host.slept) == pytest.approx(60.0)
-    assert arb.last_failure is not None and arb.last_failure["kind"] == "config_error"
-    assert "'/models/never' does not exist (waited engine.model_wait_s=60s)" in arb.last_failure["evidence"]
+    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "config_error"
+    assert "'/models/never' does not exist (waited engine.model_wait_s=60s)" in arb.lifecycle.last_failure["evidence"]
 
 
 async def test_starts_that_hang_until_start_timeout_end_in_fatal_whatever_their_spacing(tmp_path: Path) -> None:
@@ -430,8 +433,8 @@ async def test_starts_that_hang_until_start_timeout_end_in_fatal_whatever_their_
     client.healthy = False  # /health never answers: every start hangs until start_timeout_s
     assert await arb.run() == ExitCode.RESTART_BUDGET_SPENT
     assert len(host.children) == 3
-    assert arb.last_failure is not None and arb.last_failure["kind"] == "hang"
-    assert "start_timeout_s=900s" in arb.last_failure["evidence"]
+    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "hang"
+    assert "start_timeout_s=900s" in arb.lifecycle.last_failure["evidence"]
     assert "READY" not in await states(arb)
 
 
@@ -440,7 +443,7 @@ async def test_a_gpu_that_fell_off_the_bus_is_device_fatal_with_an_incident(tmp_
     host.gpu_lost = "NVML: GPU is lost (the GPU has fallen off the bus or the driver lost it)"
     assert await arb.run() == ExitCode.DEVICE_FATAL
     assert host.children == []
-    lf = arb.last_failure
+    lf = arb.lifecycle.last_failure
     assert lf is not None and lf["kind"] == "device_fatal" and "fallen off the bus" in lf["evidence"]
     bundle, mode = read_incident(lf["incident"])
     assert bundle["failure"]["kind"] == "device_fatal"
@@ -452,34 +455,35 @@ async def test_the_gpu_gate_honours_the_supervisors_own_cuda_visible_devices(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-8a2c")
     arb, host, _ = make(tmp_path)
     run = asyncio.create_task(arb.run())
-    await until(lambda: arb.state.value == "READY", "READY")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     assert host.gate_devices == [[1, "GPU-8a2c"]]
-    arb.request_stop("test")
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
     arb2, host2, _ = make(tmp_path / "b", engine={"env": {"CUDA_VISIBLE_DEVICES": "3"}})
     run2 = asyncio.create_task(arb2.run())
-    await until(lambda: arb2.state.value == "READY", "READY")
+    await until(lambda: arb2.lifecycle.state.value == "READY", "READY")
     assert host2.gate_devices == [[3]]  # [engine.env] wins over the supervisor's own
-    arb2.request_stop("test")
+    arb2.lifecycle.request_stop("test")
     assert await run2 == ExitCode.OK
 
 
 async def test_the_watchdog_is_petted_from_the_loops_progress_and_stops_when_a_step_overruns(
         tmp_path: Path) -> None:
     arb, host, _ = make(tmp_path)
-    arb.tick_s = 0.01
+    arb.heartbeat.tick_s = 0.01
     pets: list[float] = []
     arb.notifier.watchdog_interval_s = 15.0
     arb.notifier.watchdog = lambda: pets.append(host.now)  # type: ignore[method-assign]
-    within = asyncio.ensure_future(arb._wait(asyncio.sleep(0.1), lambda: host.now + 100))
+    within = asyncio.ensure_future(arb.heartbeat.wait(asyncio.sleep(0.1), lambda: host.now + 100))
     await within
-    assert len(pets) >= 3 and arb.loop_alive()
+    assert len(pets) >= 3 and arb.heartbeat.alive()
     pets.clear()
-    stuck = asyncio.ensure_future(arb._wait(asyncio.Event().wait(), lambda: host.now - 100))  # overran its bound
+    # A step that overran its bound:
+    stuck = asyncio.ensure_future(arb.heartbeat.wait(asyncio.Event().wait(), lambda: host.now - 100))
     await asyncio.sleep(0.1)
     assert pets == []
     host.now += 60
-    assert not arb.loop_alive()  # /healthz says 503 once the loop stopped proving progress
+    assert not arb.heartbeat.alive()  # /healthz says 503 once the loop stopped proving progress
     stuck.cancel()
 
 
@@ -492,7 +496,7 @@ def test_an_engine_run_masks_the_api_key_in_events_and_console_lines(tmp_path: P
     from supervisor.engine.run import EngineRun
 
     arb, host, _ = make(tmp_path, engine={"args": {"api_key": "sk-abc-123"}})
-    run = EngineRun(arb.cfg, host, arb.profile, 1, tmp_path / "run", lambda ev: None)  # type: ignore[arg-type]
+    run = EngineRun(arb.cfg, host, arb.lifecycle.profile, 1, tmp_path / "run", lambda ev: None)  # type: ignore[arg-type]
     run._on_event({"level": "WARNING", "msg": "bad key sk-abc-123", "exc_tail": ["x sk-abc-123"]})
     run.tail.add("(APIServer pid=1) INFO 12-01 00:00:00 [api_server.py:1] non-default args: "
                  "{'api_key': ['sk-abc-123']}")
@@ -505,7 +509,7 @@ async def test_status_shows_vllms_own_startup_step_while_starting(tmp_path: Path
     client.healthy = False
     run = asyncio.create_task(arb.run())
     child = await host.spawned.get()
-    log = Path(__file__).parent / "fixtures" / "vllm-logs" / "h200-vllm0.26-startup-ok.log"
+    log = FIXTURES / "h200-vllm0.26-startup-ok.log"
     lines = log.read_text().splitlines()
     upto = next(i for i, x in enumerate(lines) if "torch.compile took" in x)
     child.proc.stdout.feed_data(("\n".join(lines[:upto - 2]) + "\n").encode())
@@ -514,16 +518,16 @@ async def test_status_shows_vllms_own_startup_step_while_starting(tmp_path: Path
     child.proc.stdout.feed_data((lines[upto] + "\n").encode())
     await until(lambda: arb.status()["startup"]["step"] == "compiled", "compiled")
     client.healthy = True
-    await until(lambda: arb.state.value == "READY", "READY")
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     assert arb.status()["startup"] is None
-    arb.request_stop("test")
+    arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
 
 
 def test_phases_of_a_real_start_from_vllms_own_lines() -> None:
     from supervisor.decide.startup import phases, step_of
 
-    log = (Path(__file__).parent / "fixtures" / "vllm-logs" / "h200-vllm0.26-startup-ok.log").read_text()
+    log = (FIXTURES / "h200-vllm0.26-startup-ok.log").read_text()
     steps: list[tuple[str, float]] = []
     for i, line in enumerate(log.splitlines()):  # one line a second, as if read live
         step = step_of(line)
@@ -540,8 +544,8 @@ def test_phases_of_a_real_start_from_vllms_own_lines() -> None:
 def test_vllms_own_aot_cache_failure_is_recognised_in_real_logs() -> None:
     from supervisor.decide.startup import aot_cache_failure
 
-    log = (Path(__file__).parent / "fixtures" / "vllm-logs" / "cpu-vllm0.32-startup-kv-too-small.log").read_text()
+    log = (FIXTURES / "cpu-vllm0.32-startup-kv-too-small.log").read_text()
     reasons = {r for line in log.splitlines() if (r := aot_cache_failure(line))}
     assert reasons == {"'function' object has no attribute 'finalize_loading'"}
-    healthy = (Path(__file__).parent / "fixtures" / "vllm-logs" / "h200-vllm0.26-startup-ok.log").read_text()
+    healthy = (FIXTURES / "h200-vllm0.26-startup-ok.log").read_text()
     assert not [line for line in healthy.splitlines() if aot_cache_failure(line)]

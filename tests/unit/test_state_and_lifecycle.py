@@ -71,6 +71,6 @@ SUPERVISORD_MODULES = {"childutils", "compat", "confecho", "datatypes", "dispatc
 
 def test_module_names_do_not_collide_with_supervisord() -> None:
     """vLLM pulls in supervisord (also import name `supervisor`) via model-hosting-container-standards."""
-    top = Path(__file__).parents[1].joinpath("supervisor")
+    top = Path(__file__).parents[2].joinpath("supervisor")
     ours = {p.stem for p in top.glob("*.py")} | {p.name for p in top.iterdir() if (p / "__init__.py").exists()}
     assert not ours & SUPERVISORD_MODULES

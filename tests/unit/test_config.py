@@ -187,7 +187,7 @@ def test_every_config_key_is_documented_with_its_default() -> None:
 
     from supervisor.config import _SECTIONS, TOML_KEYS, HookConfig
 
-    doc = (Path(__file__).parents[1] / "docs" / "interface.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "interface.md").read_text()
     tables = [*_SECTIONS.items(), ("alerts.hooks", HookConfig)]
     missing = [f"{section}.{f.name}" for section, cls in tables for f in dataclasses.fields(cls)
                if f"`{TOML_KEYS.get(f.name, f.name)}`" not in doc and f"`{section}.{f.name}`" not in doc]

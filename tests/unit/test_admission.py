@@ -9,6 +9,8 @@ import pytest
 
 from supervisor.decide import admission
 from supervisor.decide.admission import GIB, MIB, Parsed, PressureRules, Quarantine, Rejection
+from supervisor.engine_states import EngineState as S
+from supervisor.engine_states import FailureKind
 from supervisor.gateway.gate import EngineGate, Flight, Refused
 
 
@@ -166,9 +168,9 @@ async def test_the_gate_holds_until_ready_then_times_out_with_503() -> None:
     waiter = asyncio.create_task(gate.admit(f, 5.0))
     await asyncio.sleep(0)
     assert gate.waiting == 1 and not waiter.done()
-    gate.on_state("WARMING", "READY")
+    gate.on_state(S.WARMING, S.READY)
     assert await waiter is True and gate.at_engine == {"a": f}
-    gate.on_state("READY", "STOPPING")
+    gate.on_state(S.READY, S.STOPPING)
     with pytest.raises(Refused) as r:
         await gate.admit(flight("b"), 0.05)
     assert (r.value.status, r.value.code) == (503, "engine_unavailable")
@@ -189,7 +191,7 @@ async def test_the_gate_refuses_beyond_max_held() -> None:
 
 async def test_a_full_concurrency_cap_is_429_once_the_queue_is_full() -> None:
     gate = EngineGate(max_held=1, max_in_flight=1)
-    gate.on_state("WARMING", "READY")
+    gate.on_state(S.WARMING, S.READY)
     a = flight("a")
     assert await gate.admit(a, 1.0) is False
     held = asyncio.create_task(gate.admit(flight("b"), 5.0))
@@ -203,37 +205,37 @@ async def test_a_full_concurrency_cap_is_429_once_the_queue_is_full() -> None:
 
 async def test_after_a_death_the_suspect_goes_alone_and_a_second_death_quarantines_it() -> None:
     gate = EngineGate(max_held=10)
-    gate.on_state("WARMING", "READY")
+    gate.on_state(S.WARMING, S.READY)
     small, big = flight("small", 10), flight("big", 30000)
     await gate.admit(small, 1.0)
     await gate.admit(big, 1.0)
-    gate.on_state("READY", "STOPPING")  # unplanned: both were at the engine
+    gate.on_state(S.READY, S.STOPPING)  # unplanned: both were at the engine
     assert await gate.engine_left(small, 0.1) and await gate.engine_left(big, 0.1)
     gate.leave(small)
     gate.leave(big)
-    assert gate.on_failure("runtime_oom", None) is None
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, None) is None
     assert gate.solo is big and big.strikes == 1
-    gate.on_state("STARTING", "READY")
+    gate.on_state(S.STARTING, S.READY)
     small_again = asyncio.create_task(gate.admit(small, 5.0))
     await asyncio.sleep(0)
     assert not small_again.done()  # waits while the suspect goes alone
     assert await gate.admit(big, 1.0) is False
-    gate.on_state("READY", "STOPPING")
+    gate.on_state(S.READY, S.STOPPING)
     gate.leave(big)
-    assert gate.on_failure("runtime_oom", None) is big and big.quarantined and gate.solo is None
-    gate.on_state("STARTING", "READY")
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, None) is big and big.quarantined and gate.solo is None
+    gate.on_state(S.STARTING, S.READY)
     assert await small_again is True
 
 
 async def test_a_suspect_that_lives_alone_releases_the_others() -> None:
     gate = EngineGate(max_held=10)
-    gate.on_state("WARMING", "READY")
+    gate.on_state(S.WARMING, S.READY)
     big = flight("big", 30000)
     await gate.admit(big, 1.0)
-    gate.on_state("READY", "STOPPING")
+    gate.on_state(S.READY, S.STOPPING)
     gate.leave(big)
-    gate.on_failure("engine_dead", "cmpl-big-0-aa")
-    gate.on_state("STARTING", "READY")
+    gate.on_failure(FailureKind.ENGINE_DEAD, "cmpl-big-0-aa")
+    gate.on_state(S.STARTING, S.READY)
     await gate.admit(big, 1.0)
     other = asyncio.create_task(gate.admit(flight("other"), 5.0))
     await asyncio.sleep(0)
@@ -244,16 +246,16 @@ async def test_a_suspect_that_lives_alone_releases_the_others() -> None:
 
 async def test_a_request_answered_before_the_verdict_is_never_the_one_to_go_alone() -> None:
     gate = EngineGate(max_held=10)
-    gate.on_state("WARMING", "READY")
+    gate.on_state(S.WARMING, S.READY)
     done, lost = flight("done", 30000), flight("lost", 10)
     await gate.admit(done, 1.0)
     await gate.admit(lost, 1.0)
-    gate.on_state("READY", "STOPPING")  # both at the engine when it died...
+    gate.on_state(S.READY, S.STOPPING)  # both at the engine when it died...
     gate.forget(done)  # ...but this one's answer had arrived: its handler returned
     gate.leave(lost)
-    assert gate.on_failure("runtime_oom", "cmpl-done-0-ab") is None
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, "cmpl-done-0-ab") is None
     assert gate.solo is lost  # the largest prompt still waiting, not the finished one
-    gate.on_state("STARTING", "READY")
+    gate.on_state(S.STARTING, S.READY)
     assert await gate.admit(lost, 1.0) is False
     gate.forget(lost)
     assert await gate.admit(flight("next"), 1.0) is False  # nothing blocks the gate
@@ -261,22 +263,22 @@ async def test_a_request_answered_before_the_verdict_is_never_the_one_to_go_alon
 
 async def test_deaths_no_request_causes_and_planned_stops_blame_nobody() -> None:
     gate = EngineGate(max_held=10)
-    gate.on_state("WARMING", "READY")
+    gate.on_state(S.WARMING, S.READY)
     f = flight("f")
     await gate.admit(f, 1.0)
-    gate.on_state("READY", "STOPPING")
-    assert gate.on_failure("hang", None) is None and gate.solo is None
-    gate.on_state("STARTING", "READY")
+    gate.on_state(S.READY, S.STOPPING)
+    assert gate.on_failure(FailureKind.HANG, None) is None and gate.solo is None
+    gate.on_state(S.STARTING, S.READY)
     g = flight("g")
     await gate.admit(g, 1.0)
-    gate.on_state("READY", "DRAINING")
-    gate.on_state("DRAINING", "STOPPING")
-    assert gate.on_failure("runtime_oom", None) is None and gate.solo is None
+    gate.on_state(S.READY, S.DRAINING)
+    gate.on_state(S.DRAINING, S.STOPPING)
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, None) is None and gate.solo is None
 
 
 async def test_drained_waits_for_the_engine_requests_and_reports_the_cut() -> None:
     gate = EngineGate(max_held=10)
-    gate.on_state("WARMING", "READY")
+    gate.on_state(S.WARMING, S.READY)
     a = flight("a")
     await gate.admit(a, 1.0)
     drain = asyncio.create_task(gate.drained(5.0))
@@ -284,7 +286,7 @@ async def test_drained_waits_for_the_engine_requests_and_reports_the_cut() -> No
     assert not gate.open and not drain.done()
     gate.leave(a)
     assert await drain == 0
-    gate.on_state("DRAINING", "READY")
+    gate.on_state(S.DRAINING, S.READY)
     await gate.admit(flight("b"), 1.0)
     assert await gate.drained(0.05) == 1
 

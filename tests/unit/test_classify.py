@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from supervisor.decide.classify import ExitInfo, classify, death_evidence
 from supervisor.decide.evidence import ConsoleFilter, console_evidence, strip_prefix
 from supervisor.engine_states import FailureKind, Phase
 from supervisor.profile import Knob
-
-FIX = Path(__file__).parent / "fixtures" / "vllm-logs"
+from tests.helpers.processes import FIXTURES
 
 
 def lines(name: str) -> list[str]:
-    return (FIX / name).read_text().splitlines()
+    return (FIXTURES / name).read_text().splitlines()
 
 
 @pytest.mark.parametrize(

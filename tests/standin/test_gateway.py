@@ -15,7 +15,7 @@ import pytest
 from multidict import CIMultiDict
 
 from supervisor.host.vllm_http import parse_progress
-from tests.conftest import Sup
+from tests.helpers.processes import Sup
 
 GW: dict[str, Any] = {"gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2}}
 LONG = "word " * 30_000

@@ -1,5 +1,5 @@
-"""What the next start finds ready, prepared while the engine serves: a standby interpreter, and the
-compiled graphs of the rungs a restart or a climb would pick.
+"""``[recovery] precompile``: the compiled graphs of the rungs a restart or a climb would pick, made while
+the engine serves.
 
 vLLM keys its torch.compile cache on a hash that includes ``max_num_batched_tokens`` and
 ``max_num_seqs`` (the compile ranges end at the batch token budget), so the first start at a new
@@ -16,33 +16,27 @@ import contextlib
 import json
 import shutil
 import socket
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from supervisor.config import Config
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
-from supervisor.engine.standby import Standby, fingerprint
-from supervisor.event_stream import Event, RungPrecompiled
+from supervisor.event_stream import Event, PrecompileCrashed, PrecompileStarted, RungPrecompiled
 from supervisor.host import Host, files
-from supervisor.host.gpu import GpuLost
+from supervisor.host.gpu import GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
+from supervisor.recovery.standby import fingerprint
 
 log = structlog.get_logger("supervisor.engine.next_start")
 RECORD = "compiled.json"
 # Not part of vLLM's compile hash: what lets a precompile be cheap (dummy weights) and fit beside the engine.
 PRECOMPILE_ARGS = {"load_format": "dummy"}
-
-
-def compile_key(profile: Profile) -> str:
-    """The profile's part of vLLM's compile hash: every flag but gpu_memory_utilization."""
-    return " ".join(profile.with_(gpu_memory_utilization=None).flags())
 
 
 def free_port() -> int:
@@ -51,21 +45,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class NextStart:
+class Precompiler:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
                  targets: Callable[[Profile], list[Profile]]) -> None:
         self.cfg, self.host, self.publish, self.targets = cfg, host, publish, targets
         self.dir = Path()
-        self.standby: Standby | None = None
-        self.vllm_env: dict[str, str] = {}  # what vLLM set for the last reporting EngineCore (standby.py)
-        self._spawning: asyncio.Task[None] | None = None
         self._precompile: asyncio.Task[None] | None = None
         self._precompile_child: Child | None = None
-        self._made = 0
-        self._discarding: set[asyncio.Task[None]] = set()
         self._failed: set[str] = set()  # rungs whose precompile failed: not tried again in this run
         self.record = Path(cfg.state.dir) / RECORD
         self.compiled: dict[str, list[str]] = self._load()
+
+    def configure(self, cfg: Config) -> None:
+        self.cfg = cfg
 
     # ---- the compile record ------------------------------------------------------------------------
     def _load(self) -> dict[str, list[str]]:
@@ -80,75 +72,20 @@ class NextStart:
         return f"{version or '?'}:{fingerprint(self.cfg.engine)}:{json.dumps(self.cfg.engine.args, sort_keys=True)}"
 
     def is_compiled(self, profile: Profile, version: str | None) -> bool:
-        return compile_key(profile) in self.compiled.get(self._engine_id(version), [])
+        return profile.compile_key() in self.compiled.get(self._engine_id(version), [])
 
     def note_compiled(self, profile: Profile, version: str | None) -> None:
         """A start reached READY at ``profile`` (or a precompile did): its graphs are in vLLM's cache now."""
         keys = self.compiled.setdefault(self._engine_id(version), [])
-        if compile_key(profile) not in keys:
-            keys.append(compile_key(profile))
+        if profile.compile_key() not in keys:
+            keys.append(profile.compile_key())
             try:
                 files.write_private(self.record, json.dumps(self.compiled, indent=1))
             except OSError as exc:
                 log.warning("state.compiled_record_failed", error=str(exc))
 
-    # ---- the standby -------------------------------------------------------------------------------
-    def configure(self, cfg: Config) -> None:
-        if fingerprint(cfg.engine) != fingerprint(self.cfg.engine):
-            self.vllm_env = {}  # what vLLM set for another command or environment: the next report says anew
-        self.cfg = cfg
-
-    def want_standby(self, vllm_env: Mapping[str, str]) -> None:
-        """After READY: start a standby for the next start unless a fitting one exists. ``vllm_env``: what vLLM
-        set for that engine's EngineCore, when it reported it (a forked one does not: earlier reports stand)."""
-        self.vllm_env.update(vllm_env)
-        if not self.cfg.recovery.standby or (self.standby is not None and self._fits(self.standby)):
-            return
-        if self._spawning is None or self._spawning.done():
-            self._spawning = asyncio.create_task(self._spawn_standby(), name="next-start:standby")
-
-    async def _spawn_standby(self) -> None:
-        old, self.standby = self.standby, None
-        if old is not None:
-            await old.discard(self.host)
-        self._made += 1
-        try:
-            self.standby = await Standby.start(self.host, self.cfg.engine, self.dir / f"standby-{self._made}",
-                                               self._standby_env())
-        except OSError as exc:
-            log.warning("standby.spawn_failed", error=str(exc), hint="restarts start cold")
-
-    def take_standby(self) -> Standby | None:
-        """The standby for the start about to happen, if it still fits the engine config."""
-        s, self.standby = self.standby, None
-        if s is not None and not (self.cfg.recovery.standby and self._fits(s)):
-            self._later(s.discard(self.host))
-            return None
-        return s
-
-    def _standby_env(self) -> dict[str, str]:
-        """What vLLM sets for its engine processes matters only to a standby that forks them."""
-        return self.vllm_env if self.cfg.recovery.standby_fork else {}
-
-    def _fits(self, s: Standby) -> bool:
-        return s.fits(self.cfg.engine, self._standby_env())
-
-    def give_back(self, standby: Standby | None) -> None:
-        """A start that did not use its standby (it ended before the spawn) returns it for the next."""
-        if standby is None:
-            return
-        if self.standby is None:
-            self.standby = standby
-        else:
-            self._later(standby.discard(self.host))
-
-    def _later(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._discarding.add(task)
-        task.add_done_callback(self._discarding.discard)
-
     # ---- precompiling ----------------------------------------------------------------------------------
-    async def precompile_allowed(self) -> bool:
+    async def allowed(self) -> bool:
         mode = self.cfg.recovery.precompile
         if mode != "auto":
             return mode == "on"
@@ -164,21 +101,21 @@ class NextStart:
         if idle_for_s < self.cfg.recovery.precompile_idle_s:
             return
         todo = [p for p in self.targets(profile)
-                if not self.is_compiled(p, version) and compile_key(p) not in self._failed
-                and compile_key(p) != compile_key(profile)]
-        if todo and await self.precompile_allowed():
-            self._precompile = asyncio.create_task(self._guarded(todo[0], version), name="next-start:precompile")
+                if not self.is_compiled(p, version) and p.compile_key() not in self._failed
+                and p.compile_key() != profile.compile_key()]
+        if todo and await self.allowed():
+            self._precompile = asyncio.create_task(self._guarded(todo[0], version), name="recovery:precompile")
 
     async def _guarded(self, rung: Profile, version: str | None) -> None:
         try:
             await self._compile(rung, version)
         except Exception as exc:  # noqa: BLE001 - a precompile's own fault never stops the supervision
-            self._failed.add(compile_key(rung))
-            log.warning("precompile.crashed", profile=rung.knobs(), error=repr(exc))
+            self._failed.add(rung.compile_key())
+            self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
 
     async def _compile(self, rung: Profile, version: str | None) -> None:
         e = self.cfg.engine
-        key = compile_key(rung)
+        key = rung.compile_key()
         rung = await self._beside_the_engine(rung)
         work = self.dir / f"precompile-{key.replace(' ', '').replace('-', '')[:40]}"
         engine = replace(e, port=free_port(), args={**e.args, **PRECOMPILE_ARGS})
@@ -189,12 +126,12 @@ class NextStart:
         secrets = e.secrets()  # vLLM prints its args, --api-key included: the error quotes its last lines
         tail = LogTail(40, redact=lambda line: launch.redact(line, secrets))
         t0 = self.host.monotonic()
-        log.info("precompile.started", profile=rung.knobs(), port=engine.port)
+        self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
         try:
             child = self._precompile_child = await self.host.spawn(argv, env)
         except OSError as exc:
             self._failed.add(key)
-            self.publish(RungPrecompiled(at=self.host.wall(), profile=rung.knobs(), ok=False, took_s=0.0,
+            self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
                                          error=f"could not start {argv[0]!r}: {exc}"))
             return
         drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
@@ -215,7 +152,7 @@ class NextStart:
             self.note_compiled(rung, version)
         else:
             self._failed.add(key)
-        self.publish(RungPrecompiled(at=self.host.wall(), profile=rung.knobs(), ok=ok, took_s=took,
+        self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=ok, took_s=took,
                                      error=None if ok else f"{why}; last lines: {' | '.join(lines)}"))
 
     async def _beside_the_engine(self, rung: Profile) -> Profile:
@@ -225,10 +162,10 @@ class NextStart:
             snaps = await self.host.gpu_snapshot(self.cfg.engine.devices())
         except GpuLost:
             snaps = []
-        if not snaps:
+        free = free_fraction(snaps)
+        if free is None:
             return rung
-        fits = min(s.free / s.total for s in snaps) / 2
-        return rung.with_(gpu_memory_utilization=round(max(0.01, fits), 3))
+        return rung.with_(gpu_memory_utilization=round(max(0.01, free / 2), 3))
 
     async def _until_healthy(self, child: Child, client: EngineClient) -> tuple[bool, str]:
         deadline = self.host.monotonic() + self.cfg.recovery.precompile_timeout_s
@@ -241,7 +178,7 @@ class NextStart:
             await self.host.sleep(0.5)
         return False, f"no /health 200 within {self.cfg.recovery.precompile_timeout_s:g}s"
 
-    def stop_precompile(self) -> None:
+    def stop(self) -> None:
         """The engine ended (it failed or stops): a precompile under way is killed, not waited for. The kill runs
         beside the engine's own stop; ``settled`` waits for it before the next start."""
         if self._precompile is not None and not self._precompile.done():
@@ -260,22 +197,8 @@ class NextStart:
         child = self._precompile_child
         return set(child.known_pids) if child is not None else set()
 
-    def status(self) -> dict[str, Any]:
-        s = self.standby
-        return {
-            "standby": {"pid": s.pid, "imported_s": s.import_s(), "vllm_env": sorted(s.vllm_env)}
-            if s is not None and s.alive() else None,
-            "precompiling": bool(self._precompile is not None and not self._precompile.done()),
-        }
+    def running(self) -> bool:
+        return bool(self._precompile is not None and not self._precompile.done())
 
     async def close(self) -> None:
         await self.settled()
-        if self._spawning is not None:
-            self._spawning.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._spawning
-        s, self.standby = self.standby, None
-        if s is not None:
-            await s.discard(self.host)
-        if self._discarding:
-            await asyncio.gather(*self._discarding, return_exceptions=True)

@@ -11,51 +11,52 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from supervisor.engine_states import Failure, FailureKind
 from supervisor.event_stream import (
     Event,
     EventBus,
-    FailureClassified,
     Fatal,
     LearnedChanged,
-    ProfileLowered,
-    Recovered,
-    StateChanged,
+    Reloaded,
     StopRequested,
 )
 from supervisor.ops import statefile
 from supervisor.ops.history import History
-from supervisor.ops.logs import log_event
+from supervisor.ops.logs import EventLog
 from supervisor.ops.metrics import Metrics
 from supervisor.ops.notify import Notifier
-
-P = {"max_num_batched_tokens": 8192, "max_num_seqs": 16, "gpu_memory_utilization": 0.9, "max_model_len": None}
-P2 = {**P, "max_num_batched_tokens": 6144}
-
-
-def sc(old: str, new: str, **info: Any) -> StateChanged:
-    return StateChanged(at=1.0, old=old, new=new, after_s=0.5, profile=P, restarts=0, info=info)
-
+from tests.helpers.events import P2, P, failed, lowered, recovered, sc
 
 STREAM: list[Event] = [
     sc("STOPPED", "STARTING", start=1), sc("STARTING", "WARMING"),
     sc("WARMING", "READY", start_to_ready_s=12.5),
     sc("READY", "STOPPING", reason="death"),
-    FailureClassified(at=2.0, kind="runtime_oom", evidence="CUDA out of memory. Tried to allocate 1 GiB",
-                      trigger="death", phase="serving", returncode=0, suspect_request=None,
-                      failure={"kind": "runtime_oom"}, incident=None),
-    ProfileLowered(at=2.0, diff={"max_num_batched_tokens": [8192, 6144]}, profile=P2, kind="runtime_oom",
-                   evidence="CUDA out of memory"),
-    sc("STOPPING", "BACKOFF", delay_s=1.0), sc("BACKOFF", "STARTING"), sc("STARTING", "WARMING"),
-    sc("WARMING", "READY", start_to_ready_s=10.0),
-    Recovered(at=3.0, kind="runtime_oom", recovered_after_s=14.0, profile=P2),
+    failed(evidence="CUDA out of memory. Tried to allocate 1 GiB"),
+    lowered(),
+    sc("STOPPING", "BACKOFF", profile=P2, delay_s=1.0), sc("BACKOFF", "STARTING", profile=P2),
+    sc("STARTING", "WARMING", profile=P2),
+    sc("WARMING", "READY", profile=P2, start_to_ready_s=10.0),
+    recovered(),
     StopRequested(at=4.0, reason="SIGTERM"),
 ]
 
 
+class Recorder:
+    """A subscriber that keeps what it gets (or runs ``action`` on it)."""
+
+    def __init__(self, action: Any = None) -> None:
+        self.seen: list[str] = []
+        self.action = action
+
+    def on_event(self, event: Event) -> Any:
+        self.seen.append(event.name)
+        return self.action(event) if self.action else None
+
+
 def test_metrics_subscriber_alone() -> None:
-    m = Metrics(P)
+    m = Metrics(P.knobs())
     for ev in STREAM:
-        m(ev)
+        m.on_event(ev)
     text = m.render().decode()
     assert 'vllm_supervisor_engine_state{state="READY"} 1.0' in text
     assert 'vllm_supervisor_engine_state{state="BACKOFF"} 0.0' in text
@@ -71,7 +72,7 @@ def test_metrics_subscriber_alone() -> None:
 def test_history_subscriber_alone() -> None:
     h = History(maxlen=5)
     for ev in STREAM:
-        h(ev)
+        h.on_event(ev)
     assert [e["to"] for e in h.last()] == ["STOPPING", "BACKOFF", "STARTING", "WARMING", "READY"]  # bounded
     assert h.last()[-1]["from"] == "WARMING" and h.last()[-1]["start_to_ready_s"] == 10.0
 
@@ -79,7 +80,7 @@ def test_history_subscriber_alone() -> None:
 def test_log_subscriber_alone_writes_one_line_per_event_at_its_level() -> None:
     with capture_logs() as logs:
         for ev in STREAM:
-            log_event(ev)
+            EventLog().on_event(ev)
     assert [x["event"] for x in logs] == [ev.name for ev in STREAM]
     lowered = next(x for x in logs if x["event"] == "engine.profile_lowered")
     assert lowered["log_level"] == "warning" and lowered["diff"] == {"max_num_batched_tokens": [8192, 6144]}
@@ -90,10 +91,10 @@ def test_log_subscriber_alone_writes_one_line_per_event_at_its_level() -> None:
 def test_statefile_subscriber_alone(tmp_path: Path) -> None:
     w = statefile.StateFileWriter(tmp_path)
     for ev in STREAM:
-        w(ev)
+        w.on_event(ev)
     assert statefile.load(tmp_path) is None  # nothing learned, nothing written
-    w(LearnedChanged(at=5.0, profile={**P2, "enable_chunked_prefill": True}, rung_failures={"k": 1},
-                     last_failure={"kind": "runtime_oom"}, restarts_total=3))
+    w.on_event(LearnedChanged(at=5.0, profile=P2.with_(enable_chunked_prefill=True), rung_failures={"k": 1},
+                              last_failure={"kind": "runtime_oom"}, restarts_total=3))
     back = statefile.load(tmp_path)
     assert back is not None and back.profile.max_num_batched_tokens == 6144 and back.restarts_total == 3
 
@@ -106,7 +107,7 @@ def test_notify_subscriber_alone_on_a_real_socket(tmp_path: Path, monkeypatch: p
         monkeypatch.setenv("NOTIFY_SOCKET", str(path))
         n = Notifier(start_budget_s=600)
         for ev in STREAM:
-            n(ev)
+            n.on_event(ev)
         got = []
         s.setblocking(False)
         while True:
@@ -124,18 +125,18 @@ def test_notify_subscriber_alone_on_a_real_socket(tmp_path: Path, monkeypatch: p
 async def test_a_slow_subscriber_never_delays_publishing_and_what_it_drops_is_counted() -> None:
     bus = EventBus()
     stuck = asyncio.Event()
-    fast: list[str] = []
+    fast = Recorder()
 
     async def slow(_: Event) -> None:
         await stuck.wait()  # a hook that hangs
 
-    bus.subscribe("slow", slow, queue_size=3)
-    bus.subscribe("fast", lambda ev: fast.append(ev.name))
+    bus.subscribe("slow", Recorder(slow), queue_size=3)
+    bus.subscribe("fast", fast)
     bus.start()
     for ev in STREAM:
         bus.publish(ev)  # returns at once whatever the subscribers do
     await asyncio.wait_for(bus.drain_one("fast"), 5)
-    assert fast == [ev.name for ev in STREAM]
+    assert fast.seen == [ev.name for ev in STREAM]
     c = bus.counters()
     assert c["fast"]["dropped"] == 0
     assert c["slow"]["dropped"] == len(STREAM) - 3  # published before it ran: three queued, the rest dropped
@@ -144,20 +145,20 @@ async def test_a_slow_subscriber_never_delays_publishing_and_what_it_drops_is_co
 
 async def test_a_failing_subscriber_is_counted_and_the_others_go_on() -> None:
     bus = EventBus()
-    seen: list[str] = []
+    ok = Recorder()
 
     def broken(_: Event) -> None:
         raise RuntimeError("boom")
 
-    bus.subscribe("broken", broken)
-    bus.subscribe("ok", lambda ev: seen.append(ev.name))
+    bus.subscribe("broken", Recorder(broken))
+    bus.subscribe("ok", ok)
     bus.start()
-    fatal = Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure={"kind": "hang"})
+    fatal = Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure=Failure(FailureKind.HANG, "x"))
     for ev in (*STREAM, fatal):
         bus.publish(ev)
     with capture_logs() as logs:
         await bus.close()
-    assert seen[-1] == "supervisor.fatal"  # close() flushes what was queued before stopping
+    assert ok.seen[-1] == "supervisor.fatal"  # close() flushes what was queued before stopping
     assert bus.counters()["broken"]["failed"] == len(STREAM) + 1
     assert any(x["event"] == "event_stream.subscriber_failed" for x in logs)
 
@@ -167,3 +168,29 @@ def test_every_event_record_is_frozen_and_json_ready() -> None:
         json.dumps(ev.fields())
         with pytest.raises(AttributeError):
             ev.at = 0  # type: ignore[misc]
+
+
+def test_metrics_follow_a_profile_change_in_any_state_and_a_reload_of_the_configured_profile() -> None:
+    """Every fact on /metrics moves with an event: the profile rides on each state change, and a reload
+    that changes [profile] says so (both were stale before)."""
+    m = Metrics(P.knobs(), P.knobs())
+    m.on_event(sc("STOPPING", "BACKOFF", delay_s=1.0))
+    m.on_event(sc("BACKOFF", "STARTING", profile=P2))  # the operator's target, set during the backoff
+    text = m.render().decode()
+    assert 'vllm_supervisor_profile{knob="max_num_batched_tokens"} 6144.0' in text
+    assert "vllm_supervisor_degraded 1.0" in text
+    m.on_event(Reloaded(at=5.0, changed=("profile",), engine_restart=True, configured_profile=P2))
+    text = m.render().decode()
+    assert 'vllm_supervisor_configured_profile{knob="max_num_batched_tokens"} 6144.0' in text
+    assert "vllm_supervisor_degraded 0.0" in text
+
+
+def test_typed_events_render_under_their_documented_names() -> None:
+    ready = sc("WARMING", "READY", start_to_ready_s=12.5).fields()
+    assert ready["from"] == "WARMING" and ready["to"] == "READY" and ready["warmup_prompts"] == [100, 200]
+    assert ready["profile"] == P.knobs() and "outage_s" not in ready
+    down = sc("READY", "STOPPING", reason="death", evidence="x").fields()
+    assert (down["reason"], down["evidence"], down["outage_s"]) == ("death", "x", 0.0)
+    f = failed(suspect_request="cmpl-1").fields()
+    assert f["kind"] == "runtime_oom" and f["trigger"] == "death" and f["phase"] == "serving"
+    assert f["failure"] == {"kind": "runtime_oom", "evidence": "CUDA out of memory. Tried to allocate 176.00 MiB"}

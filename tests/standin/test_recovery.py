@@ -7,55 +7,16 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
+import pytest
 
 from supervisor.child import vllm_standby
-from supervisor.config import LadderConfig, RestartConfig, parse
-from supervisor.decide.policy import Policy
-from supervisor.engine.next_start import NextStart, compile_key
-from supervisor.engine.standby import VLLM_CLI, entry_of, start_env, vllm_env_of
-from supervisor.host.real import RealHost
-from supervisor.profile import Profile
-from tests.conftest import FAKE_VLLM, Sup, gone
-from tests.test_e2e_standin import cli, send_long_prompt
+from tests.helpers.processes import FAKE_VLLM, STANDIN_BASE, Launcher, Sup, cli, deep_merge, gone, send_long_prompt
 
 IMPORT_S = 1.5  # the stand-in's "import vllm"
-
-
-def test_a_standby_knows_the_engine_commands_it_can_become(tmp_path: Path) -> None:
-    assert entry_of(["/v/bin/python3", "-m", "vllm.entrypoints.openai.api_server"]) is not None
-    m = entry_of(["/v/bin/python3", "-m", "vllm.entrypoints.openai.api_server"])
-    assert m is not None and (m.mode, m.target, m.args_from) == ("module", "vllm.entrypoints.openai.api_server", 3)
-    s = entry_of([sys.executable, "/x/server.py"])
-    assert s is not None and (s.mode, s.target, s.args_from) == ("script", "/x/server.py", 2)
-    (tmp_path / "bin").mkdir()
-    for exe in ("vllm", "python"):
-        (tmp_path / "bin" / exe).write_text("#!/bin/sh\n")
-        os.chmod(tmp_path / "bin" / exe, 0o755)
-    v = entry_of([str(tmp_path / "bin" / "vllm"), "serve"])
-    assert v is not None and (v.python, v.mode, v.target, v.args_from) == \
-        (str(tmp_path / "bin" / "python"), "function", VLLM_CLI, 1)
-    # Anything else (a wrapper, a shell script, a bare `vllm` without its interpreter beside it) starts cold.
-    assert entry_of(["numactl", "--cpunodebind=0", "python3", "-m", "vllm.entrypoints.openai.api_server"]) is None
-    assert entry_of(["/opt/start-vllm.sh"]) is None
-    assert entry_of(["vllm", "serve"]) is None
-
-
-def test_the_rungs_to_precompile_are_a_runtime_ooms_step_down_and_the_climb_back() -> None:
-    ladder = LadderConfig(max_num_batched_tokens=(8192, 4096, 2048), max_num_batched_tokens_floor=1024)
-    configured = Profile(max_num_batched_tokens=8192, max_num_seqs=64)
-    policy = Policy(RestartConfig(), ladder, configured)
-    assert [p.max_num_batched_tokens for p in policy.next_rungs(configured)] == [4096]
-    mid = configured.with_(max_num_batched_tokens=4096)
-    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [2048, 8192]
-    policy.rung_failures[mid.with_(max_num_batched_tokens=2048).key()] = 2  # known to fail: skipped
-    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [1024, 8192]
-    # vLLM's compile hash ignores the memory fraction: a utilization rung needs no compile of its own.
-    assert compile_key(mid) == compile_key(mid.with_(gpu_memory_utilization=0.8))
-    assert compile_key(mid) != compile_key(mid.with_(max_num_seqs=32))
 
 
 def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable[..., Sup]) -> None:
@@ -93,43 +54,6 @@ def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable
     sup.proc.send_signal(signal.SIGTERM)
     assert sup.wait_exit(30) == 0
     assert gone(last)
-
-
-def test_a_standby_start_forks_the_engine_core_unless_the_engine_env_names_a_method() -> None:
-    assert start_env({"A": "1"}, fork=True) == {"A": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-    assert start_env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, fork=True) == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    assert start_env({"A": "1"}, fork=False) == {"A": "1"}
-    # What vLLM set for its EngineCore is added where the start's own environment is silent.
-    assert start_env({"A": "1", "LD_PRELOAD": "mine.so"}, True, {"A": "2", "LD_PRELOAD": "gomp.so", "B": "3"}) == \
-        {"A": "1", "LD_PRELOAD": "mine.so", "B": "3", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-
-
-def test_what_vllm_set_for_its_engine_core_is_kept_without_the_per_start_variables() -> None:
-    reported = {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
-                "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "PYTHONPATH": "/run/7", "VLLM_LOGGING_CONFIG_PATH": "/run/7/x",
-                "VLLM_SUPERVISOR_EVENTS": "/run/7/events.sock", "_VLLM_SUPERVISOR_HOOK_DIR": "/run/7", "N": 3}
-    assert vllm_env_of(reported) == {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    assert vllm_env_of(None) == {} and vllm_env_of(["LD_PRELOAD"]) == {}
-
-
-def test_what_vllm_set_is_forgotten_when_the_engine_command_or_environment_changes(tmp_path: Path) -> None:
-    raw = {"engine": {"model": "m", "env": {"A": "1"}}, "state": {"dir": str(tmp_path)},
-           "recovery": {"standby": False}}
-    ns = NextStart(parse(raw), RealHost(), lambda _: None, lambda _: [])
-    ns.want_standby({"LD_PRELOAD": "gomp.so"})
-    ns.want_standby({})  # a forked EngineCore reports nothing: the last report stands
-    ns.configure(parse({**raw, "gateway": {"listen": "127.0.0.1:9"}}))
-    assert ns.vllm_env == {"LD_PRELOAD": "gomp.so"}
-    ns.configure(parse({**raw, "engine": {"model": "m", "env": {"A": "2"}}}))
-    assert ns.vllm_env == {}
-
-
-def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:
-    assert vllm_standby.omp_cpus({"GOMP_CPU_AFFINITY": "0 3 1-2 4-9:2"}) == {0, 1, 2, 3, 4, 6, 8}
-    assert vllm_standby.omp_cpus({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}) == {0, 1, 2}
-    assert vllm_standby.omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,2-3]"}) == {0, 2, 3}
-    assert vllm_standby.omp_cpus({"OMP_PLACES": "{0:4}"}) is None  # an interval: left to the runtime
-    assert vllm_standby.omp_cpus({}) is None
 
 
 FORK_CHILD = """
@@ -229,12 +153,25 @@ def test_a_standby_for_another_command_is_not_used(supervise: Callable[..., Sup]
     sup.wait_for(lambda _: gone(stale), 10, "the stale standby gone")
 
 
+@pytest.fixture
+def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
+    """As the shared fixture, with the standby on ([recovery]'s default, off for the other stand-in tests)."""
+    launcher = Launcher(tmp_path, deep_merge(STANDIN_BASE, {"recovery": {"standby": True}}), strict_stops=True)
+    yield launcher.start
+    launcher.cleanup()
+
+
+# Throwaway engines are found by a scan of every process: these tests run one at a time (one xdist group).
+precompiling = pytest.mark.xdist_group("precompile")
+
+
 def throwaways() -> list[list[str]]:
     """The precompile's throwaway engines running now (the stand-in with dummy weights)."""
     return [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
             if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
 
 
+@precompiling
 def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
         supervise: Callable[..., Sup]) -> None:
     sup = supervise({"recovery": {"precompile": "on", "precompile_idle_s": 0.5}})
@@ -254,6 +191,7 @@ def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
     assert throwaways() == []
 
 
+@precompiling
 def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(supervise: Callable[..., Sup]) -> None:
     sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "4", "FAKE_VLLM_OOM_TOKENS": "5000"}},
                      "recovery": {"precompile": "on", "precompile_idle_s": 0.2}})
@@ -267,13 +205,16 @@ def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(su
     assert not [e for e in sup.events("engine.rung_precompiled") if e["ok"]]
 
 
+@precompiling
 def test_a_failed_precompile_quotes_its_last_lines_with_secrets_masked(supervise: Callable[..., Sup]) -> None:
     key = "sk-precompile-secret-1"
-    sup = supervise({"engine": {"args": {"api_key": key}, "env": {"FAKE_VLLM_START_DELAY": "1.5"}},
-                     "recovery": {"precompile": "on", "precompile_idle_s": 0.2, "precompile_timeout_s": 0.8}})
+    # The throwaway prints its args at once but answers /health only after 4 s: it times out after 2.5 s
+    # (long enough for the args line on a loaded machine), quoting that line.
+    sup = supervise({"engine": {"args": {"api_key": key}, "env": {"FAKE_VLLM_START_DELAY": "4"}},
+                     "recovery": {"precompile": "on", "precompile_idle_s": 0.2, "precompile_timeout_s": 2.5}})
     sup.wait_ready(30)
     sup.wait_for(lambda _: bool(sup.events("engine.rung_precompiled")), 30, "the precompile's end")
     ev = sup.events("engine.rung_precompiled")[0]
-    assert ev["ok"] is False and "no /health 200 within 0.8s" in ev["error"], ev
+    assert ev["ok"] is False and "no /health 200 within 2.5s" in ev["error"], ev
     assert "'api_key': '***'" in ev["error"], ev  # vLLM's args line, quoted with the key masked
     assert key not in sup.log_path.read_text()

@@ -3,7 +3,7 @@
 Importing vLLM and torch is ~5 s of every start on 2 CPU cores and ~20 s on the H200 host. The
 standby pays that while the current engine serves. It is started with the environment the next
 start will have, minus the per-start event socket and logging config, which it takes over when
-activated (see vllm_standby.py, its child side). It never touches the GPU: importing torch does
+activated (see supervisor/child/vllm_standby.py, its child side). It never touches the GPU: importing torch does
 not initialise CUDA, so the GPU gate and the release wait are not concerned by it.
 
 vLLM's CLI spawns its EngineCore (VLLM_WORKER_MULTIPROC_METHOD=spawn when unset), and a spawned
@@ -17,27 +17,31 @@ for them that only a new process reads (LD_PRELOAD, TORCHINDUCTOR_*). Every engi
 reports the variables vLLM set for it (``vllm_env``, from the IPC hook); the next standby starts with
 them, so its imports read what a new engine process would, and the activated standby keeps fork only
 when vLLM's platform then changes nothing but the method (vllm_standby.py).
+
+``StandbyPool`` keeps at most one: made after each READY unless a fitting one exists, taken by
+the next start at its spawn, discarded when the engine's command or environment changed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import structlog
+from typing import Any
 
 from supervisor.child import vllm_standby
-from supervisor.config import EngineConfig
+from supervisor.config import Config, EngineConfig
 from supervisor.engine import ipc, launch
+from supervisor.event_stream import Event, StandbySpawned, StandbyUnavailable
 from supervisor.host import Host
 from supervisor.host.proctree import Child
 
-log = structlog.get_logger("supervisor.engine.standby")
 SCRIPT = "vllm_supervisor_standby.py"
 READY_FILE = "imported"
 VLLM_CLI = "vllm.entrypoints.cli.main:main"
@@ -115,7 +119,7 @@ class Standby:
         self._import_s: float | None = None
 
     @classmethod
-    async def start(cls, host: Host, engine: EngineConfig, directory: Path,
+    async def start(cls, host: Host, engine: EngineConfig, directory: Path, publish: Callable[[Event], None],
                     vllm_env: Mapping[str, str] | None = None) -> Standby | None:
         """``vllm_env``: what vLLM set for the last engine's EngineCore (see ``start_env``)."""
         entry = entry_of(engine.argv_prefix)
@@ -128,7 +132,8 @@ class Standby:
         env["VLLM_SUPERVISOR_STANDBY_READY"] = str(directory / READY_FILE)
         argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
         child = await host.spawn(argv, env, stdin=True)
-        log.info("standby.spawned", pid=child.pid, mode=entry.mode, target=entry.target, vllm_env=sorted(vllm_env))
+        publish(StandbySpawned(at=host.wall(), pid=child.pid, mode=entry.mode, target=entry.target,
+                               vllm_env=tuple(sorted(vllm_env))))
         return cls(child, entry, fingerprint(engine, vllm_env), directory, vllm_env)
 
     @property
@@ -168,3 +173,85 @@ class Standby:
         if self.alive():
             await host.terminate_tree(self.child, 2.0, 2.0)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class StandbyPool:
+    """``[recovery] standby`` and ``standby_fork``: one standby kept for the next start."""
+
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
+        self.cfg, self.host, self.publish = cfg, host, publish
+        self.dir = Path()
+        self.standby: Standby | None = None
+        self.vllm_env: dict[str, str] = {}  # what vLLM set for the last reporting EngineCore
+        self._spawning: asyncio.Task[None] | None = None
+        self._made = 0
+        self._discarding: set[asyncio.Task[None]] = set()
+
+    def configure(self, cfg: Config) -> None:
+        if fingerprint(cfg.engine) != fingerprint(self.cfg.engine):
+            self.vllm_env = {}  # what vLLM set for another command or environment: the next report says anew
+        self.cfg = cfg
+
+    def engine_env(self, vllm_env: Mapping[str, str]) -> None:
+        """An EngineCore reported what vLLM set for it (a forked one does not: earlier reports stand)."""
+        self.vllm_env.update(vllm_env)
+
+    def want(self) -> None:
+        """After READY: start a standby for the next start unless a fitting one exists."""
+        if not self.cfg.recovery.standby or (self.standby is not None and self._fits(self.standby)):
+            return
+        if self._spawning is None or self._spawning.done():
+            self._spawning = asyncio.create_task(self._spawn(), name="recovery:standby")
+
+    async def _spawn(self) -> None:
+        old, self.standby = self.standby, None
+        if old is not None:
+            await old.discard(self.host)
+        self._made += 1
+        try:
+            self.standby = await Standby.start(self.host, self.cfg.engine, self.dir / f"standby-{self._made}",
+                                               self.publish, self._env())
+        except OSError as exc:
+            self.publish(StandbyUnavailable(at=self.host.wall(), what="spawn_failed", error=str(exc),
+                                            hint="restarts start cold"))
+
+    def take(self) -> Standby | None:
+        """The standby for the start spawning now, if it still fits the engine config."""
+        s, self.standby = self.standby, None
+        if s is not None and not (self.cfg.recovery.standby and self._fits(s)):
+            self._later(s.discard(self.host))
+            return None
+        return s
+
+    def lost(self, s: Standby, error: str) -> None:
+        """The start found its standby gone: it starts cold, and the standby's remains are cleared."""
+        self.publish(StandbyUnavailable(at=self.host.wall(), what="lost", pid=s.pid, error=error))
+        self._later(s.discard(self.host))
+
+    def _env(self) -> dict[str, str]:
+        """What vLLM sets for its engine processes matters only to a standby that forks them."""
+        return self.vllm_env if self.cfg.recovery.standby_fork else {}
+
+    def _fits(self, s: Standby) -> bool:
+        return s.fits(self.cfg.engine, self._env())
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._discarding.add(task)
+        task.add_done_callback(self._discarding.discard)
+
+    def status(self) -> dict[str, Any] | None:
+        s = self.standby
+        return {"pid": s.pid, "imported_s": s.import_s(), "vllm_env": sorted(s.vllm_env)} \
+            if s is not None and s.alive() else None
+
+    async def close(self) -> None:
+        if self._spawning is not None:
+            self._spawning.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._spawning
+        s, self.standby = self.standby, None
+        if s is not None:
+            await s.discard(self.host)
+        if self._discarding:
+            await asyncio.gather(*self._discarding, return_exceptions=True)

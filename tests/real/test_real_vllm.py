@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import Launcher, Sup, gone, http_json, spawned_pids
+from tests.helpers.processes import Launcher, Sup, gone, http_json, spawned_pids
 
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "")
 TINY_MODEL = os.environ.get("TINY_MODEL", "")

@@ -45,7 +45,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import web
+if "--engine-core-fd" not in sys.argv:  # a spawned EngineCore serves no HTTP: it pays no aiohttp import
+    from aiohttp import web
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_vllm_pkg"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-UNITS = Path(__file__).parents[1] / "systemd"
+UNITS = Path(__file__).parents[2] / "systemd"
 pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                 reason="systemd-analyze is not installed (.ci/run installs it)")
 

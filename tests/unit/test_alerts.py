@@ -15,36 +15,15 @@ from typing import Any
 import pytest
 
 from supervisor.config import AlertsConfig, HookConfig, parse, read_secret
-from supervisor.event_stream import (
-    AlertOutcome,
-    Event,
-    FailureClassified,
-    Fatal,
-    ProfileLowered,
-    Recovered,
-    StateChanged,
-)
+from supervisor.engine_states import Failure, FailureKind
+from supervisor.event_stream import AlertOutcome, Event, Fatal
 from supervisor.ops.alerts.channels import MissingSecret, make_channel
 from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.alerts.rules import AlertRules
-from tests.conftest import Receiver
+from tests.helpers.events import crash_and_recover, failed, lowered, recovered, sc
+from tests.helpers.receivers import Receiver
 
-P = {"max_num_batched_tokens": 6144, "max_num_seqs": 16, "gpu_memory_utilization": 0.9, "max_model_len": None}
-
-
-def sc(old: str, new: str, at: float = 1.0, **info: Any) -> StateChanged:
-    return StateChanged(at=at, old=old, new=new, after_s=0.1, profile=P, restarts=0, info=info)
-
-
-def failed(kind: str = "runtime_oom", evidence: str = "CUDA out of memory. Tried to allocate 176.00 MiB") -> Event:
-    return FailureClassified(at=2.0, kind=kind, evidence=evidence, trigger="death", phase="serving", returncode=0,
-                             suspect_request=None, failure={"kind": kind}, incident="/var/lib/x/incidents/1.json")
-
-
-def crash_and_recover(kind: str = "runtime_oom") -> list[Event]:
-    return [sc("READY", "STOPPING"), failed(kind), sc("STOPPING", "BACKOFF", delay_s=1.0),
-            sc("BACKOFF", "STARTING"), sc("STARTING", "WARMING"), sc("WARMING", "READY"),
-            Recovered(at=3.0, kind=kind, recovered_after_s=42.0, profile=P)]
+HUNG = Failure(FailureKind.HANG, "no token progress")
 
 
 # ---- the rules alone ----------------------------------------------------------------------------------------
@@ -72,7 +51,7 @@ def test_rules_page_an_outage_once_and_the_recovery_resolves_the_same_key() -> N
     outage = rules.tick(160.0, 1_700_000_001.0)
     assert [(a.event, a.severity, a.kind) for a in outage] == [("outage", "error", "hang")]
     assert rules.tick(500.0, 1_700_000_400.0) == []  # once per outage
-    rec = rules.on_event(Recovered(at=9.0, kind="hang", recovered_after_s=420.0, profile=P), 520.0)
+    rec = rules.on_event(recovered("hang", 420.0, at=9.0), 520.0)
     assert rec[0].resolves and rec[0].dedup_key == outage[0].dedup_key
 
 
@@ -87,12 +66,11 @@ def test_a_quarantined_request_is_a_warning_naming_its_hash_never_its_text() -> 
 
 def test_rules_dedup_repeats_within_the_window_and_fatal_is_critical() -> None:
     rules = AlertRules(AlertsConfig(dedup_window_s=300), "gpu-7", 0.0)
-    lowered = ProfileLowered(at=1.0, diff={"max_num_batched_tokens": [8192, 6144]}, profile=P, kind="runtime_oom",
-                             evidence="CUDA out of memory")
-    assert len(rules.on_event(lowered, 0.0)) == 1
-    assert rules.on_event(lowered, 100.0) == []
-    assert len(rules.on_event(lowered, 301.0)) == 1
-    fatal = rules.on_event(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure={"kind": "hang"}), 1.0)
+    down = lowered()
+    assert len(rules.on_event(down, 0.0)) == 1
+    assert rules.on_event(down, 100.0) == []
+    assert len(rules.on_event(down, 301.0)) == 1
+    fatal = rules.on_event(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure=HUNG), 1.0)
     assert [(a.event, a.severity, a.kind) for a in fatal] == [("fatal", "critical", "hang")]
 
 
@@ -123,7 +101,7 @@ async def test_pagerduty_triggers_and_resolves_with_one_dedup_key(receiver: Call
     rules = AlertRules(AlertsConfig(page_after_s=1), "gpu-7", 0.0)
     rules.on_event(failed("hang", "no token progress"), 0.0)
     (outage,) = rules.tick(5.0, 1_700_000_000.0)
-    (resolved,) = rules.on_event(Recovered(at=2.0, kind="hang", recovered_after_s=9.0, profile=P), 6.0)
+    (resolved,) = rules.on_event(recovered("hang", 9.0, at=2.0), 6.0)
     ch = make_channel(HookConfig(type="pagerduty", url=r.url + "/v2/enqueue", routing_key_env="PD_ROUTING"))
     await ch.send(outage)
     await ch.send(resolved)
@@ -143,7 +121,7 @@ async def test_twilio_sends_one_form_post_per_number_with_basic_auth(receiver: C
     monkeypatch.setenv("TW_TOKEN", "s3cret-token")
     ch = make_channel(HookConfig(type="twilio", url=r.url, account_sid="AC123", auth_token_env="TW_TOKEN",
                                  from_="+15550001", to=("+15550002", "+15550003")))
-    await ch.send(one_alert(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure={"kind": "hang"})))
+    await ch.send(one_alert(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure=HUNG)))
     await ch.close()
     assert [x.path for x in r.requests] == ["/2010-04-01/Accounts/AC123/Messages.json"] * 2
     auth = r.requests[0].headers["Authorization"]
@@ -208,7 +186,7 @@ async def test_a_hanging_hook_and_a_failing_hook_never_hold_up_the_others(receiv
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     for ev in crash_and_recover():
-        alerts(ev)  # what the bus does: returns at once
+        alerts.on_event(ev)  # what the bus does: returns at once
     assert loop.time() - t0 < 0.05
     while not (len(good.requests) == 2 and len([o for o in outcomes if o.outcome == "failed"]) == 2):
         await asyncio.sleep(0.01)  # the test's own timeout bounds this
@@ -228,8 +206,8 @@ async def test_a_hooks_rate_limit_holds_back_all_but_critical(receiver: Callable
                     lambda ev: outcomes.append(ev.outcome) if isinstance(ev, AlertOutcome) else None, retry_wait_s=0.01)
     alerts.start()
     for ev in [failed(), sc("STOPPING", "BACKOFF")] * 3:
-        alerts(ev)
-    alerts(Fatal(at=1.0, reason="budget", exit_code=4, failure={}))
+        alerts.on_event(ev)
+    alerts.on_event(Fatal(at=1.0, reason="budget", exit_code=4, failure=None))
     await alerts.close()
     assert outcomes.count("suppressed") == 1 and outcomes.count("sent") == 3
     assert r.requests[-1].json()["event"] == "fatal"

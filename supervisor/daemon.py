@@ -1,0 +1,253 @@
+"""The composition root: every part is built, started and stopped here, in an order read top to bottom.
+
+``Daemon.run`` is startup → the lifecycle's main loop → shutdown, as uvicorn's ``Server.serve``
+is. The parts never build each other: the event stream and its subscribers, the lifecycle (the
+state machine, the only writer of state and profile), recovery, the gateway, the admin and
+metrics listeners, the alert hooks and the control socket are made in ``__init__`` and wired
+through callables and the stream. Reload is here too, because it replaces parts. Signal handlers
+only set intent; the loop acts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from supervisor import config as config_mod
+from supervisor.config import Config, ConfigError
+from supervisor.decide.policy import Policy, clamp_to_configured
+from supervisor.engine.run import EngineRun, StandbySource
+from supervisor.event_stream import (
+    Event,
+    EventBus,
+    ProfileRestored,
+    Reloaded,
+    ReloadFailed,
+    Reloading,
+    SupervisorStarted,
+)
+from supervisor.gateway.server import COUNTERS, EngineView, Gateway
+from supervisor.heartbeat import Heartbeat
+from supervisor.host import Host, leftovers
+from supervisor.host.gpu import GpuLost
+from supervisor.host.vllm_http import EngineClient
+from supervisor.lifecycle import Lifecycle
+from supervisor.ops import control, statefile
+from supervisor.ops.admin import AdminServer, make_app, metrics_app
+from supervisor.ops.alerts.channels import MissingSecret
+from supervisor.ops.alerts.dispatch import Alerts
+from supervisor.ops.control import ControlServer
+from supervisor.ops.history import History
+from supervisor.ops.logs import EventLog
+from supervisor.ops.metrics import Metrics
+from supervisor.ops.notify import Notifier
+from supervisor.profile import Profile
+from supervisor.recovery import Recovery
+
+GPU_POLL_S = 10.0
+
+
+class Daemon:
+    def __init__(self, cfg: Config, host: Host, *, notifier: Notifier | None = None,
+                 echo: TextIO | None = None, install_signals: bool = True,
+                 client_factory: Callable[[], EngineClient] | None = None, config_path: str | None = None) -> None:
+        self.cfg, self.host, self.config_path, self.install_signals = cfg, host, config_path, install_signals
+        self.started_mono = host.monotonic()
+        self.bus = EventBus()
+        publish = self.bus.publish
+        learned = statefile.load(cfg.state.dir)
+        profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
+        policy = Policy(cfg.restart, cfg.ladder, cfg.profile,
+                        rung_failures=dict(learned.rung_failures) if learned else {})
+        self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
+        self.recovery = Recovery(cfg, host, publish, policy.next_rungs)
+        self.gateway = Gateway(cfg, host, publish, self._engine_view) if cfg.gateway else None
+        self.heartbeat = Heartbeat(host, self.notifier, publish, lambda: self.lifecycle.state)
+        self.run_dir = Path()
+
+        def new_run(p: Profile, number: int, standby: StandbySource) -> EngineRun:
+            return EngineRun(self.cfg, host, p, number, self.run_dir / f"start-{number}", publish, echo=echo,
+                             client=client_factory() if client_factory else None, standby=standby)
+
+        self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run,
+                                   recovery=self.recovery, front=self.gateway,
+                                   learned={"restarts_total": learned.restarts_total,
+                                            "last_failure": learned.last_failure} if learned else None)
+        # Subscribers, in the order they read each event.
+        self.metrics = Metrics(profile.knobs(), cfg.profile.knobs())
+        self.metrics.budget_from(lambda: policy.budget_left(host.monotonic()))
+        self.history = History()
+        self.alerts = self._alerts_for(cfg)  # raises MissingSecret (a configuration error)
+        self.bus.subscribe("log", EventLog())
+        self.bus.subscribe("metrics", self.metrics)
+        self.bus.subscribe("notify", self.notifier)
+        self.bus.subscribe("history", self.history)
+        self.bus.subscribe("statefile", statefile.StateFileWriter(cfg.state.dir))
+        self.bus.subscribe("alerts", self)  # forwards to self.alerts, which a reload may replace
+        self.bus.subscribe("recovery", self.recovery)
+        if self.gateway is not None:
+            self.bus.subscribe("gateway", self.gateway)
+            self.metrics.gateway_from(self.gateway.status, COUNTERS)
+        # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control socket.
+        self.admin = AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render),
+                                 *cfg.admin.host_port)
+        self.metrics_only = AdminServer(metrics_app(self.metrics.render), *cfg.admin.metrics_host_port) \
+            if cfg.admin.metrics_listen else None
+        self.control = ControlServer(control.path_in(cfg.state.dir), self.control_command)
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def on_event(self, event: Event) -> None:
+        self.alerts.on_event(event)
+
+    # ---- startup, main loop, shutdown -----------------------------------------------------------------
+    async def run(self) -> int:
+        """Supervise until asked to stop (0) or FATAL (non-zero ExitCode)."""
+        await self.startup()
+        try:
+            await self.heartbeat.wait(leftovers.stop_engine_left(self.cfg, self.host, self.bus.publish),
+                                      self.heartbeat.within(leftovers.stop_bound_s(self.cfg)))
+            return await self.lifecycle.run_until_stopped()
+        finally:
+            await self.shutdown()
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.install_signals:
+            loop.add_signal_handler(signal.SIGTERM, self.lifecycle.request_stop, "SIGTERM")
+            loop.add_signal_handler(signal.SIGINT, self.lifecycle.request_stop, "SIGINT")
+            loop.add_signal_handler(signal.SIGHUP, self._soon, self.reload)
+        # systemd's RuntimeDirectory= when there is one: private, and removed with the unit.
+        self.run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
+        self.recovery.use_dir(self.run_dir)
+        await self.admin.start()
+        if self.metrics_only is not None:
+            await self.metrics_only.start()
+        await self.control.start()
+        if self.gateway is not None:
+            await self.gateway.start()
+        self.bus.start()
+        self.alerts.start()
+        self.recovery.start()
+        self._soon(self._poll_gpu)
+        profile = self.lifecycle.profile
+        self.bus.publish(SupervisorStarted(at=self.host.wall(), admin=self.cfg.admin.listen,
+                                           engine=self.cfg.engine.base_url, profile=profile,
+                                           state_dir=self.cfg.state.dir))
+        if profile != self.cfg.profile:
+            self.bus.publish(ProfileRestored(at=self.host.wall(), profile=profile,
+                                             below_configured=self.cfg.profile.diff(profile)))
+
+    async def shutdown(self) -> None:
+        """Every part stopped, in the reverse order of startup; the alerts flushed last (a FATAL is paged)."""
+        if self.lifecycle.run is not None:
+            await self.lifecycle.run.shutdown()
+        leftovers.clear(self.cfg.state.dir)
+        await self.recovery.close()
+        if self.gateway is not None:
+            self.gateway.shutdown()  # whoever still waits (a FATAL end) gets 503 now, not a reset
+            await self.gateway.close()
+        await self.admin.close()
+        if self.metrics_only is not None:
+            await self.metrics_only.close()
+        await self.control.close()
+        for t in self._background:
+            t.cancel()
+        await self.bus.close()
+        await self.alerts.close()  # bounded by [alerts] flush_s
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    async def _poll_gpu(self) -> None:
+        """GPU memory per device for /metrics, every 10 s (NVML in a thread; a lost GPU is the gate's business)."""
+        while True:
+            with contextlib.suppress(GpuLost):
+                self.metrics.set_gpu(await self.host.gpu_snapshot())
+            await asyncio.sleep(GPU_POLL_S)
+
+    def _soon(self, work: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``work`` as a task of the loop (signal handlers only enqueue)."""
+        task = asyncio.ensure_future(work())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- what the parts read of each other ---------------------------------------------------------------
+    def _engine_view(self) -> EngineView:
+        life = self.lifecycle
+        return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
+                          life.restart_eta_s())
+
+    def status(self) -> dict[str, Any]:
+        """The /status document (docs/interface.md)."""
+        return {
+            **self.lifecycle.status(),
+            "uptime_s": round(self.host.monotonic() - self.started_mono, 3),
+            "history": self.history.last(20),
+            "event_stream": self.bus.counters(),
+            "next_start": self.recovery.status(),
+            **({"gateway": self.gateway.status()} if self.gateway else {}),
+        }
+
+    # ---- control: the operator's commands and reloads ------------------------------------------------------
+    async def control_command(self, command: str) -> tuple[bool, str]:
+        if command == "reload":
+            return await self.reload()
+        if command == "reset-profile":
+            return self.lifecycle.reset_profile()
+        return self.lifecycle.restart_at(self.lifecycle.profile, "restart asked by the operator")
+
+    def _alerts_for(self, cfg: Config) -> Alerts:
+        """The alert hooks of ``cfg``, their series at 0 on /metrics; raises MissingSecret."""
+        alerts = Alerts.from_config(cfg.alerts, self.bus.publish)
+        for hook in cfg.alerts.hooks:
+            self.metrics.alerts_sent.labels(hook.type)
+            self.metrics.alerts_failed.labels(hook.type)
+        return alerts
+
+    async def reload(self) -> tuple[bool, str]:
+        """Read the config file again: invalid → keep the old one; engine settings changed → planned restart."""
+        path = self.config_path
+        publish = self.bus.publish
+        publish(Reloading(at=self.host.wall(), source=str(path)))
+        try:
+            if path is None:
+                raise ConfigError([("(file)", "this supervisor was started without a config file path")])
+            new = config_mod.load(path)
+            fixed = [name for name in ("admin", "state") if getattr(new, name) != getattr(self.cfg, name)]
+            old_gw, new_gw = self.cfg.gateway, new.gateway
+            if (old_gw is None) != (new_gw is None) or (old_gw and new_gw and old_gw.listen != new_gw.listen):
+                fixed.append("gateway.listen")  # the public port itself; its other settings apply at once
+            if fixed:
+                raise ConfigError([(name, "changes only with a restart of the supervisor") for name in fixed])
+            alerts = self._alerts_for(new) if new.alerts != self.cfg.alerts else None
+        except (ConfigError, MissingSecret) as exc:
+            publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
+            return False, f"reload refused, still running on the old config:\n{exc}"
+        old, self.cfg = self.cfg, new
+        changed = tuple(f.name for f in dataclasses.fields(Config) if getattr(old, f.name) != getattr(new, f.name))
+        self.lifecycle.reconfigure(new)
+        if alerts is not None:
+            await self.alerts.close()
+            self.alerts = alerts
+            self.alerts.start()
+        if self.gateway is not None and new.gateway is not None:
+            self.gateway.reconfigure(new.gateway)
+        self.recovery.configure(new)
+        engine_restart = new.engine != old.engine or new.profile != old.profile
+        publish(Reloaded(at=self.host.wall(), changed=changed, engine_restart=engine_restart,
+                         configured_profile=new.profile))
+        if not engine_restart:
+            return True, f"reloaded ({', '.join(changed) or 'nothing'} changed); the engine keeps running"
+        ok, message = self.lifecycle.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile),
+                                                "config reloaded: engine settings changed")
+        return ok, f"reloaded ({', '.join(changed)} changed); {message}"

@@ -1,0 +1,102 @@
+"""Recovery: what the next start finds ready, prepared while the engine serves (``[recovery]``).
+
+A restart is shorter than a cold start when its slow parts were done ahead: the standby pool
+(``standby``, ``standby_fork``) keeps an interpreter with vLLM imported that becomes the next
+engine, and the precompiler (``precompile``, ``precompile_idle_s``, ``precompile_timeout_s``)
+compiles the rungs the next start would pick into vLLM's cache. Recovery plugs into the rest as
+an event-stream subscriber (READY, the engine's reported environment, idleness, leaving READY)
+plus two calls of the lifecycle: ``take()`` (the standby, at the moment a start spawns) and
+``settled()`` (no throwaway engine left before a start). It never decides anything about the
+engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.engine_states import EngineState
+from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, StateChanged
+from supervisor.host import Host
+from supervisor.profile import Profile
+from supervisor.recovery.precompile import Precompiler
+from supervisor.recovery.standby import Standby, StandbyPool, vllm_env_of
+
+TICK_S = 1.0
+
+
+class Recovery:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 next_rungs: Callable[[Profile], list[Profile]]) -> None:
+        self.host = host
+        self.pool = StandbyPool(cfg, host, publish)
+        self.precompiler = Precompiler(cfg, host, publish, next_rungs)
+        self._serving: tuple[Profile, str | None] | None = None  # the READY engine's profile and vLLM version
+        self._idle_since: float | None = None
+        self._ticker: asyncio.Task[None] | None = None
+
+    def use_dir(self, directory: Path) -> None:
+        """Where standbys and throwaway engines keep their per-process files (the run directory)."""
+        self.pool.dir = self.precompiler.dir = directory
+
+    def configure(self, cfg: Config) -> None:
+        self.pool.configure(cfg)
+        self.precompiler.configure(cfg)
+
+    # ---- the subscriber ------------------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, EngineEnvReported):
+            self.pool.engine_env(vllm_env_of(dict(event.env)))
+        elif isinstance(event, StateChanged):
+            if event.new is EngineState.READY:
+                version = event.ready.engine_version if event.ready else None
+                self._serving = (event.profile, version)
+                self.precompiler.note_compiled(event.profile, version)
+                self.pool.want()
+            elif event.old is EngineState.READY:
+                self._serving, self._idle_since = None, None
+                self.precompiler.stop()  # the host is the next start's now
+        elif isinstance(event, EngineIdle):
+            self._idle_since = self.host.monotonic() if event.idle and self._serving else None
+
+    # ---- the two calls of the lifecycle -------------------------------------------------------------
+    def take(self) -> Standby | None:
+        return self.pool.take()
+
+    def lost(self, standby: Standby, error: str) -> None:
+        self.pool.lost(standby, error)
+
+    async def settled(self) -> None:
+        """No throwaway engine left (its processes may hold memory the next start needs)."""
+        await self.precompiler.settled()
+
+    # ---- precompiling while idle ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick(), name="recovery:idle")
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            if self._serving is not None and self._idle_since is not None:
+                profile, version = self._serving
+                await self.precompiler.maybe_precompile(profile, version, self.host.monotonic() - self._idle_since)
+
+    def pids(self) -> set[int]:
+        """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""
+        return self.precompiler.pids()
+
+    def status(self) -> dict[str, Any]:
+        return {"standby": self.pool.status(), "precompiling": self.precompiler.running()}
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        await self.precompiler.close()
+        await self.pool.close()

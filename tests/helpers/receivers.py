@@ -1,0 +1,88 @@
+"""Local stand-ins for what the supervisor talks to outside: an alert service (HTTP), systemd's notify socket."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Receiver:
+    """A local HTTP server in a thread that records every POST (an alert service stand-in).
+
+    ``status`` is what it answers; ``hang`` makes it never answer (until closed).
+    """
+
+    def __init__(self, status: int = 200, hang: bool = False) -> None:
+        import http.server
+        import threading
+
+        self.status, self.hang = status, hang
+        self.requests: list[Received] = []
+        self.released = threading.Event()
+        rec = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                rec.requests.append(Received(self.path, dict(self.headers), self.rfile.read(n)))
+                if rec.hang:
+                    rec.released.wait(60)
+                    return
+                self.send_response(rec.status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextlib.contextmanager
+def notify_listener(path: Path) -> Iterator[list[str]]:
+    """A systemd notify socket at ``path`` that reads every message (as systemd does) into the list it yields."""
+    import threading
+
+    messages: list[str] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        s.settimeout(0.2)
+        done = threading.Event()
+
+        def read() -> None:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    messages.append(s.recv(65536).decode())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            yield messages
+        finally:
+            done.set()
+            reader.join()

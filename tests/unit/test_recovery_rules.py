@@ -1,0 +1,87 @@
+"""Recovery's rules without processes: which commands a standby can become, its environment, the rungs to
+precompile, OpenMP CPU sets."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from supervisor.child import vllm_standby
+from supervisor.config import LadderConfig, RestartConfig, parse
+from supervisor.decide.policy import Policy
+from supervisor.host.real import RealHost
+from supervisor.profile import Profile
+from supervisor.recovery.standby import VLLM_CLI, StandbyPool, entry_of, start_env, vllm_env_of
+
+
+def test_a_standby_knows_the_engine_commands_it_can_become(tmp_path: Path) -> None:
+    assert entry_of(["/v/bin/python3", "-m", "vllm.entrypoints.openai.api_server"]) is not None
+    m = entry_of(["/v/bin/python3", "-m", "vllm.entrypoints.openai.api_server"])
+    assert m is not None and (m.mode, m.target, m.args_from) == ("module", "vllm.entrypoints.openai.api_server", 3)
+    s = entry_of([sys.executable, "/x/server.py"])
+    assert s is not None and (s.mode, s.target, s.args_from) == ("script", "/x/server.py", 2)
+    (tmp_path / "bin").mkdir()
+    for exe in ("vllm", "python"):
+        (tmp_path / "bin" / exe).write_text("#!/bin/sh\n")
+        os.chmod(tmp_path / "bin" / exe, 0o755)
+    v = entry_of([str(tmp_path / "bin" / "vllm"), "serve"])
+    assert v is not None and (v.python, v.mode, v.target, v.args_from) == \
+        (str(tmp_path / "bin" / "python"), "function", VLLM_CLI, 1)
+    # Anything else (a wrapper, a shell script, a bare `vllm` without its interpreter beside it) starts cold.
+    assert entry_of(["numactl", "--cpunodebind=0", "python3", "-m", "vllm.entrypoints.openai.api_server"]) is None
+    assert entry_of(["/opt/start-vllm.sh"]) is None
+    assert entry_of(["vllm", "serve"]) is None
+
+
+def test_the_rungs_to_precompile_are_a_runtime_ooms_step_down_and_the_climb_back() -> None:
+    ladder = LadderConfig(max_num_batched_tokens=(8192, 4096, 2048), max_num_batched_tokens_floor=1024)
+    configured = Profile(max_num_batched_tokens=8192, max_num_seqs=64)
+    policy = Policy(RestartConfig(), ladder, configured)
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(configured)] == [4096]
+    mid = configured.with_(max_num_batched_tokens=4096)
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [2048, 8192]
+    policy.rung_failures[mid.with_(max_num_batched_tokens=2048).key()] = 2  # known to fail: skipped
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [1024, 8192]
+    # vLLM's compile hash ignores the memory fraction: a utilization rung needs no compile of its own.
+    assert mid.compile_key() == mid.with_(gpu_memory_utilization=0.8).compile_key()
+    assert mid.compile_key() != mid.with_(max_num_seqs=32).compile_key()
+
+
+def test_a_standby_start_forks_the_engine_core_unless_the_engine_env_names_a_method() -> None:
+    assert start_env({"A": "1"}, fork=True) == {"A": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    assert start_env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, fork=True) == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert start_env({"A": "1"}, fork=False) == {"A": "1"}
+    # What vLLM set for its EngineCore is added where the start's own environment is silent.
+    assert start_env({"A": "1", "LD_PRELOAD": "mine.so"}, True, {"A": "2", "LD_PRELOAD": "gomp.so", "B": "3"}) == \
+        {"A": "1", "LD_PRELOAD": "mine.so", "B": "3", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+
+
+def test_what_vllm_set_for_its_engine_core_is_kept_without_the_per_start_variables() -> None:
+    reported = {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "PYTHONPATH": "/run/7", "VLLM_LOGGING_CONFIG_PATH": "/run/7/x",
+                "VLLM_SUPERVISOR_EVENTS": "/run/7/events.sock", "_VLLM_SUPERVISOR_HOOK_DIR": "/run/7", "N": 3}
+    assert vllm_env_of(reported) == {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    assert vllm_env_of(None) == {} and vllm_env_of(["LD_PRELOAD"]) == {}
+
+
+def test_what_vllm_set_is_forgotten_when_the_engine_command_or_environment_changes(tmp_path: Path) -> None:
+    raw = {"engine": {"model": "m", "env": {"A": "1"}}, "state": {"dir": str(tmp_path)},
+           "recovery": {"standby": False}}
+    ns = StandbyPool(parse(raw), RealHost(), lambda _: None)
+    ns.engine_env({"LD_PRELOAD": "gomp.so"})
+    ns.engine_env({})  # a forked EngineCore reports nothing: the last report stands
+    ns.configure(parse({**raw, "gateway": {"listen": "127.0.0.1:9"}}))
+    assert ns.vllm_env == {"LD_PRELOAD": "gomp.so"}
+    ns.configure(parse({**raw, "engine": {"model": "m", "env": {"A": "2"}}}))
+    assert ns.vllm_env == {}
+
+
+def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:
+    assert vllm_standby.omp_cpus({"GOMP_CPU_AFFINITY": "0 3 1-2 4-9:2"}) == {0, 1, 2, 3, 4, 6, 8}
+    assert vllm_standby.omp_cpus({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}) == {0, 1, 2}
+    assert vllm_standby.omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,2-3]"}) == {0, 2, 3}
+    assert vllm_standby.omp_cpus({"OMP_PLACES": "{0:4}"}) is None  # an interval: left to the runtime
+    assert vllm_standby.omp_cpus({}) is None
+
+
