@@ -21,7 +21,7 @@ CHAT_TOKENS_FIXED = 256
 # vLLM computes prompt logprobs from float32 logits over the whole vocabulary, one prefill chunk at a time,
 # and keeps the logprobs beside them: about 8 bytes per (token, vocabulary entry).
 PROMPT_LOGPROBS_BYTES = 8
-ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings"}
+NOT_FOR_THE_ENGINE = frozenset({"stream", "stream_options", "user"})
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def bad_request(message: str, code: str = "invalid_request") -> Rejection:
 class Parsed:
     """What the gateway needs to know about one generation request."""
 
-    route: str  # completions | chat | embeddings
+    route: str  # completions | chat | embeddings, or the path of a route whose prompt is not read here
     stream: bool
     text_bytes: int  # UTF-8 bytes of the prompt text: an upper bound on its tokens (plus specials)
     messages: int  # chat messages (0 for a plain prompt)
@@ -69,6 +69,9 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     except (UnicodeDecodeError, ValueError) as exc:
         return bad_request(f"the request body is not valid JSON ({type(exc).__name__} at {_where(exc)}); "
                            "send a JSON object", "invalid_json")
+    except RecursionError:
+        return bad_request("the request body is nested too deeply to parse; send a flatter JSON object",
+                           "invalid_json")
     if not isinstance(body, dict):
         return bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
     stream = body.get("stream", False)
@@ -89,8 +92,16 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     if isinstance(got, Rejection):
         return got
     texts, ids, n_messages = got
-    what = body.get("messages") if route == "chat" else body.get("input" if route == "embeddings" else "prompt")
-    digest = hashlib.sha256(json.dumps([route, model, what], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    # The quarantine's key: everything in the request that can change what the engine does (sampling,
+    # logit_bias, structured output, tools, ...), not the prompt alone; only what never reaches its
+    # computation is left out.
+    engine_part = {k: v for k, v in body.items() if k not in NOT_FOR_THE_ENGINE}
+    try:
+        digest = hashlib.sha256(json.dumps([route, engine_part], sort_keys=True, ensure_ascii=False,
+                                           default=str).encode()).hexdigest()
+    except (RecursionError, ValueError):
+        return bad_request("the request body is nested too deeply to hash; send a flatter JSON object",
+                           "invalid_json")
     tokenize: dict[str, Any] = {"model": model} if model else {}
     if route == "chat":
         tokenize["messages"] = body["messages"]
@@ -98,6 +109,20 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
         tokenize["prompt"] = "".join(texts)
     return Parsed(route, bool(stream), sum(len(t.encode()) for t in texts), n_messages, ids, prompt_logprobs,
                   digest[:32], tokenize)
+
+
+def parse_opaque(route: str, raw: bytes) -> Parsed:
+    """A model route whose prompt this gateway does not read (responses, pooling, score, audio, ...): held,
+    shed and quarantined like the others, by a hash of what the engine gets; its length is the engine's to
+    judge. Never refused here: vLLM answers a malformed body itself."""
+    try:
+        body = json.loads(raw)
+        part: Any = {k: v for k, v in body.items() if k not in NOT_FOR_THE_ENGINE} if isinstance(body, dict) else body
+        stream = isinstance(body, dict) and body.get("stream") is True
+        material = json.dumps([route, part], sort_keys=True, ensure_ascii=False, default=str).encode()
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        stream, material = False, route.encode() + b"\0" + raw  # multipart audio, or not JSON at all
+    return Parsed(route, stream, 0, 0, 0, None, hashlib.sha256(material).hexdigest()[:32], {})
 
 
 def _where(exc: Exception) -> str:
@@ -154,9 +179,10 @@ def too_long(tokens: int, limit: int, why: str) -> Rejection | None:
 
 
 def prompt_limit(max_model_len: int | None, safe_len: int | None) -> tuple[int | None, str]:
-    """The lesser of the engine's context length and the length learned from crash evidence."""
+    """The lesser of the engine's context length and the length learned from crash evidence; and where it
+    comes from (shown in /status)."""
     if safe_len is not None and (max_model_len is None or safe_len < max_model_len):
-        return safe_len, "a longer prompt crashed the engine recently"
+        return safe_len, "quarantine: a longer prompt crashed the engine recently"
     return max_model_len, "the engine's max_model_len"
 
 
@@ -244,22 +270,41 @@ class Quarantine:
             del self.entries[d]
         return bool(stale)
 
-    def safe_len(self, now: float) -> int | None:
-        """Shorter than the shortest quarantined prompt: the length learned from crash evidence."""
-        lengths = [int(e["tokens"]) for e in self.entries.values() if e["until"] > now and e.get("tokens")]
+    def safe_len(self, now: float, served: int = 0) -> int | None:
+        """Shorter than the shortest quarantined prompt: the length learned from crash evidence.
+
+        Only prompts longer than ``served`` (the longest this engine ran, its warm-up's included) count: one
+        that was no longer did not die of its length, and lowers nothing for anyone else."""
+        lengths = [int(e["tokens"]) for e in self.entries.values()
+                   if e["until"] > now and e.get("tokens") and int(e["tokens"]) > served]
         return min(lengths) - 1 if lengths else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"quarantine": self.entries}
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> Quarantine:
-        raw = doc.get("quarantine")
+    def load(cls, doc: Any) -> tuple[Quarantine, list[str]]:
+        """From the file's JSON; entries of the wrong shape (a hand edit) are dropped and named."""
+        raw = doc.get("quarantine") if isinstance(doc, dict) else None
         if not isinstance(raw, dict):
-            return cls()
-        ok = {str(k): dict(v) for k, v in raw.items()
-              if isinstance(v, dict) and isinstance(v.get("until"), (int, float))}
-        return cls(ok)
+            return cls(), []
+        ok: dict[str, dict[str, Any]] = {}
+        dropped: list[str] = []
+        for k, v in raw.items():
+            if isinstance(v, dict) and _number(v.get("until")) and (v.get("tokens") is None or _count(v["tokens"])) \
+                    and isinstance(v.get("reason", ""), str):
+                ok[str(k)] = {"until": float(v["until"]), "tokens": v.get("tokens"), "reason": v.get("reason", "")}
+            else:
+                dropped.append(str(k))
+        return cls(ok), dropped
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def quarantined(entry: Mapping[str, Any], digest: str) -> Rejection:
@@ -277,11 +322,13 @@ def suspect_of(suspect_request: str | None, in_flight: Mapping[str, int]) -> str
     """
     if not in_flight:
         return None
-    if suspect_request:
-        named = [rid for rid in in_flight if _names(suspect_request, rid)]
-        if named:
-            return max(named, key=len)
-    return max(in_flight, key=lambda rid: in_flight[rid])
+    return named_by(suspect_request, in_flight) or max(in_flight, key=lambda rid: in_flight[rid])
+
+
+def named_by(suspect_request: str | None, in_flight: Mapping[str, int]) -> str | None:
+    """The gateway request vLLM's own record named, if any (the longest matching id)."""
+    named = [rid for rid in in_flight if suspect_request and _names(suspect_request, rid)]
+    return max(named, key=len) if named else None
 
 
 def _names(req_id: str, rid: str) -> bool:

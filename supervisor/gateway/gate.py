@@ -3,7 +3,14 @@
 Requests wait here while the engine is not READY (held), go through when it is, and are
 re-issued after a death when nothing of theirs reached the client yet. After a death that a
 request can cause, the suspect (named by vLLM's scheduler dump, else the largest prompt that
-was in flight) goes alone first; if the engine dies again with it alone, it is quarantined.
+was in flight) goes alone first.
+
+A strike needs evidence: vLLM's own record named the request, or it was alone at the engine
+when an out-of-memory death came. Being the largest in a batch is a reason to send it alone,
+never a strike; an unexplained death (a signal, "engine dead") with nobody named strikes
+nobody, so an engine that dies after every start whatever it serves quarantines no one. Two
+strikes quarantine the request. Flights are tracked by the gateway's own identity, never by
+the client's X-Request-Id, which several requests may share.
 
 The gate reads the supervisor's state changes from the event stream and never writes them.
 """
@@ -50,7 +57,7 @@ class EngineGate:
         self.generation = 0
         self.open = False  # READY and not draining
         self.closing = False  # the supervisor is stopping: admit nothing more
-        self.at_engine: dict[str, Flight] = {}
+        self.at_engine: dict[int, Flight] = {}  # by id(flight): clients may share an X-Request-Id
         self.waiting = 0
         self.solo: Flight | None = None  # the suspect, replayed alone
         self._dead_batch: list[Flight] = []
@@ -91,15 +98,19 @@ class EngineGate:
         """After a death: pick the suspect to replay alone; the flight to quarantine, if any."""
         # A request answered between the death and its classification is nobody's suspect: made the one to go
         # alone, it would never come back, and every other request would wait for it.
-        batch, self._dead_batch = [f for f in self._dead_batch if not f.gone], []
+        dead, self._dead_batch = self._dead_batch, []
+        batch = [f for f in dead if not f.gone]
         if not kind.request_can_cause or not batch:
             return None
-        if self.solo is not None and batch == [self.solo]:
-            return self._quarantine(self.solo)
         sizes = {f.rid: f.size for f in batch}
-        rid = admission.suspect_of(suspect_request, sizes)
-        suspect = next(f for f in batch if f.rid == rid)
-        suspect.strikes += 1
+        named = admission.named_by(suspect_request, sizes)
+        if named is not None:
+            suspect = max((f for f in batch if f.rid == named), key=lambda f: f.size)
+        else:
+            suspect = max(batch, key=lambda f: f.size)
+        alone = len(dead) == 1 and dead[0] is suspect
+        if named is not None or (alone and kind is FailureKind.RUNTIME_OOM):
+            suspect.strikes += 1
         if suspect.strikes >= 2:
             return self._quarantine(suspect)
         self.solo = suspect
@@ -149,7 +160,7 @@ class EngineGate:
 
     def _sent(self, f: Flight) -> None:
         f.generation = self.generation
-        self.at_engine[f.rid] = f
+        self.at_engine[id(f)] = f
 
     async def engine_left(self, f: Flight, within_s: float) -> bool:
         """After an error from the engine: did the READY period ``f`` was sent in end (within ``within_s``)?"""
@@ -157,8 +168,8 @@ class EngineGate:
 
     def leave(self, f: Flight) -> None:
         """``f`` no longer occupies the engine (done, failed, lost or gone)."""
-        if self.at_engine.get(f.rid) is f:
-            del self.at_engine[f.rid]
+        if self.at_engine.get(id(f)) is f:
+            del self.at_engine[id(f)]
         if self.solo is f and f.generation == self.generation and self.open:
             self.solo = None  # it went through alone and the engine lived
         self._notify()

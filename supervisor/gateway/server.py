@@ -37,7 +37,7 @@ from supervisor.event_stream import (
     SheddingChanged,
     StateChanged,
 )
-from supervisor.gateway import pressure, proxy
+from supervisor.gateway import pressure, proxy, routes
 from supervisor.gateway.gate import EngineGate, Flight, Refused
 from supervisor.host import Host
 from supervisor.host.files import write_private
@@ -72,7 +72,8 @@ class Gateway:
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.base_url = cfg.engine.base_url
-        self.client = EngineClient(self.base_url, cfg.engine.api_key())
+        self.api_key = cfg.engine.api_key()
+        self.client = EngineClient(self.base_url, self.api_key)
         self.store = Path(cfg.state.dir) / "quarantine.json"
         self.quarantine = self._load_quarantine()
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
@@ -131,7 +132,11 @@ class Gateway:
                 "waiting": self.gate.waiting, "open": self.gate.open,
                 "shedding": self.pressure.reason if self.pressure else None,
                 "quarantine_size": sum(1 for e in self.quarantine.entries.values() if e["until"] > now),
-                "safe_prompt_tokens": self.quarantine.safe_len(now)}
+                "safe_prompt_tokens": self.quarantine.safe_len(now, self.proven_tokens),
+                "prompt_limit_source": admission.prompt_limit(
+                    self._max_len[1] or self.view().max_model_len,
+                    self.quarantine.safe_len(now, self.proven_tokens))[1],
+                "longest_prompt_served": self.proven_tokens}
 
     # ---- the event stream ------------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -146,7 +151,7 @@ class Gateway:
 
     def _quarantine(self, flight: Flight, kind: FailureKind) -> None:
         assert flight.digest is not None
-        reason = f"{kind.value} twice, the second time alone, with {flight.size} prompt tokens"
+        reason = f"{kind.value} twice with this request named or alone at the engine, {flight.size} prompt tokens"
         self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.size, reason)
         self.counters["quarantined"] += 1
         self._save_quarantine()
@@ -160,21 +165,25 @@ class Gateway:
 
     # ---- one request -----------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id") or f"gw-{uuid.uuid4().hex[:24]}"
-        if not RID.fullmatch(rid):
+        rid = request.headers.get("X-Request-Id") or ""
+        if not RID.fullmatch(rid):  # absent, or characters vLLM's ids and our logs should not carry: replaced
             rid = f"gw-{uuid.uuid4().hex[:24]}"
-            return self._reject(rid, Rejection(400, "invalid_request_id", "X-Request-Id must be 1-128 letters, "
-                                                                          "digits or ._:- characters"))
         if request.path == "/health":
             return self._health()
+        if not routes.public(request.path):
+            return self._reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
+        if self.api_key is not None and not routes.authorized(request, self.api_key):
+            # vLLM's own answer to a request without the key, given before any work is done for it.
+            return web.json_response({"error": "Unauthorized"}, status=401, headers={"X-Request-Id": rid})
         if self.gate.closing:
             return self._reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
                                                "server_error", self.g.retry_after_s))
         body = await _read_capped(request, self.g.max_body_bytes)
         if isinstance(body, Rejection):
             return self._reject(rid, body)
-        route = admission.ROUTES.get(request.path) if request.method == "POST" else None
-        parsed = admission.parse(route, body) if route else None
+        route = routes.model_route(request.path) if request.method == "POST" else None
+        parsed = (admission.parse(route, body) if route in routes.COUNTED.values() else
+                  admission.parse_opaque(route, body)) if route else None
         if isinstance(parsed, Rejection):
             return self._reject(rid, parsed)
         if parsed is not None:
@@ -221,6 +230,8 @@ class Gateway:
             out = await proxy.forward(self.session, url, request, body, flight.rid)
             if not isinstance(out, proxy.Unsent):
                 self.gate.leave(flight)
+                if out.status == 200 and flight.tokens is not None and flight.generation == self.gate.generation:
+                    self.proven_tokens = max(self.proven_tokens, flight.tokens)  # the engine ran it: its memory is held
                 if isinstance(out, proxy.Forwarded) and out.client_gone:
                     self.counters["client_disconnected"] += 1
                     return out
@@ -255,7 +266,8 @@ class Gateway:
 
     async def _precheck(self, parsed: Parsed, flight: Flight) -> Rejection | None:
         """413 over the current limits; counts the prompt exactly only when the byte bound is not enough."""
-        limit, why = admission.prompt_limit(await self._engine_max_len(), self.quarantine.safe_len(self.host.wall()))
+        limit, why = admission.prompt_limit(await self._engine_max_len(),
+                                            self.quarantine.safe_len(self.host.wall(), self.proven_tokens))
         await self._tokens_if_long(parsed, flight, limit, always=parsed.prompt_logprobs is not None)
         if flight.tokens is None:
             return None
@@ -307,12 +319,15 @@ class Gateway:
     # ---- the quarantine file -------------------------------------------------------------------------
     def _load_quarantine(self) -> admission.Quarantine:
         try:
-            q = admission.Quarantine.from_dict(json.loads(self.store.read_text()))
+            q, dropped = admission.Quarantine.load(json.loads(self.store.read_text()))
         except FileNotFoundError:
             return admission.Quarantine()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("gateway.quarantine_unreadable", path=str(self.store), error=str(exc))
             return admission.Quarantine()
+        if dropped:
+            log.warning("gateway.quarantine_entries_dropped", path=str(self.store), keys=dropped,
+                        hint="entries need a numeric 'until', an integer or null 'tokens' and a string 'reason'")
         q.prune(self.host.wall())
         return q
 

