@@ -51,7 +51,7 @@ def test_the_byte_bound_and_the_hash() -> None:
     assert p.tokenize_body == {"model": "m", "prompt": "héllo wörld"}
     # The same request shares a hash whether it streams or not; another prompt or other sampling does not
     # (tests/unit/test_hostile_clients.py has the rest).
-    same = parsed("completions", {"model": "m", "prompt": "héllo wörld", "stream": True, "user": "u"})
+    same = parsed("completions", {"model": "m", "prompt": "héllo wörld", "prompt_logprobs": 2, "user": "u"})
     other = parsed("completions", {"model": "m", "prompt": "hello world"})
     assert same.digest == p.digest != other.digest
     ids = parsed("completions", {"prompt": [[1, 2, 3], [4, 5]]})
