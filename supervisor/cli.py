@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--max-model-len", type=int, help="the longest request to serve (default: the model's)")
     p_plan.add_argument("--dtype", default="auto")
     p_plan.add_argument("--kv-cache-dtype", default="auto")
+    p_q = sub.add_parser("quarantine", help="list the requests the gateway refuses as engine killers, or clear them")
+    p_q.add_argument("action", choices=("list", "clear"), help="list them, or clear one (KEY) or all")
+    p_q.add_argument("key", nargs="?", help="with clear: the entry's key as `list` shows it (default: every entry)")
+    p_q.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
+    p_q.add_argument("--json", action="store_true", help="with list: print the raw entries")
     p_inc = sub.add_parser("incidents", help="list the incident bundles, or show one")
     p_inc.add_argument("id", nargs="?", help="an incident's name (as listed), or 'latest'")
     p_inc.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
@@ -57,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return _incidents(args)
     if args.cmd in ("restart", "reset-profile", "reload"):
         return _control(args)
+    if args.cmd == "quarantine":
+        return _quarantine(args)
     if args.cmd == "plan":
         return _plan(args)
     cfg = _load(args.config)
@@ -173,6 +180,54 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"vllm-supervisor: plan: {exc}", file=sys.stderr)
         return ExitCode.BAD_SUPERVISOR_CONFIG
     print(result.toml())
+    return 0
+
+
+def _quarantine(args: argparse.Namespace) -> int:
+    """`quarantine list`: what the gateway refuses and why; `quarantine clear [KEY]`: undo it, live if a
+    supervisor runs (its gateway forgets at once), else in the file."""
+    import time
+
+    from supervisor.gateway import quarantine_store
+    from supervisor.ops import control
+
+    state_dir = config_mod.state_dir_of(args.config)
+    path = quarantine_store.path_in(state_dir)
+    try:
+        q, dropped = quarantine_store.load(path)
+    except (OSError, ValueError) as exc:
+        print(f"vllm-supervisor: {path} is unreadable: {exc}", file=sys.stderr)
+        return 1
+    if args.action == "list":
+        now = time.time()
+        live = {k: e for k, e in q.entries.items() if e["until"] > now}
+        if args.json:
+            print(json.dumps(live, indent=1))
+            return 0
+        if not live:
+            print(f"nothing is quarantined ({path})")
+        for key, e in sorted(live.items(), key=lambda kv: kv[1]["until"]):
+            until = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(e["until"]))
+            print(f"{key}  until {until}  {e.get('tokens') or '?'} prompt tokens  {e.get('reason', '')}")
+        for key in dropped:
+            print(f"{key}  malformed: dropped when the gateway loads the file", file=sys.stderr)
+        return 0
+    try:
+        answer = control.send(control.path_in(state_dir), "quarantine-clear", arg=args.key)
+        print(answer.get("message"), file=sys.stdout if answer.get("ok") else sys.stderr)
+        return 0 if answer.get("ok") else 1
+    except OSError:
+        pass  # no supervisor runs: the file is the quarantine
+    if args.key is not None and args.key not in q.entries:
+        print(f"vllm-supervisor: no quarantined request has the key {args.key!r}", file=sys.stderr)
+        return 1
+    n = len(q.entries) if args.key is None else 1
+    if args.key is None:
+        q.entries.clear()
+    else:
+        del q.entries[args.key]
+    quarantine_store.save(path, q)
+    print(f"cleared {n} quarantined request(s) in {path}")
     return 0
 
 

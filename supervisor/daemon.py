@@ -199,7 +199,11 @@ class Daemon:
         }
 
     # ---- control: the operator's commands and reloads ------------------------------------------------------
-    async def control_command(self, command: str) -> tuple[bool, str]:
+    async def control_command(self, command: str, arg: str | None = None) -> tuple[bool, str]:
+        if command == "quarantine-clear":
+            if self.gateway is None:
+                return False, "this supervisor has no [gateway]: nothing is quarantined"
+            return self.gateway.clear_quarantine(arg)
         if command == "reload":
             return await self.reload()
         if command == "reset-profile":

@@ -37,10 +37,9 @@ from supervisor.event_stream import (
     SheddingChanged,
     StateChanged,
 )
-from supervisor.gateway import pressure, proxy, routes
+from supervisor.gateway import pressure, proxy, quarantine_store, routes
 from supervisor.gateway.gate import EngineGate, Flight, Refused
 from supervisor.host import Host
-from supervisor.host.files import write_private
 from supervisor.host.vllm_http import EngineClient, EngineError
 
 log = structlog.get_logger("supervisor.gateway")
@@ -74,7 +73,7 @@ class Gateway:
         self.base_url = cfg.engine.base_url
         self.api_key = cfg.engine.api_key()
         self.client = EngineClient(self.base_url, self.api_key)
-        self.store = Path(cfg.state.dir) / "quarantine.json"
+        self.store = quarantine_store.path_in(cfg.state.dir)
         self.quarantine = self._load_quarantine()
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
         self.pressure: admission.Pressure | None = None
@@ -157,6 +156,21 @@ class Gateway:
         self._save_quarantine()
         self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
                                         evidence=f"{reason} (request {flight.rid})"))
+
+    def clear_quarantine(self, key: str | None) -> tuple[bool, str]:
+        """On-call's undo (`vllm-supervisor quarantine clear [KEY]`): one entry, or every entry."""
+        entries = self.quarantine.entries
+        if key is None:
+            n = len(entries)
+            entries.clear()
+        elif key in entries:
+            del entries[key]
+            n = 1
+        else:
+            return False, f"no quarantined request has the key {key!r} (see `vllm-supervisor quarantine list`)"
+        self._save_quarantine()
+        log.warning("gateway.quarantine_cleared", key=key or "all", entries=n)
+        return True, f"cleared {n} quarantined request(s); the prompt-length limit is recomputed at once"
 
     def _shedding_changed(self, p: admission.Pressure | None) -> None:
         self.pressure = p
@@ -319,10 +333,8 @@ class Gateway:
     # ---- the quarantine file -------------------------------------------------------------------------
     def _load_quarantine(self) -> admission.Quarantine:
         try:
-            q, dropped = admission.Quarantine.load(json.loads(self.store.read_text()))
-        except FileNotFoundError:
-            return admission.Quarantine()
-        except (OSError, ValueError, RecursionError) as exc:
+            q, dropped = quarantine_store.load(self.store)
+        except (OSError, ValueError) as exc:
             log.warning("gateway.quarantine_unreadable", path=str(self.store), error=str(exc))
             return admission.Quarantine()
         if dropped:
@@ -334,8 +346,7 @@ class Gateway:
     def _save_quarantine(self) -> None:
         self.quarantine.prune(self.host.wall())
         try:
-            self.store.parent.mkdir(parents=True, exist_ok=True)
-            write_private(self.store, json.dumps(self.quarantine.as_dict(), indent=1))
+            quarantine_store.save(self.store, self.quarantine)
         except OSError as exc:
             log.error("gateway.quarantine_not_saved", path=str(self.store), error=str(exc))
 

@@ -19,8 +19,8 @@ import structlog
 
 log = structlog.get_logger("supervisor.control")
 FILENAME = "control.sock"
-COMMANDS = ("restart", "reset-profile", "reload")
-Handler = Callable[[str], Awaitable[tuple[bool, str]]]
+COMMANDS = ("restart", "reset-profile", "reload", "quarantine-clear")
+Handler = Callable[[str, str | None], Awaitable[tuple[bool, str]]]  # (command, its argument)
 
 
 def path_in(state_dir: str | Path) -> Path:
@@ -59,7 +59,10 @@ class ControlServer:
                 return
             try:
                 line = await asyncio.wait_for(reader.readline(), 5.0)
-                command = str(json.loads(line)["command"])
+                doc = json.loads(line)
+                command = str(doc["command"])
+                arg = doc.get("arg")
+                arg = str(arg) if arg is not None else None
             except (TimeoutError, ValueError, KeyError, TypeError):
                 await self._answer(writer, False, 'send one JSON line: {"command": "restart|reset-profile|reload"}')
                 return
@@ -67,7 +70,7 @@ class ControlServer:
                 await self._answer(writer, False, f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
                 return
             log.info("control.command", command=command, peer_uid=uid)
-            ok, message = await self.handler(command)
+            ok, message = await self.handler(command, arg)
             await self._answer(writer, ok, message)
         finally:
             writer.close()
@@ -84,12 +87,12 @@ class ControlServer:
         self.path.unlink(missing_ok=True)
 
 
-def send(path: Path, command: str, timeout: float = 30.0) -> dict[str, object]:
+def send(path: Path, command: str, timeout: float = 30.0, arg: str | None = None) -> dict[str, object]:
     """Send one command to a running supervisor (blocking; for the CLI)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        s.sendall(json.dumps({"command": command}).encode() + b"\n")
+        s.sendall(json.dumps({"command": command, "arg": arg}).encode() + b"\n")
         data = b""
         while not data.endswith(b"\n"):
             chunk = s.recv(65536)

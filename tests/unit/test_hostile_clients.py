@@ -139,3 +139,21 @@ def test_running_out_of_file_descriptors_degrades_the_process_scan_and_never_rai
 
     assert proctree.remember_descendants(Leader()) == {1234}  # type: ignore[arg-type]
     assert proctree.session_members(1) == []
+
+
+def test_every_route_that_runs_the_model_is_checked_and_the_engines_own_routes_are_closed() -> None:
+    """Defect 6: only three routes were parsed; /invocations and the others skipped every check."""
+    from supervisor.gateway import routes
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/invocations",
+                 "/pooling", "/score", "/rerank", "/v1/rerank", "/classify", "/v1/audio/transcriptions"):
+        assert routes.public(path) and routes.model_route(path), path
+    for path in ("/metrics", "/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/start_profile",
+                 "/stop_profile", "/pause", "/resume", "/scale_elastic_ep", "/update_weights",
+                 "/fault_tolerance/apply", "/v1/load_lora_adapter", "/server_info", "/abort_requests"):
+        assert not routes.public(path), path
+    assert routes.public("/v1/models") and routes.model_route("/v1/models") is None
+    assert routes.public("/v1/responses/resp_123/cancel") and not routes.public("/v1/responses/../sleep")
+    # A body the gateway does not read still gets a quarantine key, whatever it is.
+    opaque = admission.parse_opaque("/invocations", b"--multipart-boundary\r\n...")
+    assert opaque.digest and opaque.digest != admission.parse_opaque("/invocations", b"{}").digest
