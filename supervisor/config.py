@@ -323,6 +323,14 @@ class Config:
     gateway: GatewayConfig | None = None  # only with a [gateway] table
     recovery: RecoveryConfig = RecoveryConfig()
 
+    def withheld_env(self) -> tuple[str, ...]:
+        """Variables of the supervisor's own that vLLM's processes never inherit: the alert hooks' secrets and
+        systemd's credentials directory (unless [engine.env] names one itself, which is the operator's call)."""
+        names = {"CREDENTIALS_DIRECTORY"}
+        for h in self.alerts.hooks:
+            names.update(n for n in (h.routing_key_env, h.auth_token_env) if n)
+        return tuple(sorted(names - set(self.engine.env)))
+
 
 _SECTIONS: dict[str, type] = {
     "engine": EngineConfig,

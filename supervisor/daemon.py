@@ -153,15 +153,16 @@ class Daemon:
         await self.recovery.close()
         if self.gateway is not None:
             self.gateway.shutdown()  # whoever still waits (a FATAL end) gets 503 now, not a reset
-            await self.gateway.close()
+        for t in self._background:
+            t.cancel()
+        await self.bus.close()
+        await self.alerts.close()  # bounded by [alerts] flush_s; before the port's close, which clients can hold
+        if self.gateway is not None:
+            await self.gateway.close()  # bounded by gateway.CLOSE_S
         await self.admin.close()
         if self.metrics_only is not None:
             await self.metrics_only.close()
         await self.control.close()
-        for t in self._background:
-            t.cancel()
-        await self.bus.close()
-        await self.alerts.close()  # bounded by [alerts] flush_s
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.install_signals:
             loop = asyncio.get_running_loop()

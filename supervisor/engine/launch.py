@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from supervisor.config import ArgValue, EngineConfig
 from supervisor.profile import Profile
@@ -73,8 +73,11 @@ def redact(text: str, secret_values: Sequence[str]) -> str:
 
 
 def build_env(engine: EngineConfig, ipc_env: Mapping[str, str], hook_dir: str,
-              base: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in WITHHELD_ENV}
+              base: Mapping[str, str] | None = None, withheld: Collection[str] = ()) -> dict[str, str]:
+    """The engine's environment: the supervisor's own, less systemd's notify variables and ``withheld``
+    (the alert hooks' secrets: Config.withheld_env), plus [engine.env] and the per-start IPC variables."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in WITHHELD_ENV and k not in withheld}
     env.update(engine.env)
     env.update(ipc_env)  # last: config validation refuses overrides, this makes it certain
     # The hook module must import in vLLM's interpreter, wherever vLLM is installed.

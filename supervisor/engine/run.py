@@ -201,7 +201,7 @@ class EngineRun:
         sock = self.run_dir / "events.sock"
         ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e))
         await self.server.start()
-        env = launch.build_env(e, ipc_env, str(self.run_dir))
+        env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())
         try:
             self.child = await self._spawn(argv, env)
         except OSError as exc:

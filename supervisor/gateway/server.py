@@ -47,6 +47,7 @@ RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # After an engine error: how long to wait for the supervisor to say whether the engine died
 # (IPC and the exit watch take milliseconds; /health 503 probes take a few seconds).
 DEATH_WAIT_S = 6.0
+CLOSE_S = 3.0  # at exit: how long open connections may hold the port's close
 DEFAULT_VOCAB = 128256  # Llama 3's: a conservative guess when the model's config cannot be read
 COUNTERS = ("forwarded", "held", "replayed", "400", "413", "429", "503", "quarantined", "client_disconnected",
             "streams_broken", "engine_errors")
@@ -88,7 +89,8 @@ class Gateway:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
         # handler_cancellation: a client that disconnects cancels its handler, which closes the engine request.
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # shutdown_timeout: a client with a half-sent body holds the exit a few seconds, not aiohttp's 60.
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=CLOSE_S)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:

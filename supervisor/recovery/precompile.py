@@ -122,7 +122,8 @@ class Precompiler:
         argv = launch.build_argv(engine, rung)
         if shutil.which("nice"):
             argv = ["nice", "-n", "10", *argv]  # never the engine: a throwaway may be niced
-        env = launch.build_env(e, ipc.prepare_child_env(work, str(work / "events.sock"), "INFO"), str(work))
+        env = launch.build_env(e, ipc.prepare_child_env(work, str(work / "events.sock"), "INFO"), str(work),
+                               withheld=self.cfg.withheld_env())
         secrets = e.secrets()  # vLLM prints its args, --api-key included: the error quotes its last lines
         tail = LogTail(40, redact=lambda line: launch.redact(line, secrets))
         t0 = self.host.monotonic()

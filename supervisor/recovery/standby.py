@@ -120,7 +120,7 @@ class Standby:
 
     @classmethod
     async def start(cls, host: Host, engine: EngineConfig, directory: Path, publish: Callable[[Event], None],
-                    vllm_env: Mapping[str, str] | None = None) -> Standby | None:
+                    vllm_env: Mapping[str, str] | None = None, withheld: Sequence[str] = ()) -> Standby | None:
         """``vllm_env``: what vLLM set for the last engine's EngineCore (see ``start_env``)."""
         entry = entry_of(engine.argv_prefix)
         if entry is None:
@@ -128,7 +128,7 @@ class Standby:
         vllm_env = dict(vllm_env or {})
         ipc_env = ipc.prepare_child_env(directory, str(directory / "events.sock"), launch.vllm_log_level(engine))
         shutil.copyfile(vllm_standby.__file__, directory / SCRIPT)
-        env = start_env(launch.build_env(engine, ipc_env, str(directory)), False, vllm_env)
+        env = start_env(launch.build_env(engine, ipc_env, str(directory), withheld=withheld), False, vllm_env)
         env["VLLM_SUPERVISOR_STANDBY_READY"] = str(directory / READY_FILE)
         argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
         child = await host.spawn(argv, env, stdin=True)
@@ -210,7 +210,7 @@ class StandbyPool:
         self._made += 1
         try:
             self.standby = await Standby.start(self.host, self.cfg.engine, self.dir / f"standby-{self._made}",
-                                               self.publish, self._env())
+                                               self.publish, self._env(), self.cfg.withheld_env())
         except OSError as exc:
             self.publish(StandbyUnavailable(at=self.host.wall(), what="spawn_failed", error=str(exc),
                                             hint="restarts start cold"))

@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tests.helpers.processes import LONG_PROMPT, Sup, cli
@@ -115,3 +116,32 @@ def test_a_hand_edited_quarantine_file_never_breaks_requests_and_on_call_can_lis
     assert "nothing is quarantined" in cli("quarantine", "list", "--config", str(sup.config)).stdout
     missing = cli("quarantine", "clear", "no-such-key", "--config", str(sup.config))
     assert missing.returncode == 1 and "no-such-key" in missing.stderr
+
+
+def test_a_half_sent_body_holds_the_exit_only_seconds_and_the_engine_never_sees_alert_secrets(
+        supervise: Callable[..., Sup], receiver: Callable[..., Any]) -> None:
+    """Defect 9 (one client with a half-sent body held the exit 60 s after SIGTERM) and item 13 (alert secrets
+    and CREDENTIALS_DIRECTORY were in the environment of vLLM's processes)."""
+    import signal
+    import socket
+    import urllib.parse
+
+    r = receiver(status=202)
+    sup = supervise({**GW, "alerts": {"hooks": [{"type": "pagerduty", "url": r.url + "/v2/enqueue",
+                                                  "routing_key_env": "PD_SECRET_FOR_TEST"}]}},
+                    env={"PD_SECRET_FOR_TEST": "pd-routing-key-1", "CREDENTIALS_DIRECTORY": "/nonexistent-creds"})
+    st = sup.wait_ready()
+    environ = Path(f"/proc/{st['engine_pid']}/environ").read_bytes().decode(errors="replace")
+    assert "pd-routing-key-1" not in environ and "CREDENTIALS_DIRECTORY" not in environ
+    assert sup.gateway is not None
+    host, port = urllib.parse.urlsplit(sup.gateway).netloc.split(":")
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{\"prompt\": \"")
+        # No event says "the handler is reading this body"; half a second lets the gateway take it. A shorter
+        # wait can only make the test pass more easily, never fail falsely.
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        sup.proc.send_signal(signal.SIGTERM)
+        assert sup.wait_exit(40) == 0
+        assert time.monotonic() - t0 < 15

@@ -13,7 +13,7 @@ from supervisor.ops.control import ControlServer, send
 async def test_commands_bad_input_and_the_socket_mode(tmp_path: Path) -> None:
     seen: list[str] = []
 
-    async def handler(command: str) -> tuple[bool, str]:
+    async def handler(command: str, arg: str | None = None) -> tuple[bool, str]:
         seen.append(command)
         return True, f"did {command}"
 

@@ -157,3 +157,19 @@ def test_every_route_that_runs_the_model_is_checked_and_the_engines_own_routes_a
     # A body the gateway does not read still gets a quarantine key, whatever it is.
     opaque = admission.parse_opaque("/invocations", b"--multipart-boundary\r\n...")
     assert opaque.digest and opaque.digest != admission.parse_opaque("/invocations", b"{}").digest
+
+
+def test_the_engine_inherits_no_alert_secret_and_no_credentials_directory() -> None:
+    """Item 13: the hooks' secrets and CREDENTIALS_DIRECTORY reached vLLM, its EngineCore and every standby."""
+    from supervisor.config import parse
+    from supervisor.engine import launch
+
+    cfg = parse({"engine": {"model": "m", "env": {"KEEP_ME": "1"}},
+                 "alerts": {"hooks": [{"type": "pagerduty", "routing_key_env": "PD_KEY"},
+                                      {"type": "twilio", "account_sid": "AC1", "auth_token_env": "TW_TOKEN",
+                                       "from": "+1", "to": ["+2"]}]}})
+    assert cfg.withheld_env() == ("CREDENTIALS_DIRECTORY", "PD_KEY", "TW_TOKEN")
+    base = {"PATH": "/bin", "PD_KEY": "secret-1", "TW_TOKEN": "secret-2", "CREDENTIALS_DIRECTORY": "/run/creds/x"}
+    env = launch.build_env(cfg.engine, {}, "/run/hook", base=base, withheld=cfg.withheld_env())
+    assert env["PATH"] == "/bin" and env["KEEP_ME"] == "1"
+    assert not {"PD_KEY", "TW_TOKEN", "CREDENTIALS_DIRECTORY"} & set(env)
