@@ -71,9 +71,8 @@ class Gateway:
         self.host, self.publish, self.view = host, publish, view
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.base_url = cfg.engine.base_url
         self.api_key = cfg.engine.api_key()
-        self.client = EngineClient(self.base_url, self.api_key)
+        self.client = EngineClient(cfg.engine.base_url, self.api_key)
         self.store = quarantine_store.path_in(cfg.state.dir)
         self.quarantine = self._load_quarantine()
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
@@ -226,7 +225,7 @@ class Gateway:
 
     async def _through(self, request: web.Request, flight: Flight, parsed: Parsed | None,
                        body: bytes) -> web.StreamResponse:
-        url = self.base_url + str(request.rel_url)
+        url = self.client.base_url + str(request.rel_url)
         while True:
             left = flight.arrived + self.g.hold_timeout_s - self.host.monotonic()
             if await self.gate.admit(flight, max(0.0, left)) and flight.replays == 0:

@@ -74,3 +74,21 @@ def test_module_names_do_not_collide_with_supervisord() -> None:
     top = Path(__file__).parents[2].joinpath("supervisor")
     ours = {p.stem for p in top.glob("*.py")} | {p.name for p in top.iterdir() if (p / "__init__.py").exists()}
     assert not ours & SUPERVISORD_MODULES
+
+
+def test_no_class_in_the_package_passes_300_lines_or_20_instance_attributes() -> None:
+    """Size is a smell (docs/design.md): wiring that creeps into a class belongs in the composition root."""
+    import ast
+
+    top = Path(__file__).parents[2] / "supervisor"
+    too_big = []
+    for path in top.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            attrs = {a.attr for a in ast.walk(node) if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store)
+                     and isinstance(a.value, ast.Name) and a.value.id == "self"}
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > 300 or len(attrs) > 20:
+                too_big.append(f"{path.relative_to(top)}:{node.name} ({lines} lines, {len(attrs)} attributes)")
+    assert too_big == []
