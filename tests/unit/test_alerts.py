@@ -211,3 +211,29 @@ async def test_a_hooks_rate_limit_holds_back_all_but_critical(receiver: Callable
     await alerts.close()
     assert outcomes.count("suppressed") == 1 and outcomes.count("sent") == 3
     assert r.requests[-1].json()["event"] == "fatal"
+
+
+async def test_a_command_hook_that_times_out_is_killed_with_everything_it_started(tmp_path: Path) -> None:
+    """Issue 16, item 13: a command hook that timed out left its children running."""
+    import os
+    import time
+
+    pidfile = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    hook = HookConfig(type="command", timeout_s=3.0, argv=(sys.executable, "-c", script))
+    with pytest.raises(Exception, match="ran past"):
+        await make_channel(hook).send(one_alert())
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # SIGKILL is delivered at once; its reaping by init may take a moment
+        try:
+            os.kill(grandchild, 0)
+            if Path(f"/proc/{grandchild}/stat").read_text().rpartition(")")[2].split()[0] == "Z":  # noqa: ASYNC240
+                break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        os.kill(grandchild, 9)
+        raise AssertionError("the hook's grandchild outlived the hook's timeout")

@@ -7,7 +7,10 @@ Secrets (PagerDuty routing key, Twilio auth token) are read from the environment
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 from typing import Protocol
 
 import aiohttp
@@ -143,7 +146,9 @@ class Command:
         try:
             await asyncio.wait_for(proc.communicate(json.dumps(alert.as_json()).encode()), self.hook.timeout_s)
         except TimeoutError:
-            proc.kill()
+            # Its own session (start_new_session): whatever it started goes with it, not only the leader.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise SendFailed(f"command {self.hook.argv[0]!r} ran past {self.hook.timeout_s:g}s") from None
         if proc.returncode != 0:
