@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import shutil
 import signal
-import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -36,7 +34,7 @@ from supervisor.event_stream import (
 )
 from supervisor.gateway.server import COUNTERS, EngineView, Gateway
 from supervisor.heartbeat import Heartbeat
-from supervisor.host import Host, leftovers
+from supervisor.host import Host, leftovers, rundir
 from supervisor.host.gpu import GpuLost
 from supervisor.host.vllm_http import EngineClient
 from supervisor.lifecycle import Lifecycle
@@ -124,8 +122,8 @@ class Daemon:
             loop.add_signal_handler(signal.SIGTERM, self.lifecycle.request_stop, "SIGTERM")
             loop.add_signal_handler(signal.SIGINT, self.lifecycle.request_stop, "SIGINT")
             loop.add_signal_handler(signal.SIGHUP, self._soon, self.reload)
-        # systemd's RuntimeDirectory= when there is one: private, and removed with the unit.
-        self.run_dir = Path(tempfile.mkdtemp(prefix="vllm-supervisor-", dir=os.environ.get("RUNTIME_DIRECTORY")))
+        rundir.sweep()  # what supervisors that died left behind
+        self.run_dir = rundir.make()
         self.recovery.use_dir(self.run_dir)
         await self.admin.start()
         if self.metrics_only is not None:

@@ -173,3 +173,23 @@ def test_the_engine_inherits_no_alert_secret_and_no_credentials_directory() -> N
     env = launch.build_env(cfg.engine, {}, "/run/hook", base=base, withheld=cfg.withheld_env())
     assert env["PATH"] == "/bin" and env["KEEP_ME"] == "1"
     assert not {"PD_KEY", "TW_TOKEN", "CREDENTIALS_DIRECTORY"} & set(env)
+
+
+def test_run_directories_of_supervisors_that_died_are_removed_at_the_next_start(tmp_path: Any) -> None:
+    """Item 13: run directories were left in /tmp after abnormal exits."""
+    import os
+    import subprocess
+    import sys
+
+    from supervisor.host import rundir
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = tmp_path / f"vllm-supervisor-{gone.stdout.strip()}-abc123"
+    alive = tmp_path / f"vllm-supervisor-{os.getppid()}-def456"  # a process that runs: kept
+    other = tmp_path / "vllm-supervisor-notapid"
+    for d in (dead, alive, other):
+        d.mkdir()
+    (dead / "events.sock").write_text("")
+    assert rundir.sweep(tmp_path) == [dead]
+    assert not dead.exists() and alive.exists() and other.exists()
