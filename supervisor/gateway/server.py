@@ -37,7 +37,7 @@ from supervisor.event_stream import (
     SheddingChanged,
     StateChanged,
 )
-from supervisor.gateway import pressure, proxy, quarantine_store, routes
+from supervisor.gateway import parsing, pressure, proxy, quarantine_store, routes
 from supervisor.gateway.gate import EngineGate, Flight, Refused
 from supervisor.host import Host
 from supervisor.host.vllm_http import EngineClient, EngineError
@@ -71,8 +71,7 @@ class Gateway:
         self.host, self.publish, self.view = host, publish, view
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.api_key = cfg.engine.api_key()
-        self.client = EngineClient(cfg.engine.base_url, self.api_key)
+        self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
         self.store = quarantine_store.path_in(cfg.state.dir)
         self.quarantine = self._load_quarantine()
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
@@ -80,6 +79,7 @@ class Gateway:
         self.proven_tokens = 0  # the longest prompt the current engine ran (its warm-up's): its memory is held
         self._max_len: tuple[int, int | None] = (-1, None)  # (generation, vLLM's max_model_len)
         self._rejected: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
+        self.parser = parsing.BodyParser()
         self.watch = pressure.PressureWatch(self.g, host, self.client, cfg.engine.devices(),
                                             lambda: self.view().pids, lambda: self.gate.open,
                                             self.busy, self._shedding_changed)
@@ -115,6 +115,7 @@ class Gateway:
                                     waited_s=round(self.host.monotonic() - t0, 3), cut=cut))
 
     async def close(self) -> None:
+        self.parser.close()
         await pressure.stop(self._watch_task)
         await self.runner.cleanup()
         await self.session.close()
@@ -187,7 +188,7 @@ class Gateway:
             return self._health()
         if not routes.public(request.path):
             return self._reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
-        if self.api_key is not None and not routes.authorized(request, self.api_key):
+        if self.client.api_key is not None and not routes.authorized(request, self.client.api_key):
             # vLLM's own answer to a request without the key, given before any work is done for it.
             return web.json_response({"error": "Unauthorized"}, status=401, headers={"X-Request-Id": rid})
         if self.gate.closing:
@@ -197,8 +198,7 @@ class Gateway:
         if isinstance(body, Rejection):
             return self._reject(rid, body)
         route = routes.model_route(request.path) if request.method == "POST" else None
-        parsed = (admission.parse(route, body) if route in routes.COUNTED.values() else
-                  admission.parse_opaque(route, body)) if route else None
+        parsed = await self.parser.parse(route, body) if route else None
         if isinstance(parsed, Rejection):
             return self._reject(rid, parsed)
         if parsed is not None:

@@ -70,6 +70,7 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self.model: str | None = None
+        self.api_key = api_key
         # vLLM's --api-key guards /v1/*; our warm-up and canary must pass it like any client.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 

@@ -193,3 +193,33 @@ def test_run_directories_of_supervisors_that_died_are_removed_at_the_next_start(
     (dead / "events.sock").write_text("")
     assert rundir.sweep(tmp_path) == [dead]
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_big_bodies_are_parsed_without_stalling_the_loop_that_runs_supervision() -> None:
+    """Defect 5: one 16 MiB token-id body cost 1.3 s on the loop that also pets the watchdog."""
+    from supervisor.gateway.parsing import BodyParser
+
+    body = json.dumps({"model": "m", "prompt": list(range(2_000_000))}).encode()  # 16 MiB of token ids
+
+    async def go() -> tuple[float, list[Any]]:
+        parser = BodyParser()
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def beat() -> None:  # what the heartbeat and the admin port need: a turn every few ms
+            last = asyncio.get_running_loop().time()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = asyncio.get_running_loop().time()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(beat())
+        got = await asyncio.gather(*(parser.parse("completions", body) for _ in range(4)))
+        stop.set()
+        await ticker
+        return max(gaps), list(got)
+
+    worst, got = asyncio.run(go())
+    assert all(isinstance(p, admission.Parsed) and p.token_ids == 2_000_000 for p in got)
+    assert worst < 0.25, f"the loop stalled {worst:.3f}s while four 16 MiB bodies were parsed"

@@ -1,0 +1,52 @@
+"""Parsing client bodies where they cannot starve supervision.
+
+The gateway's event loop also runs the lifecycle, the admin port and the watchdog's beat. One 16 MiB
+token-id body costs about a second of JSON parsing, type checks and hashing, and 24 sent together stalled
+that loop 28 s (the shipped WatchdogSec=30). A thread does not help: ``json.loads`` is one C call that
+holds the GIL from start to end. So a body over INLINE_BYTES goes to a small process pool (PARSERS
+processes of our own interpreter, started on the first big body, spawned: they import only the parser),
+the others waiting their turn without holding the loop. If the pool breaks, the body is parsed on the
+loop rather than refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from supervisor.decide import admission
+from supervisor.decide.admission import Parsed, Rejection
+
+INLINE_BYTES = 256 * 1024  # a body this small parses in well under a millisecond: on the loop
+PARSERS = 2
+COUNTED = ("completions", "chat", "embeddings")  # the routes whose prompt is read (gateway/routes.COUNTED)
+
+
+class BodyParser:
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def parse(self, route: str, body: bytes) -> Parsed | Rejection:
+        """Parse, type-check and hash ``body`` for ``route`` (a model route: routes.model_route)."""
+        if len(body) < INLINE_BYTES:
+            return parse(route, body)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(PARSERS, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, parse, route, body)
+        except BrokenProcessPool:
+            self._pool = None
+            return parse(route, body)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def parse(route: str, body: bytes) -> Parsed | Rejection:
+    if route in COUNTED:
+        return admission.parse(route, body)
+    return admission.parse_opaque(route, body)
