@@ -269,6 +269,7 @@ class GatewayConfig:
     max_held: int = 256  # requests waiting at once; beyond: 503 (engine away) or 429 (caps full)
     max_in_flight: int = 0  # requests at the engine at once; 0 = no cap
     max_body_bytes: int = 16 * 2**20
+    body_timeout_s: float = 60.0  # a request's whole body must arrive within this (a trickle gets 408)
     max_replays: int = 3  # re-issues of one request across engine deaths
     drain_timeout_s: float = 30.0  # SIGTERM and planned restarts: in-flight requests get this long to finish
     retry_after_s: float = 2.0  # the Retry-After of a 429
@@ -583,7 +584,8 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         host, sep, port = obj.listen.rpartition(":")
         need("listen", bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
              f"must be HOST:PORT, e.g. \"0.0.0.0:8000\", got {obj.listen!r}")
-        for key in ("hold_timeout_s", "drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s"):
+        for key in ("hold_timeout_s", "drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s",
+                    "body_timeout_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
         for key in ("max_held", "max_body_bytes"):
             need(key, getattr(obj, key) >= 1, "must be >= 1")

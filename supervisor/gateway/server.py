@@ -194,7 +194,7 @@ class Gateway:
         if self.gate.closing:
             return self._reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
                                                "server_error", self.g.retry_after_s))
-        body = await _read_capped(request, self.g.max_body_bytes)
+        body = await _read_capped(request, self.g.max_body_bytes, self.g.body_timeout_s)
         if isinstance(body, Rejection):
             return self._reject(rid, body)
         route = routes.model_route(request.path) if request.method == "POST" else None
@@ -352,11 +352,24 @@ class Gateway:
             log.error("gateway.quarantine_not_saved", path=str(self.store), error=str(exc))
 
 
-async def _read_capped(request: web.Request, cap: int) -> bytes | Rejection:
-    """The body, refused (413) as soon as it is known to be over ``cap``: a huge body is never read whole."""
-    too_big = Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server")
+async def _read_capped(request: web.Request, cap: int, timeout_s: float) -> bytes | Rejection:
+    """The body, refused (413) as soon as it is known to be over ``cap`` (a huge body is never read whole),
+    and (408) when it has not all arrived within ``timeout_s`` (a trickling client holds nothing for long)."""
     if request.content_length is not None and request.content_length > cap:
-        return too_big
+        return _too_big(cap)
+    try:
+        return await asyncio.wait_for(_read_body(request, cap), timeout_s)
+    except TimeoutError:
+        return Rejection(408, "body_timeout", f"the request body did not arrive within {timeout_s:g}s; "
+                                              "send it whole, faster")
+
+
+def _too_big(cap: int) -> Rejection:
+    return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server")
+
+
+async def _read_body(request: web.Request, cap: int) -> bytes | Rejection:
+    too_big = _too_big(cap)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_chunked(1 << 16):

@@ -145,3 +145,25 @@ def test_a_half_sent_body_holds_the_exit_only_seconds_and_the_engine_never_sees_
         sup.proc.send_signal(signal.SIGTERM)
         assert sup.wait_exit(40) == 0
         assert time.monotonic() - t0 < 15
+
+
+def test_a_body_that_trickles_in_gets_408_after_body_timeout_s_and_others_are_served(
+        supervise: Callable[..., Sup]) -> None:
+    """Defect 4: idle or half-sent connections were never timed out."""
+    import socket
+    import urllib.parse
+
+    sup = supervise({"gateway": {"hold_timeout_s": 30.0, "body_timeout_s": 1.0}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    host, port = urllib.parse.urlsplit(sup.gateway).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+        t0 = time.monotonic()
+        answer = slow.recv(65536).decode(errors="replace")
+        took = time.monotonic() - t0
+    assert answer.startswith("HTTP/1.1 408") and "body_timeout" in answer, answer[:300]
+    assert 0.8 < took < 10
+    code, _, _ = call(sup.gateway + "/v1/completions", completion("served meanwhile"))
+    assert code == 200
