@@ -62,7 +62,7 @@ class Front(Protocol):
     def shutdown(self) -> None: ...
 
 
-class Prepared(StandbySource, Protocol):
+class RecoveryPort(StandbySource, Protocol):
     """What the lifecycle asks of recovery: the standby (through the run), and no throwaway engine left."""
 
     async def settled(self) -> None: ...
@@ -89,7 +89,7 @@ class Serving:
 class Lifecycle:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], heartbeat: Heartbeat,
                  policy: Policy, profile: Profile, new_run: Callable[[Profile, int, StandbySource], EngineRun],
-                 *, recovery: Prepared, front: Front | None = None, learned: dict[str, Any] | None = None) -> None:
+                 *, recovery: RecoveryPort, front: Front | None = None, learned: dict[str, Any] | None = None) -> None:
         self.cfg, self.host, self.publish, self.heartbeat = cfg, host, publish, heartbeat
         self.policy, self.new_run, self.recovery, self.front = policy, new_run, recovery, front
         self.profile = profile
