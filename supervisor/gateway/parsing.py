@@ -16,12 +16,15 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+import structlog
+
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
 
 INLINE_BYTES = 256 * 1024  # a body this small parses in well under a millisecond: on the loop
 PARSERS = 2
 COUNTED = ("completions", "chat", "embeddings")  # the routes whose prompt is read (gateway/routes.COUNTED)
+log = structlog.get_logger("supervisor.gateway")
 
 
 class BodyParser:
@@ -36,8 +39,10 @@ class BodyParser:
             self._pool = ProcessPoolExecutor(PARSERS, mp_context=multiprocessing.get_context("spawn"))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, parse, route, body)
-        except BrokenProcessPool:
+        except BrokenProcessPool as exc:
             self._pool = None
+            log.warning("gateway.parser_pool_broken", error=str(exc), hint="this body is parsed on the event loop; "
+                        "the next big one starts a new pool")
             return parse(route, body)
 
     def close(self) -> None:

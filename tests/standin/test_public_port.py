@@ -167,3 +167,18 @@ def test_a_body_that_trickles_in_gets_408_after_body_timeout_s_and_others_are_se
     assert 0.8 < took < 10
     code, _, _ = call(sup.gateway + "/v1/completions", completion("served meanwhile"))
     assert code == 200
+
+
+def test_a_big_body_is_parsed_by_the_pool_of_a_running_supervisor(supervise: Callable[..., Sup]) -> None:
+    """Defect 5, in the supervisor process itself: a body over 256 KiB goes to the parser pool and is answered."""
+    sup = supervise(GW)
+    sup.wait_ready()
+    assert sup.gateway is not None
+    ids = list(range(100_000))  # ~600 KiB of token ids, over the engine's 32768-token max_model_len
+    code, doc, _ = call(sup.gateway + "/v1/completions",
+                        json.dumps({"model": "fake-model", "prompt": ids, "max_tokens": 1}).encode())
+    assert code == 413 and doc["error"]["code"] == "prompt_too_long" and "100000" in doc["error"]["message"]
+    code, _, _ = call(sup.gateway + "/v1/completions",
+                      json.dumps({"model": "fake-model", "prompt": ids[:20_000], "max_tokens": 1}).encode())
+    assert code == 200
+    assert not sup.events("gateway.parser_pool_broken")
