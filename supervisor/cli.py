@@ -218,14 +218,10 @@ def _quarantine(args: argparse.Namespace) -> int:
         return 0 if answer.get("ok") else 1
     except OSError:
         pass  # no supervisor runs: the file is the quarantine
-    if args.key is not None and args.key not in q.entries:
+    n = q.clear(args.key)
+    if n is None:
         print(f"vllm-supervisor: no quarantined request has the key {args.key!r}", file=sys.stderr)
         return 1
-    n = len(q.entries) if args.key is None else 1
-    if args.key is None:
-        q.entries.clear()
-    else:
-        del q.entries[args.key]
     quarantine_store.save(path, q)
     print(f"cleared {n} quarantined request(s) in {path}")
     return 0

@@ -91,7 +91,8 @@ class EngineConfig:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def _env(self, base: Mapping[str, str] | None) -> dict[str, str]:
+    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What the engine's environment says: ``base`` (the supervisor's own by default) with [engine.env]."""
         return {**(os.environ if base is None else base), **self.env}
 
     def secrets(self, base: Mapping[str, str] | None = None) -> list[str]:
@@ -100,7 +101,7 @@ class EngineConfig:
         for key, value in self.args.items():
             if key.replace("-", "_") in SECRET_ARGS:
                 out += [str(v) for v in value] if isinstance(value, list) else [str(value)]
-        merged = self._env(base)
+        merged = self.environment(base)
         out += [merged[k] for k in SECRET_ENV if merged.get(k)]
         return [s for s in out if s]
 
@@ -111,11 +112,11 @@ class EngineConfig:
             value = value[0] if value else None
         if value not in (None, "", False):
             return str(value)
-        return self._env(base).get("VLLM_API_KEY") or None
+        return self.environment(base).get("VLLM_API_KEY") or None
 
     def devices(self, base: Mapping[str, str] | None = None) -> list[int | str] | None:
         """The devices the engine will see: [engine.env]'s CUDA_VISIBLE_DEVICES, else the supervisor's own."""
-        return visible_devices(self._env(base))
+        return visible_devices(self.environment(base))
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,8 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     # The quarantine's key: everything in the request that can change what the engine does (sampling,
     # logit_bias, structured output, tools, ...), not the prompt alone; only what never reaches its
     # computation is left out.
-    engine_part = {k: v for k, v in body.items() if k not in NOT_FOR_THE_ENGINE}
     try:
-        digest = hashlib.sha256(json.dumps([route, engine_part], sort_keys=True, ensure_ascii=False,
-                                           default=str).encode()).hexdigest()
+        digest = _engine_digest(route, body)
     except (RecursionError, ValueError):
         return bad_request("the request body is nested too deeply to hash; send a flatter JSON object",
                            "invalid_json")
@@ -108,7 +106,7 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     elif ids == 0:
         tokenize["prompt"] = "".join(texts)
     return Parsed(route, bool(stream), sum(len(t.encode()) for t in texts), n_messages, ids, prompt_logprobs,
-                  digest[:32], tokenize)
+                  digest, tokenize)
 
 
 def parse_opaque(route: str, raw: bytes) -> Parsed:
@@ -117,12 +115,19 @@ def parse_opaque(route: str, raw: bytes) -> Parsed:
     judge. Never refused here: vLLM answers a malformed body itself."""
     try:
         body = json.loads(raw)
-        part: Any = {k: v for k, v in body.items() if k not in NOT_FOR_THE_ENGINE} if isinstance(body, dict) else body
         stream = isinstance(body, dict) and body.get("stream") is True
-        material = json.dumps([route, part], sort_keys=True, ensure_ascii=False, default=str).encode()
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        stream, material = False, route.encode() + b"\0" + raw  # multipart audio, or not JSON at all
-    return Parsed(route, stream, 0, 0, 0, None, hashlib.sha256(material).hexdigest()[:32], {})
+        digest = _engine_digest(route, body)
+    except (UnicodeDecodeError, ValueError, RecursionError):  # multipart audio, or not JSON at all
+        stream, digest = False, hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()[:32]
+    return Parsed(route, stream, 0, 0, 0, None, digest, {})
+
+
+def _engine_digest(route: str, body: Any) -> str:
+    """The quarantine's key of a parsed body: the route and everything in it that reaches the engine.
+    Raises RecursionError or ValueError on a body too deep to serialise."""
+    part = {k: v for k, v in body.items() if k not in NOT_FOR_THE_ENGINE} if isinstance(body, dict) else body
+    material = json.dumps([route, part], sort_keys=True, ensure_ascii=False, default=str).encode()
+    return hashlib.sha256(material).hexdigest()[:32]
 
 
 def _where(exc: Exception) -> str:
@@ -269,6 +274,14 @@ class Quarantine:
         for d in stale:
             del self.entries[d]
         return bool(stale)
+
+    def clear(self, key: str | None) -> int | None:
+        """Forget one entry (``key``) or every entry; how many were forgotten, None when ``key`` is unknown."""
+        if key is None:
+            n = len(self.entries)
+            self.entries.clear()
+            return n
+        return 1 if self.entries.pop(key, None) is not None else None
 
     def safe_len(self, now: float, served: int = 0) -> int | None:
         """Shorter than the shortest quarantined prompt: the length learned from crash evidence.

@@ -90,7 +90,6 @@ def vllm_log_level(engine: EngineConfig, env: Mapping[str, str] | None = None) -
     """vLLM's console log level: --log-level, else VLLM_LOGGING_LEVEL, else INFO."""
     level = engine.args.get("log_level")
     if not isinstance(level, str):
-        merged = {**(os.environ if env is None else env), **engine.env}
-        level = merged.get("VLLM_LOGGING_LEVEL", "INFO")
+        level = engine.environment(env).get("VLLM_LOGGING_LEVEL", "INFO")
     level = level.upper()
     return level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO"

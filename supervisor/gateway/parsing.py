@@ -20,10 +20,10 @@ import structlog
 
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
+from supervisor.gateway.routes import COUNTED
 
 INLINE_BYTES = 256 * 1024  # a body this small parses in well under a millisecond: on the loop
 PARSERS = 2
-COUNTED = ("completions", "chat", "embeddings")  # the routes whose prompt is read (gateway/routes.COUNTED)
 log = structlog.get_logger("supervisor.gateway")
 
 
@@ -52,6 +52,6 @@ class BodyParser:
 
 
 def parse(route: str, body: bytes) -> Parsed | Rejection:
-    if route in COUNTED:
+    if route in COUNTED.values():
         return admission.parse(route, body)
     return admission.parse_opaque(route, body)

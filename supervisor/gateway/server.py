@@ -129,14 +129,14 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         now = self.host.wall()
+        safe = self.quarantine.safe_len(now, self.proven_tokens)
         return {"listen": self.g.listen, **self.counters, "in_flight": len(self.gate.at_engine),
                 "waiting": self.gate.waiting, "open": self.gate.open,
                 "shedding": self.pressure.reason if self.pressure else None,
                 "quarantine_size": sum(1 for e in self.quarantine.entries.values() if e["until"] > now),
-                "safe_prompt_tokens": self.quarantine.safe_len(now, self.proven_tokens),
-                "prompt_limit_source": admission.prompt_limit(
-                    self._max_len[1] or self.view().max_model_len,
-                    self.quarantine.safe_len(now, self.proven_tokens))[1],
+                "safe_prompt_tokens": safe,
+                "prompt_limit_source": admission.prompt_limit(self._max_len[1] or self.view().max_model_len,
+                                                              safe)[1],
                 "longest_prompt_served": self.proven_tokens}
 
     # ---- the event stream ------------------------------------------------------------------------------
@@ -161,14 +161,8 @@ class Gateway:
 
     def clear_quarantine(self, key: str | None) -> tuple[bool, str]:
         """On-call's undo (`vllm-supervisor quarantine clear [KEY]`): one entry, or every entry."""
-        entries = self.quarantine.entries
-        if key is None:
-            n = len(entries)
-            entries.clear()
-        elif key in entries:
-            del entries[key]
-            n = 1
-        else:
+        n = self.quarantine.clear(key)
+        if n is None:
             return False, f"no quarantined request has the key {key!r} (see `vllm-supervisor quarantine list`)"
         self._save_quarantine()
         log.warning("gateway.quarantine_cleared", key=key or "all", entries=n)
