@@ -53,7 +53,6 @@ from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
 
 log = structlog.get_logger("supervisor.engine")
-GIB = 2**30
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
 
 
