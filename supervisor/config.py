@@ -271,6 +271,9 @@ class GatewayConfig:
     max_in_flight: int = 0  # requests at the engine at once; 0 = no cap
     max_body_bytes: int = 16 * 2**20
     body_timeout_s: float = 60.0  # a request's whole body must arrive within this (a trickle gets 408)
+    header_timeout_s: float = 10.0  # a connection's request head must arrive within this (else 408, closed)
+    idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 1024  # open client connections; beyond, a new one gets 503 and is closed
     max_replays: int = 3  # re-issues of one request across engine deaths
     drain_timeout_s: float = 30.0  # SIGTERM and planned restarts: in-flight requests get this long to finish
     retry_after_s: float = 2.0  # the Retry-After of a 429
@@ -586,9 +589,9 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("listen", bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
              f"must be HOST:PORT, e.g. \"0.0.0.0:8000\", got {obj.listen!r}")
         for key in ("hold_timeout_s", "drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s",
-                    "body_timeout_s"):
+                    "body_timeout_s", "header_timeout_s", "idle_timeout_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
-        for key in ("max_held", "max_body_bytes"):
+        for key in ("max_held", "max_body_bytes", "max_connections"):
             need(key, getattr(obj, key) >= 1, "must be >= 1")
         for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size"):
             need(key, getattr(obj, key) >= 0, "must be >= 0")

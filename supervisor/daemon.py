@@ -38,6 +38,7 @@ from supervisor.host import Host, leftovers, rundir
 from supervisor.host.gpu import GpuLost
 from supervisor.host.vllm_http import EngineClient
 from supervisor.lifecycle import Lifecycle
+from supervisor.loop_lag import LoopLag
 from supervisor.ops import control, statefile
 from supervisor.ops.admin import AdminServer, make_app, metrics_app
 from supervisor.ops.alerts.channels import MissingSecret
@@ -69,6 +70,7 @@ class Daemon:
         self.recovery = Recovery(cfg, host, publish, policy.next_rungs)
         self.gateway = Gateway(cfg, host, publish, self._engine_view) if cfg.gateway else None
         self.heartbeat = Heartbeat(host, self.notifier, publish, lambda: self.lifecycle.state)
+        self.loop_lag = LoopLag()
         self.run_dir = Path()
 
         def new_run(p: Profile, number: int, standby: StandbySource) -> EngineRun:
@@ -82,6 +84,7 @@ class Daemon:
         # Subscribers, in the order they read each event.
         self.metrics = Metrics(profile.knobs(), cfg.profile.knobs())
         self.metrics.budget_from(lambda: policy.budget_left(host.monotonic()))
+        self.metrics.loop_stall_from(lambda: self.loop_lag.max_s)
         self.history = History()
         self.alerts = self._alerts_for(cfg)  # raises MissingSecret (a configuration error)
         self.bus.subscribe("log", EventLog())
@@ -135,6 +138,7 @@ class Daemon:
         self.alerts.start()
         self.recovery.start()
         self._soon(self._poll_gpu)
+        self._soon(self.loop_lag.run)
         profile = self.lifecycle.profile
         self.bus.publish(SupervisorStarted(at=self.host.wall(), admin=self.cfg.admin.listen,
                                            engine=self.cfg.engine.base_url, profile=profile,
@@ -193,6 +197,7 @@ class Daemon:
             "uptime_s": round(self.host.monotonic() - self.started_mono, 3),
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
+            "loop": self.loop_lag.status(),
             "next_start": self.recovery.status(),
             **({"gateway": self.gateway.status()} if self.gateway else {}),
         }

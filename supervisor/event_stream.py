@@ -302,6 +302,18 @@ class RequestRejected(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AcceptFailed(Event):
+    """The public port could not accept a connection (out of descriptors or memory); at most one a second."""
+
+    name = "gateway.accept_failed"
+    error: str
+    count: int = 1  # failures since the last record
+
+    def log_level(self) -> str:
+        return "warning"
+
+
+@dataclass(frozen=True, kw_only=True)
 class RequestReplayed(Event):
     """A request the engine lost before it sent the client anything goes to the new engine."""
 

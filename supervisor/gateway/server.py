@@ -28,6 +28,7 @@ from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
 from supervisor.engine_states import FailureKind
 from supervisor.event_stream import (
+    AcceptFailed,
     Event,
     FailureClassified,
     GatewayDrained,
@@ -37,7 +38,7 @@ from supervisor.event_stream import (
     SheddingChanged,
     StateChanged,
 )
-from supervisor.gateway import parsing, pressure, proxy, quarantine_store, routes
+from supervisor.gateway import connections, parsing, pressure, proxy, quarantine_store, routes
 from supervisor.gateway.gate import EngineGate, Flight, Refused
 from supervisor.host import Host
 from supervisor.host.vllm_http import EngineClient, EngineError
@@ -87,15 +88,12 @@ class Gateway:
         self.session = proxy.new_session()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        # handler_cancellation: a client that disconnects cancels its handler, which closes the engine request.
-        # shutdown_timeout: a client with a half-sent body holds the exit a few seconds, not aiohttp's 60.
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=CLOSE_S)
+        self.port = connections.PublicPort(app, self.g, CLOSE_S, self._refused_raw, self._accept_failed,
+                                           host.monotonic)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.runner.setup()
-        host, port = self.g.host_port
-        await web.TCPSite(self.runner, host, port, reuse_address=True).start()
+        await self.port.start(*self.g.host_port)
         self._watch_task = asyncio.create_task(self.watch.run(), name="gateway:pressure")
         log.info("gateway.listening", listen=self.g.listen, quarantined=len(self.quarantine.entries))
 
@@ -117,7 +115,7 @@ class Gateway:
     async def close(self) -> None:
         self.parser.close()
         await pressure.stop(self._watch_task)
-        await self.runner.cleanup()
+        await self.port.close()
         await self.session.close()
         await self.client.close()
 
@@ -125,6 +123,7 @@ class Gateway:
         """A reload: every [gateway] setting but ``listen`` applies to the next request and the next poll."""
         self.g = g
         self.gate.max_held, self.gate.max_in_flight = g.max_held, g.max_in_flight
+        self.port.configure(g)
         self.watch.configure(g)
 
     def status(self) -> dict[str, Any]:
@@ -137,7 +136,15 @@ class Gateway:
                 "safe_prompt_tokens": safe,
                 "prompt_limit_source": admission.prompt_limit(self._max_len[1] or self.view().max_model_len,
                                                               safe)[1],
-                "longest_prompt_served": self.proven_tokens}
+                "longest_prompt_served": self.proven_tokens, "connections": self.port.status()}
+
+    def _refused_raw(self, status: int, code: str) -> None:
+        """A connection answered before aiohttp saw a request (the connection cap, a late head)."""
+        self.counters[str(status)] = self.counters.get(str(status), 0) + 1
+        self._record_rejection("", Rejection(status, code, ""))
+
+    def _accept_failed(self, error: str, count: int) -> None:
+        self.publish(AcceptFailed(at=self.host.wall(), error=error, count=count))
 
     # ---- the event stream ------------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -175,6 +182,16 @@ class Gateway:
 
     # ---- one request -----------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        conn = connections.of(request)
+        if conn is not None:
+            conn.head_received()
+        try:
+            return await self._handle(request)
+        finally:
+            if conn is not None:
+                conn.request_done()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or ""
         if not RID.fullmatch(rid):  # absent, or characters vLLM's ids and our logs should not carry: replaced
             rid = f"gw-{uuid.uuid4().hex[:24]}"

@@ -123,6 +123,11 @@ class Metrics:
         """Read the restart budget left at each scrape (it grows back as old restarts leave the window)."""
         self.budget_left.set_function(left)
 
+    def loop_stall_from(self, longest: Callable[[], float]) -> None:
+        """The longest stall of the supervisor's event loop since it started, read at each scrape."""
+        Gauge("vllm_supervisor_loop_stall_max_seconds", "The longest the supervisor's event loop ran late "
+              "(watchdog, /healthz and the public port share it)", registry=self.registry).set_function(longest)
+
     def gateway_from(self, read: Callable[[], Mapping[str, Any]], outcomes: Sequence[str]) -> None:
         """The gateway's own counters, read at each scrape (one source of truth: its /status object)."""
         self.registry.register(_GatewayCollector(read, outcomes))

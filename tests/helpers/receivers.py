@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,12 +64,20 @@ class Receiver:
         self.server.server_close()
 
 
+class Messages(list[str]):
+    """Notify messages in arrival order, with ``times`` (monotonic) beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+
 @contextlib.contextmanager
-def notify_listener(path: Path) -> Iterator[list[str]]:
+def notify_listener(path: Path) -> Iterator[Messages]:
     """A systemd notify socket at ``path`` that reads every message (as systemd does) into the list it yields."""
     import threading
 
-    messages: list[str] = []
+    messages = Messages()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.bind(str(path))
         s.settimeout(0.2)
@@ -78,6 +87,7 @@ def notify_listener(path: Path) -> Iterator[list[str]]:
             while not done.is_set():
                 with contextlib.suppress(TimeoutError):
                     messages.append(s.recv(65536).decode())
+                    messages.times.append(time.monotonic())
 
         reader = threading.Thread(target=read)
         reader.start()
