@@ -68,7 +68,8 @@ class Daemon:
                         rung_failures=dict(learned.rung_failures) if learned else {})
         self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
         self.recovery = Recovery(cfg, host, publish, policy.next_rungs)
-        self.gateway = Gateway(cfg, host, publish, self._engine_view) if cfg.gateway else None
+        self.gateway = Gateway(cfg, host, publish, self._engine_view,
+                               caught_up=lambda: self.bus.drain_one("gateway")) if cfg.gateway else None
         self.heartbeat = Heartbeat(host, self.notifier, publish, lambda: self.lifecycle.state)
         self.loop_lag = LoopLag()
         self.run_dir = Path()

@@ -208,6 +208,10 @@ class FailureClassified(Event):
     # vLLM's own record named the request in the failing batch (its scheduler dump): evidence that the
     # request, not the engine, is to blame. None when nothing named one.
     named_by_vllm: bool = False
+    # The engine that died already ran at the ladder's lowest batch token budget, and that budget: a request
+    # that killed it twice is tried alone at the lowest rung before it is quarantined (docs/interface.md).
+    at_floor: bool = True
+    chunk: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from supervisor.config import Config
-from supervisor.decide.policy import Policy
+from supervisor.decide.policy import Policy, floor_of
 from supervisor.engine import launch
 from supervisor.engine.run import EngineRun, Healthy, StandbySource, Trigger, Verdict
 from supervisor.engine_states import EngineState, ExitCode, Failure, FailureKind, TriggerKind, check_transition
@@ -58,6 +58,7 @@ class Front(Protocol):
     """What the lifecycle asks of the gateway: drain before a planned stop, whether clients are at the engine."""
 
     async def drain(self, why: str) -> None: ...
+    async def wants_floor(self) -> bool: ...
     def busy(self) -> bool: ...
     def shutdown(self) -> None: ...
 
@@ -336,14 +337,21 @@ class Lifecycle:
         before = self.profile
         self.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
                              "phase": verdict.phase.value, "profile": before.knobs()}
-        path = await self._write_incident(verdict, failure, before, decision.profile, decision.reason,
-                                          detected_after)
+        path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before, decision.profile,
+                                    decision.reason, detected_after)
         if path:
             self.last_failure["incident"] = path
         self.publish(FailureClassified(at=self.host.wall(), kind=failure.kind, evidence=failure.evidence,
                                        trigger=trigger.kind, phase=verdict.phase, returncode=verdict.returncode,
                                        suspect_request=failure.suspect_request, failure=failure, incident=path,
-                                       named_by_vllm=failure.suspect_request is not None))
+                                       named_by_vllm=failure.suspect_request is not None,
+                                       at_floor=floor_of(before, self.cfg.ladder) == before, chunk=before.chunk()))
+        if decision.restart and failure.kind.memory and self.front is not None and await self.front.wants_floor():
+            floor = floor_of(decision.profile, self.cfg.ladder)
+            if floor != decision.profile:
+                decision = replace(decision, profile=floor, reason=f"{decision.reason}; then to the lowest rung "
+                                   f"({_fmt_rung(floor)}): a request that killed the engine twice is tried there "
+                                   "alone before it is quarantined")
         if not decision.restart:
             self.change_state(S.FATAL, reason=decision.reason, exit_code=int(decision.exit_code))  # STOPPING -> FATAL
             self.publish(Fatal(at=self.host.wall(), reason=decision.reason, exit_code=int(decision.exit_code),
@@ -370,21 +378,29 @@ class Lifecycle:
             t.cancel()
         return self.stop_asked.is_set()
 
-    async def _write_incident(self, verdict: Verdict, failure: Failure, before: Profile, after: Profile,
-                              decision: str, detected_after: float) -> str | None:
-        try:
-            gpu: Any = [s.as_dict() for s in await self.host.gpu_snapshot()]
-        except GpuLost as exc:
-            gpu = {"error": str(exc)}
-        bundle = incident.bundle(verdict, failure, before, after, decision, detected_after, gpu)
-        secrets = self.cfg.engine.secrets()
-        try:
-            path = incident.write(self.cfg.state.dir, failure.kind.value, bundle,
-                                  redact=lambda text: launch.redact(text, secrets))
-        except OSError as exc:
-            self.publish(IncidentWriteFailed(at=self.host.wall(), error=str(exc)))
-            return None
-        return str(path)
+
+
+async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], None], verdict: Verdict,
+                         failure: Failure, before: Profile, after: Profile, decision: str,
+                         detected_after: float) -> str | None:
+    """The incident bundle in the state directory; its path, or None (and an event) when it cannot be written."""
+    try:
+        gpu: Any = [s.as_dict() for s in await host.gpu_snapshot()]
+    except GpuLost as exc:
+        gpu = {"error": str(exc)}
+    bundle = incident.bundle(verdict, failure, before, after, decision, detected_after, gpu)
+    secrets = cfg.engine.secrets()
+    try:
+        path = incident.write(cfg.state.dir, failure.kind.value, bundle,
+                              redact=lambda text: launch.redact(text, secrets))
+    except OSError as exc:
+        publish(IncidentWriteFailed(at=host.wall(), error=str(exc)))
+        return None
+    return str(path)
+
+
+def _fmt_rung(p: Profile) -> str:
+    return f"max_num_batched_tokens {p.chunk()}, max_num_seqs {p.effective(Knob.MAX_NUM_SEQS)}"
 
 
 def _at_least(new: Profile, old: Profile, knob: Knob) -> bool:

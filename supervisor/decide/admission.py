@@ -322,9 +322,9 @@ def _count(v: Any) -> bool:
 
 def quarantined(entry: Mapping[str, Any], digest: str) -> Rejection:
     return Rejection(413, "request_quarantined",
-                     f"this request (content hash {digest[:12]}) crashed the inference engine twice, the second "
-                     f"time alone after a restart, and is refused until the quarantine expires; it is not retried. "
-                     f"Change or shorten it ({entry.get('reason', '')}).")
+                     f"this server could not serve this request at its current settings: it (content hash "
+                     f"{digest[:12]}) crashed the inference engine twice and is refused until the quarantine "
+                     f"expires; it is not retried. Change or shorten it ({entry.get('reason', '')}).")
 
 
 def suspect_of(suspect_request: str | None, in_flight: Mapping[str, int]) -> str | None:

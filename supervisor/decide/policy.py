@@ -85,6 +85,19 @@ def _lower(p: Profile, knob: Knob, ladder: LadderConfig) -> Profile | None:
     return p.with_(max_model_len=nxt) if nxt < cur else None
 
 
+def floor_of(profile: Profile, ladder: LadderConfig) -> Profile:
+    """``profile`` with the batch token budget at the ladder's lowest listed rung (2048 by default; the
+    ``_floor`` below it is for memory failures at that rung), where a long prompt's prefill needs least."""
+    listed = [r for r in ladder.max_num_batched_tokens if r >= ladder.max_num_batched_tokens_floor]
+    lowest = min(listed, default=ladder.max_num_batched_tokens_floor)
+    while (profile.effective(Knob.MAX_NUM_BATCHED_TOKENS) or 0) > lowest:
+        lower = _lower(profile, Knob.MAX_NUM_BATCHED_TOKENS, ladder)
+        if lower is None:
+            break
+        profile = lower
+    return profile
+
+
 def step_up(current: Profile, configured: Profile, ladder: LadderConfig) -> Profile | None:
     """One rung back toward the configured profile, undoing the last-taken lever first."""
     for knob in (*reversed(ladder.knob_order), Knob.MAX_MODEL_LEN):

@@ -37,6 +37,7 @@ class Flight:
     replays: int = 0
     strikes: int = 0  # times it was the suspect of a death
     quarantined: bool = False
+    floor_tried: bool = False  # it went (or goes) alone to an engine at the ladder's lowest rung
     gone: bool = False  # answered, refused, or its client left: it will not come back to the gate
     arrived: float = 0.0  # the host's monotonic clock at arrival
 
@@ -61,6 +62,7 @@ class EngineGate:
         self.waiting = 0
         self.solo: Flight | None = None  # the suspect, replayed alone
         self._dead_batch: list[Flight] = []
+        self.floor_wanted = False  # the next engine should start at the lowest rung: a suspect is tried there
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -94,8 +96,12 @@ class EngineGate:
                 self._dead_batch = list(self.at_engine.values())
         self._notify()
 
-    def on_failure(self, kind: FailureKind, suspect_request: str | None) -> Flight | None:
-        """After a death: pick the suspect to replay alone; the flight to quarantine, if any."""
+    def on_failure(self, kind: FailureKind, suspect_request: str | None, at_floor: bool = True) -> Flight | None:
+        """After a death: pick the suspect to replay alone; the flight to quarantine, if any.
+
+        A memory failure's suspect with two strikes is tried once more, alone, at the ladder's lowest rung
+        (``floor_wanted``) unless the engine that died already ran there: a budget of 2048 may serve what
+        6144 could not."""
         # A request answered between the death and its classification is nobody's suspect: made the one to go
         # alone, it would never come back, and every other request would wait for it.
         dead, self._dead_batch = self._dead_batch, []
@@ -111,11 +117,18 @@ class EngineGate:
         alone = len(dead) == 1 and dead[0] is suspect
         if named is not None or (alone and kind is FailureKind.RUNTIME_OOM):
             suspect.strikes += 1
-        if suspect.strikes >= 2:
+        if suspect.strikes >= 2 and kind.memory and not at_floor and not suspect.floor_tried:
+            suspect.floor_tried = self.floor_wanted = True
+        elif suspect.strikes >= 2:
             return self._quarantine(suspect)
         self.solo = suspect
         self._notify()
         return None
+
+    def take_floor_wish(self) -> bool:
+        """Whether the next engine should start at the lowest rung (asked once per failure)."""
+        wanted, self.floor_wanted = self.floor_wanted, False
+        return wanted
 
     def _quarantine(self, flight: Flight) -> Flight:
         flight.quarantined = True

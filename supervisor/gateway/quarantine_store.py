@@ -8,12 +8,16 @@ and named, never a reason for every request to fail.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import structlog
 
 from supervisor.decide.admission import Quarantine
 from supervisor.host.files import write_private
 
 FILENAME = "quarantine.json"
+log = structlog.get_logger("supervisor.gateway")
 
 
 def path_in(state_dir: str | Path) -> Path:
@@ -37,3 +41,32 @@ def load(path: Path) -> tuple[Quarantine, list[str]]:
 def save(path: Path, q: Quarantine) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_private(path, json.dumps(q.as_dict(), indent=1))
+
+
+@dataclass
+class Kept(Quarantine):
+    """The gateway's live quarantine, with the file it is kept in."""
+
+    path: Path = field(default_factory=Path)
+
+    @classmethod
+    def open(cls, path: Path, now: float) -> Kept:
+        """What the file holds (empty, with a warning, when it cannot be read); expired entries dropped."""
+        try:
+            q, dropped = load(path)
+        except (OSError, ValueError) as exc:
+            log.warning("gateway.quarantine_unreadable", path=str(path), error=str(exc))
+            return cls(path=path)
+        if dropped:
+            log.warning("gateway.quarantine_entries_dropped", path=str(path), keys=dropped,
+                        hint="entries need a numeric 'until', an integer or null 'tokens' and a string 'reason'")
+        kept = cls(q.entries, path=path)
+        kept.prune(now)
+        return kept
+
+    def save(self, now: float) -> None:
+        self.prune(now)
+        try:
+            save(self.path, self)
+        except OSError as exc:
+            log.error("gateway.quarantine_not_saved", path=str(self.path), error=str(exc))

@@ -11,11 +11,12 @@ supervisor's state (the supervisor asks it to drain before a planned stop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ from aiohttp import web
 from supervisor.config import Config, GatewayConfig, is_local_path
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
-from supervisor.engine_states import FailureKind
 from supervisor.event_stream import (
     AcceptFailed,
     Event,
@@ -66,15 +66,15 @@ class EngineView:
 
 class Gateway:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
-                 view: Callable[[], EngineView]) -> None:
+                 view: Callable[[], EngineView], caught_up: Callable[[], Awaitable[None]] | None = None) -> None:
         assert cfg.gateway is not None
         self.cfg, self.g = cfg, cfg.gateway
         self.host, self.publish, self.view = host, publish, view
+        self.caught_up = caught_up  # waits until the gateway has read every event published so far
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
-        self.store = quarantine_store.path_in(cfg.state.dir)
-        self.quarantine = self._load_quarantine()
+        self.quarantine = quarantine_store.Kept.open(quarantine_store.path_in(cfg.state.dir), host.wall())
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
         self.pressure: admission.Pressure | None = None
         self.proven_tokens = 0  # the longest prompt the current engine ran (its warm-up's): its memory is held
@@ -153,16 +153,29 @@ class Gateway:
             if event.ready is not None:
                 self.proven_tokens = max(event.ready.warmup_prompts, default=0)
         elif isinstance(event, FailureClassified):
-            flight = self.gate.on_failure(event.kind, event.suspect_request)
+            flight = self.gate.on_failure(event.kind, event.suspect_request, event.at_floor)
             if flight is not None and flight.digest is not None:
-                self._quarantine(flight, event.kind)
+                self._quarantine(flight, event)
 
-    def _quarantine(self, flight: Flight, kind: FailureKind) -> None:
+    async def wants_floor(self) -> bool:
+        """Asked by the lifecycle after a memory failure: should the next engine start at the lowest rung?"""
+        if self.caught_up is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.caught_up(), 2.0)
+        return self.gate.take_floor_wish()
+
+    def _quarantine(self, flight: Flight, event: FailureClassified) -> None:
         assert flight.digest is not None
-        reason = f"{kind.value} twice with this request named or alone at the engine, {flight.size} prompt tokens"
-        self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.size, reason)
+        tokens = f"{flight.tokens} prompt tokens as counted by the engine's tokenizer" if flight.tokens is not None \
+            else "its prompt length was not counted"
+        at = f"max_num_batched_tokens {event.chunk}" if event.chunk else "its settings then"
+        floor = ", the last time alone at the lowest rung of this server's ladder" if event.at_floor else ""
+        reason = (f"{event.kind.value} twice with this request named by vLLM or alone at the engine{floor} "
+                  f"({at}); {tokens}")
+        # Only a measured count may lower the prompt limit for others (Quarantine.safe_len).
+        self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.tokens, reason)
         self.counters["quarantined"] += 1
-        self._save_quarantine()
+        self.quarantine.save(self.host.wall())
         self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
                                         evidence=f"{reason} (request {flight.rid})"))
 
@@ -171,7 +184,7 @@ class Gateway:
         n = self.quarantine.clear(key)
         if n is None:
             return False, f"no quarantined request has the key {key!r} (see `vllm-supervisor quarantine list`)"
-        self._save_quarantine()
+        self.quarantine.save(self.host.wall())
         log.warning("gateway.quarantine_cleared", key=key or "all", entries=n)
         return True, f"cleared {n} quarantined request(s); the prompt-length limit is recomputed at once"
 
@@ -294,7 +307,9 @@ class Gateway:
         """413 over the current limits; counts the prompt exactly only when the byte bound is not enough."""
         limit, why = admission.prompt_limit(await self._engine_max_len(),
                                             self.quarantine.safe_len(self.host.wall(), self.proven_tokens))
-        await self._tokens_if_long(parsed, flight, limit, always=parsed.prompt_logprobs is not None)
+        # A suspect going alone is counted exactly: if it is quarantined, its count is the evidence shown.
+        await self._tokens_if_long(parsed, flight, limit,
+                                   always=parsed.prompt_logprobs is not None or self.gate.solo is flight)
         if flight.tokens is None:
             return None
         flight.size = flight.tokens
@@ -341,26 +356,6 @@ class Gateway:
         self._rejected[r.code] = (now, 0)
         self.publish(RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid,
                                      count=since + 1))
-
-    # ---- the quarantine file -------------------------------------------------------------------------
-    def _load_quarantine(self) -> admission.Quarantine:
-        try:
-            q, dropped = quarantine_store.load(self.store)
-        except (OSError, ValueError) as exc:
-            log.warning("gateway.quarantine_unreadable", path=str(self.store), error=str(exc))
-            return admission.Quarantine()
-        if dropped:
-            log.warning("gateway.quarantine_entries_dropped", path=str(self.store), keys=dropped,
-                        hint="entries need a numeric 'until', an integer or null 'tokens' and a string 'reason'")
-        q.prune(self.host.wall())
-        return q
-
-    def _save_quarantine(self) -> None:
-        self.quarantine.prune(self.host.wall())
-        try:
-            quarantine_store.save(self.store, self.quarantine)
-        except OSError as exc:
-            log.error("gateway.quarantine_not_saved", path=str(self.store), error=str(exc))
 
 
 async def _read_capped(request: web.Request, cap: int, timeout_s: float) -> bytes | Rejection:

@@ -151,7 +151,9 @@ async def test_bad_input_gets_a_clear_error_naming_the_field(supervise: Callable
 async def test_requests_in_flight_at_an_oom_are_replayed_and_the_poison_is_quarantined(
         supervise: Callable[..., Sup]) -> None:
     # The stand-in's core works one request at a time: the ones sent after the poison wait behind it and die with it.
-    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000", "FAKE_VLLM_TOKEN_DELAY": "0.01"}}})
+    # 1000: even the ladder's lowest rung (2048) runs out of memory on the poison's prefill.
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "1000", "FAKE_VLLM_TOKEN_DELAY": "0.01"}},
+                     "warmup": {"prompt_tokens": [256, 512]}})
     sup.wait_ready()
     assert sup.gateway is not None
     url = sup.gateway + "/v1/completions"
@@ -167,13 +169,18 @@ async def test_requests_in_flight_at_an_oom_are_replayed_and_the_poison_is_quara
         code, doc, _ = await post(s, url, completion(LONG), {"X-Request-Id": "poison-2"})
         assert code == 413 and doc["error"]["code"] == "request_quarantined"
     st = sup.wait_ready()
-    assert st["restarts"] == restarts == 2  # 8192 and 6144 died; 4096 was never tried with it
+    # 8192 and 6144 died with it; then it went alone to the lowest rung (2048, not 4096), died there, and only
+    # then was quarantined (that death still lowered the budget to the floor, 512, until the climb).
+    assert st["restarts"] == restarts == 3
+    assert [e["diff"]["max_num_batched_tokens"][1] for e in sup.events("engine.profile_lowered")] == [6144, 2048, 512]
     gw = st["gateway"]
     assert gw["replayed"] >= 1 and gw["quarantined"] == 1 and gw["safe_prompt_tokens"] == 30_000 - 1
     replayed = sup.events("gateway.request_replayed")
     assert replayed and replayed[0]["request_id"] == "poison-1" and replayed[0]["alone"] is True
     q = sup.events("gateway.request_quarantined")
     assert len(q) == 1 and q[0]["prompt_tokens"] == 30_000 and "word" not in json.dumps(q[0])
+    assert "lowest rung" in q[0]["evidence"] and "30000 prompt tokens as counted" in q[0]["evidence"]
+    assert "could not serve this request at its current settings" in doc["error"]["message"]
     saved = json.loads((sup.state_dir / "quarantine.json").read_text())
     assert list(saved["quarantine"]) == [q[0]["request_hash"]]
     assert (sup.state_dir / "quarantine.json").stat().st_mode & 0o777 == 0o600
@@ -191,8 +198,25 @@ async def test_a_long_prompt_that_fits_after_the_step_down_is_served(supervise: 
     assert st["gateway"]["replayed"] == 1 and st["gateway"]["quarantined"] == 0
 
 
+async def test_a_prompt_that_killed_two_rungs_is_tried_alone_at_the_lowest_rung_before_any_quarantine(
+        supervise: Callable[..., Sup]) -> None:
+    """A rung of 2048 may serve what 6144 could not: two strikes are not yet a quarantine (issue 16)."""
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "3000"}},
+                     "warmup": {"prompt_tokens": [256, 512]}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    async with aiohttp.ClientSession() as s:
+        code, doc, _ = await post(s, sup.gateway + "/v1/completions", completion(LONG))
+    assert code == 200, doc
+    st = sup.wait_ready()
+    assert st["restarts"] == 2 and st["profile"]["max_num_batched_tokens"] == 2048  # 8192, 6144, then 2048
+    assert st["gateway"]["quarantined"] == 0 and st["gateway"]["safe_prompt_tokens"] is None
+    lowered = [e["diff"]["max_num_batched_tokens"] for e in sup.events("engine.profile_lowered")]
+    assert lowered == [[8192, 6144], [6144, 2048]]
+
+
 async def test_the_quarantine_survives_a_restart_of_the_supervisor(supervise: Callable[..., Sup]) -> None:
-    overrides = {**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}}
+    overrides = {**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "1000"}}, "warmup": {"prompt_tokens": [256, 512]}}
     sup = supervise(overrides)
     sup.wait_ready()
     assert sup.gateway is not None

@@ -223,3 +223,38 @@ def test_big_bodies_are_parsed_without_stalling_the_loop_that_runs_supervision()
     worst, got = asyncio.run(go())
     assert all(isinstance(p, admission.Parsed) and p.token_ids == 2_000_000 for p in got)
     assert worst < 0.25, f"the loop stalled {worst:.3f}s while four 16 MiB bodies were parsed"
+
+
+def test_an_oom_suspect_with_two_strikes_is_tried_alone_at_the_lowest_rung_before_it_is_quarantined() -> None:
+    """A rung of 2048 may serve what 6144 could not: a second strike above the floor asks for the floor first."""
+    from supervisor.config import LadderConfig
+    from supervisor.decide.policy import floor_of
+    from supervisor.profile import Profile
+
+    async def die_alone(gate: EngineGate, f: Flight, at_floor: bool) -> Flight | None:
+        gate.on_state(S.WARMING, S.READY)
+        await gate.admit(f, 1.0)
+        gate.on_state(S.READY, S.STOPPING)
+        gate.leave(f)
+        out = gate.on_failure(FailureKind.RUNTIME_OOM, None, at_floor=at_floor)
+        gate.on_state(S.STOPPING, S.STARTING)
+        return out
+
+    async def go() -> None:
+        gate = EngineGate(max_held=10)
+        big = Flight("big", "d-big", 30000)
+        assert await die_alone(gate, big, at_floor=False) is None and not gate.take_floor_wish()
+        assert await die_alone(gate, big, at_floor=False) is None  # two strikes, above the floor: not yet
+        assert gate.take_floor_wish() and not gate.take_floor_wish()  # asked once
+        assert gate.solo is big and not big.quarantined
+        assert await die_alone(gate, big, at_floor=True) is big and big.quarantined  # died alone there too
+        # An engine already at the floor quarantines at the second strike, as before.
+        other = Flight("other", "d-other", 30000)
+        await die_alone(gate, other, at_floor=True)
+        assert await die_alone(gate, other, at_floor=True) is other and not gate.take_floor_wish()
+    asyncio.run(go())
+    ladder = LadderConfig()
+    low = floor_of(Profile(max_num_batched_tokens=8192, max_num_seqs=16), ladder)
+    assert low.max_num_batched_tokens == 2048 and low.enable_chunked_prefill  # the lowest listed rung, not 512
+    assert floor_of(low, ladder) == low
+    assert floor_of(Profile(max_num_batched_tokens=1024), ladder).max_num_batched_tokens == 1024  # never raised
