@@ -412,6 +412,7 @@ class LeftoverEngineStopped(Event):
     level = "warning"
     pids: tuple[int, ...]
     sid: int
+    what: str = "engine"  # or "precompile": a throwaway engine compiling a rung
     hint: str = "a previous supervisor died without stopping its engine"
 
 

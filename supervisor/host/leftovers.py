@@ -1,6 +1,8 @@
 """A record of the running engine's session in the state directory, so that a supervisor that
 died (SIGKILL, OOM killer, a crash) is followed by one that stops the old engine first: vLLM would
-otherwise keep the port and the GPU memory, and every new start would fail."""
+otherwise keep the port and the GPU memory, and every new start would fail. A precompile's throwaway
+engine (``[recovery] precompile``) is recorded the same way under its own name: it is a whole vLLM
+server too, and on a GPU it holds half of what was free."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from supervisor.host.files import write_private
 from supervisor.host.gpu import GpuLost
 
 FILENAME = "engine.json"
+PRECOMPILE = "precompile.json"
 
 
 @dataclass(frozen=True)
@@ -26,39 +29,46 @@ class EngineRecord:
     supervisor_pid: int
 
 
-def write(state_dir: str | Path, rec: EngineRecord) -> None:
+def write(state_dir: str | Path, rec: EngineRecord, name: str = FILENAME) -> None:
     d = Path(state_dir)
     d.mkdir(parents=True, exist_ok=True)
-    write_private(d / FILENAME, json.dumps(rec.__dict__))
+    write_private(d / name, json.dumps(rec.__dict__))
 
 
-def read(state_dir: str | Path) -> EngineRecord | None:
+def read(state_dir: str | Path, name: str = FILENAME) -> EngineRecord | None:
     try:
-        raw = json.loads((Path(state_dir) / FILENAME).read_text())
+        raw = json.loads((Path(state_dir) / name).read_text())
         return EngineRecord(int(raw["sid"]), float(raw["create_time"]), int(raw["supervisor_pid"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def clear(state_dir: str | Path) -> None:
-    (Path(state_dir) / FILENAME).unlink(missing_ok=True)
+def clear(state_dir: str | Path, name: str = FILENAME) -> None:
+    (Path(state_dir) / name).unlink(missing_ok=True)
 
 
 def stop_bound_s(cfg: Config) -> float:
     """How long ``stop_engine_left`` may take (the watchdog's measure)."""
     e = cfg.engine
-    return e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s + 10.0
+    return 2 * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) + 10.0  # two records
 
 
 async def stop_engine_left(cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
-    """An engine left by a supervisor that died holds the port and the GPU: stop it, and wait for the GPU."""
-    rec = read(cfg.state.dir)
+    """An engine (or a throwaway precompile engine) left by a supervisor that died holds a port and the GPU:
+    stop it, and wait for the GPU."""
+    for name in (FILENAME, PRECOMPILE):
+        await _stop_left(cfg, host, publish, name)
+
+
+async def _stop_left(cfg: Config, host: Host, publish: Callable[[Event], None], name: str) -> None:
+    rec = read(cfg.state.dir, name)
     if rec is None or rec.supervisor_pid == os.getpid():
         return
     e = cfg.engine
     pids = await host.stop_leftover(rec.sid, rec.create_time, e.failed_stop_timeout_s, e.kill_timeout_s)
     if pids:
-        publish(LeftoverEngineStopped(at=host.wall(), pids=tuple(pids), sid=rec.sid))
+        publish(LeftoverEngineStopped(at=host.wall(), pids=tuple(pids), sid=rec.sid,
+                                      what="precompile" if name == PRECOMPILE else "engine"))
         try:
             held = await host.wait_gpu_released(pids, cfg.gpu.release_timeout_s)
         except GpuLost:
@@ -66,4 +76,4 @@ async def stop_engine_left(cfg: Config, host: Host, publish: Callable[[Event], N
         if held:
             publish(GpuNotReleased(at=host.wall(), held={str(k): v for k, v in held.items()},
                                    timeout_s=cfg.gpu.release_timeout_s))
-    clear(cfg.state.dir)
+    clear(cfg.state.dir, name)

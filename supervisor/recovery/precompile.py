@@ -14,19 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import socket
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import structlog
 
 from supervisor.config import Config
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, PrecompileCrashed, PrecompileStarted, RungPrecompiled
-from supervisor.host import Host, files
+from supervisor.host import Host, files, leftovers
 from supervisor.host.gpu import GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
@@ -135,6 +137,7 @@ class Precompiler:
             self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
                                          error=f"could not start {argv[0]!r}: {exc}"))
             return
+        self._record(child)
         drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
         client = EngineClient(engine.base_url, e.api_key())
         ok, why, lines = False, "", []
@@ -144,6 +147,7 @@ class Precompiler:
         finally:
             await client.close()
             await self.host.terminate_tree(child, 5.0, 5.0)
+            leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)
             self._precompile_child = None
             for d in drains:
                 d.cancel()
@@ -155,6 +159,14 @@ class Precompiler:
             self._failed.add(key)
         self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=ok, took_s=took,
                                      error=None if ok else f"{why}; last lines: {' | '.join(lines)}"))
+
+    def _record(self, child: Child) -> None:
+        """Like the engine's: a supervisor SIGKILLed while this runs is followed by one that stops it."""
+        try:
+            leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
+                child.sid, self.host.create_time(child.pid), os.getpid()), leftovers.PRECOMPILE)
+        except (OSError, psutil.Error) as exc:
+            log.warning("state.precompile_record_failed", error=str(exc))
 
     async def _beside_the_engine(self, rung: Profile) -> Profile:
         """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start check wants

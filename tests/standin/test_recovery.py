@@ -218,3 +218,26 @@ def test_a_failed_precompile_quotes_its_last_lines_with_secrets_masked(supervise
     assert ev["ok"] is False and "no /health 200 within 2.5s" in ev["error"], ev
     assert "'api_key': '***'" in ev["error"], ev  # vLLM's args line, quoted with the key masked
     assert key not in sup.log_path.read_text()
+
+
+@precompiling
+def test_a_throwaway_engine_left_by_a_sigkilled_supervisor_is_stopped_by_the_next_one(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 16, item 13: a precompile throwaway outlived a SIGKILLed supervisor; the next one did not stop it
+    (on a GPU host it holds half of what was free)."""
+    overrides = {"engine": {"env": {"FAKE_VLLM_START_DELAY": "4"}},
+                 "recovery": {"precompile": "on", "precompile_idle_s": 0.2, "precompile_timeout_s": 60.0}}
+    sup = supervise(overrides)
+    sup.wait_ready(30)
+    sup.wait_for(lambda s: s["next_start"]["precompiling"] and bool(throwaways()), 30, "a throwaway engine running")
+    assert (sup.state_dir / "precompile.json").exists()
+    sup.proc.kill()
+    sup.proc.wait()
+    assert throwaways()  # it outlives the supervisor: its own session
+    again = supervise({**overrides, "state": {"dir": str(sup.state_dir)}})
+    again.wait_ready(30)
+    stopped = {e["what"] for e in again.events("engine.leftover_stopped")}
+    assert stopped == {"engine", "precompile"}, again.events("engine.leftover_stopped")
+    assert not (sup.state_dir / "precompile.json").exists() or again.status()["next_start"]["precompiling"]
+    left = next(e for e in again.events("engine.leftover_stopped") if e["what"] == "precompile")
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in left["pids"])
