@@ -407,6 +407,20 @@ class GpuShort(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class UtilizationAdapted(Event):
+    """The start gate found memory held steady by another process: the engine starts now at the
+    ``gpu_memory_utilization`` that fits, not after a wait for memory that is not coming back."""
+
+    name = "gpu.utilization_adapted"
+    level = "warning"
+    before: float
+    after: float
+    devices: tuple[Mapping[str, Any], ...]
+    evidence: str
+    hint: str = "the climb raises it again once the other process lets go (ladder.climb_after_s)"
+
+
+@dataclass(frozen=True, kw_only=True)
 class LeftoverEngineStopped(Event):
     name = "engine.leftover_stopped"
     level = "warning"

@@ -240,6 +240,12 @@ class Lifecycle:
     async def _drive(self, run: EngineRun) -> Trigger:
         """STARTING -> WARMING -> READY, then serving until a trigger ends the run."""
         self.change_state(S.STARTING, start=self.starts)  # STOPPED|BACKOFF|STOPPING -> STARTING
+        gated = await self.heartbeat.wait(run.gates(), run.deadline_at)
+        if isinstance(gated, Trigger):
+            return gated
+        if gated is not None:  # another process's memory: this start runs at a lower utilization
+            self.change_profile(gated.profile, gated.reason)
+            self.learned()
         healthy = await self.heartbeat.wait(run.start(), run.deadline_at)
         if not isinstance(healthy, Healthy):
             return healthy

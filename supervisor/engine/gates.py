@@ -1,24 +1,41 @@
 """What must hold before a start spawns anything: the model is there, and the GPU has the memory.
 
-Each gate waits a bounded time and returns None (go on) or the verdict that ends the start before
-any process exists: a config error (the model never appeared), a device fault (NVML lost the GPU)
-or a startup memory failure (too little free memory), with NVML's numbers as evidence.
+Each gate waits a bounded time and returns None (go on), an adapted profile (start now, at the
+``gpu_memory_utilization`` that fits beside memory another process holds steadily), or the verdict
+that ends the start before any process exists: a config error (the model never appeared), a device
+fault (NVML lost the GPU) or a startup memory failure (too little free memory even at the ladder's
+floor), with NVML's numbers as evidence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from supervisor.config import Config, is_local_path
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.engine_states import Failure, FailureKind, TriggerKind
-from supervisor.event_stream import Event, GpuShort, ModelAppeared, ModelMissing
+from supervisor.event_stream import Event, GpuShort, ModelAppeared, ModelMissing, UtilizationAdapted
 from supervisor.host import Host
 from supervisor.host.gpu import GpuLost
 from supervisor.profile import Knob, Profile
 
 GIB = 2**30
 Closed = tuple[TriggerKind, str, Failure]
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """Start at ``profile`` (a lower utilization than the rung's), for the reason given."""
+
+    profile: Profile
+    reason: str
+
+
+async def every_gate(cfg: Config, host: Host, publish: Callable[[Event], None],
+                     profile: Profile) -> Closed | Adapted | None:
+    """The model gate, then the GPU gate."""
+    return await model_gate(cfg, host, publish) or await gpu_gate(cfg, host, publish, profile)
 
 
 async def model_gate(cfg: Config, host: Host, publish: Callable[[Event], None]) -> Closed | None:
@@ -39,16 +56,20 @@ async def model_gate(cfg: Config, host: Host, publish: Callable[[Event], None]) 
     return TriggerKind.MODEL_MISSING, evidence, Failure(FailureKind.CONFIG_ERROR, evidence)
 
 
-async def gpu_gate(cfg: Config, host: Host, publish: Callable[[Event], None], profile: Profile) -> Closed | None:
-    """Wait (bounded) until the devices have the memory vLLM will ask for.
+async def gpu_gate(cfg: Config, host: Host, publish: Callable[[Event], None],
+                   profile: Profile) -> Closed | Adapted | None:
+    """Wait until the devices have the memory vLLM will ask for, but only while it is being released.
 
-    Still short after ``free_wait_s``: vLLM's own start check would fail a minute into loading,
-    so the start is failed here, with NVML's numbers as evidence. Another process's memory is
-    not the rung's fault: the failure says so, and the utilization climbs back once it is free.
+    The wait (``host.wait_gpu_free``) ends as soon as the shortfall is steady: memory another process
+    holds is not coming back by waiting. Then the engine starts now at the utilization that fits (vLLM's
+    own start check would otherwise fail a minute into loading); the climb takes it back once the card
+    frees. Only when even the ladder's floor does not fit is the start failed here, as startup_memory,
+    with NVML's numbers as evidence; another process's memory is not the rung's fault either way.
     """
     gpu = cfg.gpu
     util = profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.0
     headroom = gpu.start_headroom_bytes
+    t0 = host.monotonic()
     try:
         short = await host.wait_gpu_free(cfg.engine.devices(), util, headroom, gpu.free_wait_s)
     except GpuLost as exc:
@@ -58,9 +79,16 @@ async def gpu_gate(cfg: Config, host: Host, publish: Callable[[Event], None], pr
     s = min(short, key=lambda d: d.free / d.total)
     holders = ", ".join(f"pid {pid} ({used / GIB:.2f} GiB)" for pid, used in s.processes) or "unknown"
     evidence = (f"GPU {s.index}: {s.free / GIB:.2f} of {s.total / GIB:.2f} GiB free after waiting "
-                f"{gpu.free_wait_s:g}s, below gpu_memory_utilization {util:g} + "
-                f"{gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
-    publish(GpuShort(at=host.wall(), devices=tuple(d.as_dict() for d in short), evidence=evidence))
+                f"{host.monotonic() - t0:.1f}s (free_wait_s {gpu.free_wait_s:g}), below gpu_memory_utilization "
+                f"{util:g} + {gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
+    devices = tuple(d.as_dict() for d in short)
+    fits = fraction_that_fits(max(0, s.free - headroom), s.total)
+    if cfg.ladder.gpu_memory_utilization_floor <= fits < util:
+        publish(UtilizationAdapted(at=host.wall(), before=util, after=fits, devices=devices, evidence=evidence))
+        return Adapted(profile.with_(gpu_memory_utilization=fits),
+                       f"another process holds GPU memory steadily: started at gpu_memory_utilization {fits:g} "
+                       f"instead of {util:g} ({evidence})")
+    publish(GpuShort(at=host.wall(), devices=devices, evidence=evidence))
     return TriggerKind.GPU_SHORT, evidence, Failure(
-        FailureKind.STARTUP_MEMORY, evidence, knob=Knob.GPU_MEMORY_UTILIZATION,
-        suggested=fraction_that_fits(max(0, s.free - headroom), s.total), rung_at_fault=False)
+        FailureKind.STARTUP_MEMORY, evidence, knob=Knob.GPU_MEMORY_UTILIZATION, suggested=fits,
+        rung_at_fault=False)

@@ -22,7 +22,7 @@ import platform
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, TypeVar
 
 import psutil
 import structlog
@@ -34,6 +34,7 @@ from supervisor.decide.classify import ExitInfo, classify
 from supervisor.decide.evidence import batch
 from supervisor.decide.liveness import Liveness
 from supervisor.engine import gates, ipc, launch, warmup
+from supervisor.engine.gates import Adapted
 from supervisor.engine.monitor import Monitor
 from supervisor.engine.observer import Observer
 from supervisor.engine_states import Failure, FailureKind, Phase, TriggerKind
@@ -52,6 +53,7 @@ from supervisor.host.proctree import Child, StopReport
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
 
+R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
 
@@ -149,7 +151,7 @@ class EngineRun:
         """Ask the run to end (a stop, a climb or restart to ``target``, or a rule that fired); the first wins."""
         self.triggers.put_nowait(self.trigger(kind, evidence, failure, target))
 
-    async def _race(self, work: Awaitable[Trigger | None]) -> Trigger | None:
+    async def _race(self, work: Awaitable[R]) -> R | Trigger:
         """Run ``work`` until it finishes or a trigger arrives, whichever is first."""
         task = asyncio.ensure_future(work)
         getter = asyncio.ensure_future(self.triggers.get())
@@ -189,13 +191,21 @@ class EngineRun:
         return self.deadline
 
     # ---- STARTING ------------------------------------------------------------------------------
-    async def start(self) -> Trigger | Healthy:
-        """Gates, spawn, and wait for /health 200."""
+    async def gates(self) -> Trigger | Adapted | None:
+        """The model and the GPU memory, before anything is spawned: None to go on, an adapted profile to start
+        at (this run takes it; the lifecycle records it), or the trigger that ends the start."""
         e = self.cfg.engine
         self._expect(e.model_wait_s + self.cfg.gpu.free_wait_s + 30.0)
-        gated = await self._race(self._gates())
-        if gated is not None:
-            return gated
+        gated = await self._race(gates.every_gate(self.cfg, self.host, self.publish, self.profile))
+        if isinstance(gated, tuple):
+            return self.trigger(*gated)
+        if isinstance(gated, Adapted):
+            self.profile = gated.profile
+        return gated
+
+    async def start(self) -> Trigger | Healthy:
+        """Spawn, and wait for /health 200."""
+        e = self.cfg.engine
         argv = launch.build_argv(e, self.profile)
         sock = self.run_dir / "events.sock"
         ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e))
@@ -242,11 +252,6 @@ class EngineRun:
             except OSError as exc:
                 self.standby.lost(standby, str(exc))
         return await self.host.spawn(argv, env)
-
-    async def _gates(self) -> Trigger | None:
-        closed = await gates.model_gate(self.cfg, self.host, self.publish) \
-            or await gates.gpu_gate(self.cfg, self.host, self.publish, self.profile)
-        return self.trigger(*closed) if closed else None
 
     async def _watch_exit(self, child: Child) -> None:
         rc = await child.wait_exit()

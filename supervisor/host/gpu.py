@@ -167,9 +167,44 @@ async def wait_released(nvml: Nvml, pids: Collection[int], timeout_s: float, pol
     return await _poll(nvml, None, lambda snaps: holders(snaps, pids), timeout_s, poll_s)
 
 
+# Memory "visibly being released": some short device's free memory grew at least this much within the last
+# STEADY_S. A foreign process that holds its memory steady is not waited for: the start adapts instead.
+RELEASE_STEP = 256 * 2**20
+STEADY_S = 3.0
+
+
+class Release:
+    """Whether the free memory of the short devices still grows (an exiting process letting go)."""
+
+    def __init__(self, now: float) -> None:
+        self.best: dict[int, int] = {}
+        self.grew_at = now
+
+    def note(self, short: Sequence[DeviceSnapshot], now: float) -> None:
+        for s in short:
+            if s.free >= self.best.get(s.index, s.free) + RELEASE_STEP:
+                self.grew_at = now
+            self.best[s.index] = max(self.best.get(s.index, 0), s.free)
+
+    def steady(self, now: float) -> bool:
+        return now - self.grew_at >= STEADY_S
+
+
 async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: float, headroom: int,
                     timeout_s: float, poll_s: float = 1.0) -> list[DeviceSnapshot]:
-    """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still short."""
+    """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still short.
+
+    Returns early, short, once the shortfall is steady (nothing grew for STEADY_S): memory another process
+    holds is not coming back by waiting, and ``timeout_s`` bounds only a release that is under way."""
     if not nvml.available:
         return []
-    return await _poll(nvml, devices, lambda snaps: short_of(snaps, fraction, headroom), timeout_s, poll_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    release = Release(loop.time())
+    while True:
+        short = short_of(await asyncio.to_thread(nvml.snapshot, devices), fraction, headroom)
+        now = loop.time()
+        release.note(short, now)
+        if not short or now >= deadline or release.steady(now):
+            return short
+        await asyncio.sleep(poll_s)

@@ -86,3 +86,40 @@ async def test_waits_run_nvml_off_the_loop_and_report_what_is_held() -> None:
     assert [s.index for s in await wait_free(nv, None, 0.55, 0, timeout_s=0.05, poll_s=0.01)] == [1]
     with pytest.raises(GpuLost):
         await wait_free(Nvml(FakeNvml(fail=15)), None, 0.5, 0, timeout_s=0.05)
+
+
+class ScriptedNvml:
+    """``Nvml``'s surface with a script of free bytes (one device of 100 GiB), one value per snapshot."""
+
+    available = True
+
+    def __init__(self, frees: list[int]) -> None:
+        self.frees, self.calls = frees, 0
+
+    def snapshot(self, devices: Any = None) -> list[Any]:
+        from supervisor.host.gpu import DeviceSnapshot
+
+        free = self.frees[min(self.calls, len(self.frees) - 1)]
+        self.calls += 1
+        return [DeviceSnapshot(0, 100 * GIB, free, 100 * GIB - free, ((777, 100 * GIB - free),))]
+
+
+GIB = 2**30
+
+
+async def test_the_start_gate_waits_only_while_memory_is_being_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: the gate waited its whole free_wait_s (120 s) for memory another process held steady."""
+    from supervisor.host import gpu
+
+    monkeypatch.setattr(gpu, "STEADY_S", 0.2)
+    # Held steady at 40 GiB free (50 are needed): not waited for beyond the steady window.
+    steady = ScriptedNvml([40 * GIB])
+    short = await wait_free(steady, None, 0.5, 0, timeout_s=60.0, poll_s=0.02)  # type: ignore[arg-type]
+    assert short and short[0].free == 40 * GIB and steady.calls < 30
+    # Being released (a GiB a poll, then enough): waited for, and not short in the end.
+    releasing = ScriptedNvml([(30 + i) * GIB for i in range(25)])
+    assert await wait_free(releasing, None, 0.5, 0, timeout_s=60.0, poll_s=0.02) == []  # type: ignore[arg-type]
+    assert releasing.calls == 21  # 50 GiB free at the 21st look
+    # A release that is too slow still ends at the timeout, short.
+    slow = ScriptedNvml([(30 + i) * GIB for i in range(1000)])
+    assert await wait_free(slow, None, 0.9, 0, timeout_s=0.3, poll_s=0.02)  # type: ignore[arg-type]

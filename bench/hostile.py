@@ -1,0 +1,224 @@
+"""Hostile clients against the public port, beside ordinary ones, across engine deaths (issue 16).
+
+On loopback over the stand-in engine, for ``--seconds`` (default 75):
+- 32 ordinary clients send short completions (half of them streaming) the whole time;
+- hostile clients: idle connections that never send a byte, connections that trickle a body a byte a second,
+  clients sending 8 MiB token-id bodies, a client resending a prompt that kills the engine at every rung
+  (three deaths: 8192, 6144 and the lowest rung, 2048, then it is quarantined), and requests to unknown and
+  engine-changing routes.
+Printed: what the ordinary clients lost (goal 0: every request 200, every stream ending in [DONE] with no
+error event), the engine deaths, the supervisor's longest event-loop stall during the soak (goal <= 100 ms:
+/status `loop`), and its RSS and open descriptors before the hostile clients and after they left (goal: back
+to where they started). Never gates CI.
+
+    python bench/hostile.py [--seconds 75]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import aiohttp
+import psutil
+from common import Supervisor, free_port, here, status, wait_ready
+
+TOML = """
+[engine]
+model = "fake-model"
+port = {{port}}
+command = ["{python}", "{fake}"]
+env = {{{{ FAKE_VLLM_TOKEN_DELAY = "0.002", FAKE_VLLM_OOM_TOKENS = "1000" }}}}
+[profile]
+max_num_batched_tokens = 8192
+max_num_seqs = 64
+max_model_len = 32768
+[warmup]
+prompt_tokens = [256, 512]
+[restart]
+backoff_initial_s = 0.05
+backoff_max_s = 0.2
+max_restarts = 20
+[gateway]
+listen = "127.0.0.1:{gw}"
+"""
+POISON = "word " * 30_000
+
+
+def completion(prompt: str, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.ok = 0
+        self.lost: list[str] = []
+
+
+async def ordinary(s: aiohttp.ClientSession, url: str, stream: bool, until: float, t: Tally) -> None:
+    n = 0
+    while time.monotonic() < until:
+        n += 1
+        try:
+            async with s.post(url, json=completion(f"hello number {n} " * 8, stream)) as r:
+                body = await r.text()
+                if r.status != 200:
+                    t.lost.append(f"{r.status} {body[:120]}")
+                elif stream and ('"error"' in body or "data: [DONE]" not in body):
+                    t.lost.append(f"broken stream {body[-160:]!r}")
+                else:
+                    t.ok += 1
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            t.lost.append(repr(exc))
+
+
+async def idle_connections(addr: tuple[str, int], count: int, until: float) -> int:
+    """Open ``count`` connections that never send; reopen each as the server closes it. How many were closed."""
+    closed = 0
+
+    async def one() -> None:
+        nonlocal closed
+        while time.monotonic() < until:
+            try:
+                reader, writer = await asyncio.open_connection(*addr)
+            except OSError:
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                await asyncio.wait_for(reader.read(65536), max(0.1, until - time.monotonic()))
+                closed += 1
+            except TimeoutError:
+                pass
+            finally:
+                writer.close()
+
+    await asyncio.gather(*(one() for _ in range(count)))
+    return closed
+
+
+async def trickle(addr: tuple[str, int], until: float) -> str:
+    """A body announced at 100 kB and sent a byte a second: what the server answered."""
+    reader, writer = await asyncio.open_connection(*addr)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100000\r\n\r\n{")
+    answer = b""
+    try:
+        while time.monotonic() < until and not answer:
+            writer.write(b" ")
+            try:
+                answer = await asyncio.wait_for(reader.read(200), 1.0)
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                break
+    finally:
+        writer.close()
+    return answer.decode(errors="replace").split("\r\n")[0]
+
+
+async def big_bodies(s: aiohttp.ClientSession, url: str, until: float) -> list[int]:
+    ids = json.dumps(completion(list(range(10_000_000, 10_000_000 + 900_000)), max_tokens=1)).encode()  # type: ignore[arg-type]
+    codes = []
+    while time.monotonic() < until:
+        async with s.post(url, data=ids, headers={"Content-Type": "application/json"}) as r:
+            codes.append(r.status)
+            await r.read()
+    return codes
+
+
+async def poison(s: aiohttp.ClientSession, url: str, until: float) -> list[int]:
+    codes = []
+    while time.monotonic() < until:
+        async with s.post(url, json=completion(POISON, max_tokens=2)) as r:
+            codes.append(r.status)
+            await r.read()
+        await asyncio.sleep(1.0)
+    return codes
+
+
+async def odd_routes(s: aiohttp.ClientSession, base: str, until: float) -> set[int]:
+    seen = set()
+    while time.monotonic() < until:
+        for method, path in (("POST", "/sleep"), ("GET", "/metrics"), ("POST", "/collective_rpc"),
+                             ("GET", "/no/such/route"), ("POST", "/v1/completions")):
+            data = b"{" * 50_000 if path == "/v1/completions" else b"{}"
+            async with s.request(method, base + path, data=data) as r:
+                seen.add(r.status)
+                await r.read()
+        await asyncio.sleep(0.2)
+    return seen
+
+
+def footprint(pid: int) -> tuple[float, int]:
+    p = psutil.Process(pid)
+    return p.memory_info().rss / 2**20, p.num_fds()
+
+
+async def soak(gw: str, admin: str, pid: int, engine_port: int, seconds: float) -> tuple[float, int]:
+    addr = ("127.0.0.1", int(gw.rsplit(":", 1)[1]))
+    url = gw + "/v1/completions"
+    rss0, fds0 = footprint(pid)
+    st0 = status(admin) or {}
+    stall0 = st0.get("loop", {}).get("max_stall_s", 0.0)
+    until = time.monotonic() + seconds
+    tally = Tally()
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        plain = [asyncio.create_task(ordinary(s, url, i % 2 == 1, until, tally)) for i in range(32)]
+        idle = asyncio.create_task(idle_connections(addr, 200, until))
+        slow = [asyncio.create_task(trickle(addr, until)) for _ in range(20)]
+        big = [asyncio.create_task(big_bodies(s, url, until)) for _ in range(4)]
+        killer = asyncio.create_task(poison(s, url, until))
+        routes_task = asyncio.create_task(odd_routes(s, gw, until))
+        await asyncio.gather(*plain)
+        closed = await idle
+        trickled = [await t for t in slow]
+        bigs = [c for t in big for c in await t]
+        poisoned = await killer
+        routes = await routes_task
+    # Let the last connections close on the server's side, and the engine connections kept alive by the
+    # gateway's client (aiohttp keeps an idle one 15 s) expire, before measuring what is left.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (status(admin) or {}).get("gateway", {}).get("connections", {}).get("open"):
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(20)
+    rss1, fds1 = footprint(pid)
+    st = status(admin) or {}
+    print(f"ordinary clients: {tally.ok} answered, {len(tally.lost)} lost {tally.lost[:3]}")
+    print(f"engine deaths: {st.get('restarts')}; poison answers: {poisoned}")
+    print(f"idle connections closed by the server: {closed}; trickled bodies answered: {sorted(set(trickled))}")
+    print(f"8 MiB bodies: {len(bigs)} sent, answers {sorted(set(bigs))}; odd routes answered {sorted(routes)}")
+    shown = ("413", "408", "404", "503", "quarantined", "connections")
+    print(f"gateway: {json.dumps({k: st['gateway'][k] for k in shown if k in st['gateway']})}")
+    stall = st.get("loop", {}).get("max_stall_s")
+    print(f"event loop: longest stall {stall} s over the soak (it was {stall0} s before it)")
+    print(f"supervisor RSS {rss0:.1f} -> {rss1:.1f} MiB, open descriptors {fds0} -> {fds1}")
+    pooled = sum(1 for c in psutil.Process(pid).net_connections() if c.raddr and c.raddr.port == engine_port)
+    print(f"  of which {pooled} are idle keep-alive connections to the engine in the gateway's client pool "
+          "(one per request that was at the engine at once; aiohttp closes them after 15 s idle)")
+    return rss1, fds1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=75.0)
+    ap.add_argument("--rounds", type=int, default=2, help="soaks in a row: a leak grows each round, a plateau not")
+    a = ap.parse_args()
+    gw_port = free_port()
+    toml = TOML.format(python=sys.executable, fake=here().parent / "tests" / "helpers" / "fake_vllm.py", gw=gw_port)
+    sup = Supervisor(toml)
+    try:
+        wait_ready(sup.admin, 0, 60)
+        for n in range(a.rounds):
+            print(f"--- round {n + 1} of {a.rounds}")
+            asyncio.run(soak(f"http://127.0.0.1:{gw_port}", sup.admin, sup.proc.pid, sup.port, a.seconds))
+    finally:
+        sup.stop()
+
+
+if __name__ == "__main__":
+    main()
