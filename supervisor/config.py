@@ -266,7 +266,9 @@ class GatewayConfig:
     """[gateway]: the public OpenAI port in front of the engine (absent: clients talk to vLLM directly)."""
 
     listen: str = "127.0.0.1:8000"
-    hold_timeout_s: float = 180.0  # how long a request may wait for the engine to be READY (an H200 restart: 70-90 s)
+    # How long a request may wait for the engine to be READY: seconds, or "auto": as long as the slowest start this
+    # host has measured plus the gates, and never cut short while a restart the supervisor began is under way.
+    hold_timeout_s: float | str = "auto"
     max_held: int = 256  # requests waiting at once; beyond: 503 (engine away) or 429 (caps full)
     max_in_flight: int = 0  # requests at the engine at once; 0 = no cap
     max_body_bytes: int = 16 * 2**20
@@ -466,6 +468,10 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             if isinstance(value, (str, int, float, bool)):
                 return value
             raise _FieldError(f"must be a string, number or boolean, got {type(value).__name__}")
+        if set(inner) == {float, str}:  # a number of seconds, or a word such as "auto"
+            if isinstance(value, str):
+                return value
+            return _coerce(float, value, name)
         return _coerce(inner[0], value, name)
     if origin is tuple:
         if not isinstance(value, list):
@@ -588,7 +594,10 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         host, sep, port = obj.listen.rpartition(":")
         need("listen", bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
              f"must be HOST:PORT, e.g. \"0.0.0.0:8000\", got {obj.listen!r}")
-        for key in ("hold_timeout_s", "drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s",
+        need("hold_timeout_s", obj.hold_timeout_s == "auto" or (not isinstance(obj.hold_timeout_s, str)
+                                                                   and obj.hold_timeout_s > 0),
+             f"must be \"auto\" or a number of seconds > 0, got {obj.hold_timeout_s!r}")
+        for key in ("drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s",
                     "body_timeout_s", "header_timeout_s", "idle_timeout_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
         for key in ("max_held", "max_body_bytes", "max_connections"):

@@ -81,6 +81,7 @@ class Daemon:
         self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run,
                                    recovery=self.recovery, front=self.gateway,
                                    learned={"restarts_total": learned.restarts_total,
+                                            "slowest_start_s": learned.slowest_start_s,
                                             "last_failure": learned.last_failure} if learned else None)
         # Subscribers, in the order they read each event.
         self.metrics = Metrics(profile.knobs(), cfg.profile.knobs())
@@ -189,7 +190,7 @@ class Daemon:
     def _engine_view(self) -> EngineView:
         life = self.lifecycle
         return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
-                          life.restart_eta_s())
+                          life.restart_eta_s(), life.kept.slowest_start_s, life.restarting())
 
     def status(self) -> dict[str, Any]:
         """The /status document (docs/interface.md)."""

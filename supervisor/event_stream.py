@@ -247,6 +247,7 @@ class LearnedChanged(Event):
     rung_failures: Mapping[str, int]
     last_failure: Mapping[str, Any] | None
     restarts_total: int
+    slowest_start_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

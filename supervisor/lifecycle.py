@@ -71,6 +71,31 @@ class RecoveryPort(StandbySource, Protocol):
 
 
 @dataclass
+class Kept:
+    """What outlives this supervisor process (state.json): restarts, the last failure, the slowest start."""
+
+    restarts_total: int = 0
+    last_failure: dict[str, Any] | None = None
+    slowest_start_s: float | None = None  # start -> READY, gates included: what "auto" holds clients for
+
+    def note_start(self, seconds: float) -> bool:
+        """A start reached READY in ``seconds``; True when it is the slowest measured."""
+        if self.slowest_start_s is not None and seconds <= self.slowest_start_s:
+            return False
+        self.slowest_start_s = round(seconds, 3)
+        return True
+
+    def recovered(self, outage: Outage | None, now: float) -> tuple[FailureKind | None, float] | None:
+        """At READY after a failure: its kind and the seconds since the first failure of the outage."""
+        if outage is None or outage.first_failure is None or self.last_failure is None:
+            return None
+        after = round(now - outage.first_failure, 3)
+        self.last_failure["recovered_after_s"] = after
+        kind = self.last_failure.get("kind")
+        return (FailureKind(kind) if kind in {k.value for k in FailureKind} else None), after
+
+
+@dataclass
 class Outage:
     """The engine out of service: since when, and since the first failure in it (None: the first start)."""
 
@@ -96,10 +121,8 @@ class Lifecycle:
         self.profile = profile
         self.state = S.STOPPED
         self.state_since = host.monotonic()
-        learned = learned or {}
         self.restarts = 0
-        self.restarts_total: int = learned.get("restarts_total", 0)
-        self.last_failure: dict[str, Any] | None = learned.get("last_failure")
+        self.kept = Kept(**(learned or {}))
         self.starts = 0
         self.run: EngineRun | None = None
         self.outage: Outage | None = Outage(host.monotonic())  # not READY since the supervisor started
@@ -135,7 +158,16 @@ class Lifecycle:
     def learned(self) -> None:
         self.publish(LearnedChanged(at=self.host.wall(), profile=self.profile,
                                     rung_failures=dict(self.policy.rung_failures),
-                                    last_failure=self.last_failure, restarts_total=self.restarts_total))
+                                    last_failure=self.last_failure, restarts_total=self.restarts_total,
+                                    slowest_start_s=self.kept.slowest_start_s))
+
+    @property
+    def restarts_total(self) -> int:
+        return self.kept.restarts_total
+
+    @property
+    def last_failure(self) -> dict[str, Any] | None:
+        return self.kept.last_failure
 
     # ---- intent ----------------------------------------------------------------------------------------
     def request_stop(self, why: str = "stop requested") -> None:
@@ -179,6 +211,11 @@ class Lifecycle:
 
     def _outage_s(self) -> float | None:
         return None if self.outage is None else round(self.host.monotonic() - self.outage.since, 3)
+
+    def restarting(self) -> bool:
+        """The supervisor is bringing the engine back: a start or a restart it began is under way."""
+        return not self.stop_asked.is_set() and self.state in (S.STOPPED, S.STARTING, S.WARMING, S.STOPPING,
+                                                               S.BACKOFF, S.DRAINING)
 
     def restart_eta_s(self) -> float:
         return float(self.last_ready.timings.get("start_to_ready_s", 30.0)) if self.last_ready else 30.0
@@ -254,24 +291,17 @@ class Lifecycle:
         if not isinstance(ready, Ready):
             return ready
         self.last_ready = ready
+        slower = self.kept.note_start(float(ready.timings.get("start_to_ready_s") or 0.0))
         self.serving = Serving(self.host.monotonic())
         self.policy.on_ready()
-        recovered = self._recovered_after()
+        recovered = self.kept.recovered(self.outage, self.host.monotonic())
         self.change_state(S.READY, ready=ready)  # WARMING -> READY
         if recovered is not None:
             self.publish(Recovered(at=self.host.wall(), kind=recovered[0], recovered_after_s=recovered[1],
                                    profile=self.profile))
+        if recovered is not None or slower:
             self.learned()
         return await self.heartbeat.wait(run.serve(), run.deadline_at, on_tick=lambda: self._tick_ready(run))
-
-    def _recovered_after(self) -> tuple[FailureKind | None, float] | None:
-        """At READY after a failure: its kind and the seconds since the first failure of the outage."""
-        if self.outage is None or self.outage.first_failure is None or self.last_failure is None:
-            return None
-        after = round(self.host.monotonic() - self.outage.first_failure, 3)
-        self.last_failure["recovered_after_s"] = after
-        kind = self.last_failure.get("kind")
-        return (FailureKind(kind) if kind in {k.value for k in FailureKind} else None), after
 
     async def _tick_ready(self, run: EngineRun) -> None:
         """Level-triggered checks while READY: a stable period, idleness, and the climb back one rung."""
@@ -341,12 +371,11 @@ class Lifecycle:
         decision = self.policy.on_failure(verdict.failure, self.profile, self.host.monotonic())
         failure = decision.failure
         before = self.profile
-        self.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
-                             "phase": verdict.phase.value, "profile": before.knobs()}
         path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before, decision.profile,
                                     decision.reason, detected_after)
-        if path:
-            self.last_failure["incident"] = path
+        self.kept.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
+                                  "phase": verdict.phase.value, "profile": before.knobs(),
+                                  **({"incident": path} if path else {})}
         self.publish(FailureClassified(at=self.host.wall(), kind=failure.kind, evidence=failure.evidence,
                                        trigger=trigger.kind, phase=verdict.phase, returncode=verdict.returncode,
                                        suspect_request=failure.suspect_request, failure=failure, incident=path,
@@ -366,7 +395,7 @@ class Lifecycle:
             return decision.exit_code
         self.change_profile(decision.profile, decision.reason, failure=failure)
         self.restarts += 1
-        self.restarts_total += 1
+        self.kept.restarts_total += 1
         self.learned()
         self.change_state(S.BACKOFF, delay_s=round(decision.delay_s, 3), reason=decision.reason)  # STOPPING -> BACKOFF
         if await self._sleep_or_stop(decision.delay_s):

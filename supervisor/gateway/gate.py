@@ -145,8 +145,9 @@ class EngineGate:
             return self.solo is f and not self.at_engine
         return not self.max_in_flight or len(self.at_engine) < self.max_in_flight
 
-    async def admit(self, f: Flight, hold_s: float) -> bool:
-        """Wait (at most ``hold_s``) until ``f`` may go to the engine; True when it was held at all."""
+    async def admit(self, f: Flight, hold_s: float, keep_holding: Callable[[], bool] = lambda: False) -> bool:
+        """Wait (at most ``hold_s``, longer while ``keep_holding()``) until ``f`` may go to the engine; True
+        when it was held at all."""
         if self.closing:
             raise Refused(503, "shutting_down", "the server is shutting down; retry on another replica or later")
         if self._may_go(f):
@@ -159,7 +160,10 @@ class EngineGate:
                           f"the engine is restarting and {self.max_held} requests are already waiting for it")
         self.waiting += 1
         try:
-            ok = await self._until(lambda: self.closing or f.quarantined or self._may_go(f), hold_s)
+            ready = lambda: self.closing or f.quarantined or self._may_go(f)  # noqa: E731
+            ok = await self._until(ready, hold_s)
+            while not ok and keep_holding():
+                ok = await self._until(ready, 1.0)
         finally:
             self.waiting -= 1
         if self.closing:

@@ -50,6 +50,7 @@ RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 DEATH_WAIT_S = 6.0
 CLOSE_S = 3.0  # at exit: how long open connections may hold the port's close
 DEFAULT_VOCAB = 128256  # Llama 3's: a conservative guess when the model's config cannot be read
+AUTO_HOLD_MIN_S = 180.0  # "auto" never holds for less than this (the number it replaced)
 COUNTERS = ("forwarded", "held", "replayed", "400", "413", "429", "503", "quarantined", "client_disconnected",
             "streams_broken", "engine_errors")
 
@@ -62,6 +63,8 @@ class EngineView:
     max_model_len: int | None
     pids: set[int] = field(default_factory=set)
     restart_eta_s: float = 30.0
+    slowest_start_s: float | None = None  # start -> READY, the slowest this host has measured (state.json)
+    restarting: bool = False  # the supervisor is bringing the engine back (a restart it began is under way)
 
 
 class Gateway:
@@ -129,7 +132,8 @@ class Gateway:
     def status(self) -> dict[str, Any]:
         now = self.host.wall()
         safe = self.quarantine.safe_len(now, self.proven_tokens)
-        return {"listen": self.g.listen, **self.counters, "in_flight": len(self.gate.at_engine),
+        return {"listen": self.g.listen, **self.counters, "hold_timeout_s": round(self.hold_s(), 1),
+                "in_flight": len(self.gate.at_engine),
                 "waiting": self.gate.waiting, "open": self.gate.open,
                 "shedding": self.pressure.reason if self.pressure else None,
                 "quarantine_size": sum(1 for e in self.quarantine.entries.values() if e["until"] > now),
@@ -251,8 +255,8 @@ class Gateway:
                        body: bytes) -> web.StreamResponse:
         url = self.client.base_url + str(request.rel_url)
         while True:
-            left = flight.arrived + self.g.hold_timeout_s - self.host.monotonic()
-            if await self.gate.admit(flight, max(0.0, left)) and flight.replays == 0:
+            left = flight.arrived + self.hold_s() - self.host.monotonic()
+            if await self.gate.admit(flight, max(0.0, left), self._keep_holding) and flight.replays == 0:
                 self.counters["held"] += 1
             if flight.quarantined:
                 entry = self.quarantine.holds(flight.digest or "", self.host.wall()) or {}
@@ -287,6 +291,13 @@ class Gateway:
                 raise Refused(503, "engine_unavailable", f"the engine failed this request {flight.replays + 1} "
                                                          "times while restarting; retry later")
             flight.replays += 1
+
+    def hold_s(self) -> float:
+        return hold_bound(self.cfg, self.g, self.view().slowest_start_s)
+
+    def _keep_holding(self) -> bool:
+        """With "auto", a request held past its bound keeps waiting while the supervisor's own restart runs."""
+        return isinstance(self.g.hold_timeout_s, str) and self.view().restarting
 
     async def _tokens_if_long(self, parsed: Parsed, flight: Flight, limit: int | None,
                               always: bool = False) -> int | None:
@@ -356,6 +367,16 @@ class Gateway:
         self._rejected[r.code] = (now, 0)
         self.publish(RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid,
                                      count=since + 1))
+
+
+def hold_bound(cfg: Config, g: GatewayConfig, slowest_start_s: float | None) -> float:
+    """How long a request may wait for the engine: the configured seconds, or with "auto" the slowest start
+    this host measured (x1.5) plus what a restart adds before it (stop, GPU release, backoff, the gates)."""
+    if not isinstance(g.hold_timeout_s, str):
+        return float(g.hold_timeout_s)
+    around = (cfg.engine.failed_stop_timeout_s + cfg.engine.kill_timeout_s + cfg.gpu.release_timeout_s
+              + cfg.restart.backoff_max_s + cfg.gpu.free_wait_s)
+    return max(AUTO_HOLD_MIN_S, 1.5 * (slowest_start_s or 0.0) + around)
 
 
 async def _read_capped(request: web.Request, cap: int, timeout_s: float) -> bytes | Rejection:

@@ -29,10 +29,12 @@ class Learned:
     rung_failures: dict[str, int] = field(default_factory=dict)
     last_failure: dict[str, Any] | None = None
     restarts_total: int = 0
+    slowest_start_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "profile": self.profile.as_dict(), "rung_failures": self.rung_failures,
-                "last_failure": self.last_failure, "restarts_total": self.restarts_total}
+                "last_failure": self.last_failure, "restarts_total": self.restarts_total,
+                "slowest_start_s": self.slowest_start_s}
 
 
 def path_in(state_dir: str | Path) -> Path:
@@ -52,13 +54,18 @@ def load(state_dir: str | Path) -> Learned | None:
         last = raw.get("last_failure")
         return Learned(profile=Profile.from_dict(raw["profile"]), rung_failures=dict(failures),
                        last_failure=last if isinstance(last, dict) else None,
-                       restarts_total=int(raw.get("restarts_total") or 0))
+                       restarts_total=int(raw.get("restarts_total") or 0),
+                       slowest_start_s=_seconds(raw.get("slowest_start_s")))
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, KeyError, OSError) as exc:
         log.warning("state.corrupt_ignored", path=str(p), error=str(exc),
                     hint="starting from the configured profile; the file is overwritten at the next change")
         return None
+
+
+def _seconds(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
 
 
 def save(state_dir: str | Path, learned: Learned) -> None:
@@ -97,6 +104,6 @@ class StateFileWriter:
         try:
             save(self.state_dir, Learned(event.profile, dict(event.rung_failures),
                                          dict(event.last_failure) if event.last_failure else None,
-                                         event.restarts_total))
+                                         event.restarts_total, event.slowest_start_s))
         except OSError as exc:
             log.error("state.save_failed", dir=str(self.state_dir), error=str(exc))

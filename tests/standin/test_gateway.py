@@ -362,3 +362,25 @@ async def test_a_reload_applies_gateway_settings_at_once_but_not_a_new_listen(su
         answer = await asyncio.to_thread(control.send, control.path_in(sup.state_dir), "reload")
         assert not answer["ok"] and "gateway.listen" in str(answer["message"])
     assert sup.status()["start"] == 1  # type: ignore[index]
+
+
+async def test_with_auto_a_request_held_through_a_restart_longer_than_180_s_is_served(
+        supervise: Callable[..., Sup], tmp_path: Any) -> None:
+    """Issue 17: with the old fixed 180 s, every request held through a 187 s restart would have got 503."""
+    delay = tmp_path / "restart-delay"
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_DELAY_FILE": str(delay)}, "start_timeout_s": 400.0},
+                     "gateway": {}})  # hold_timeout_s left at its default, "auto"
+    sup.wait_ready()
+    assert sup.gateway is not None
+    assert gw_status(sup)["hold_timeout_s"] >= 180
+    delay.write_text("190")  # the restart's engine takes 190 s to answer /health
+    core = [p for p in sup.engine_tree() if "--engine-core-fd" in " ".join(p.cmdline())]
+    core[0].kill()
+    await asyncio.to_thread(sup.wait_for, lambda st: st["state"] == "STARTING", 30, "the restart")
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=400)) as s:
+        code, doc, _ = await post(s, sup.gateway + "/v1/completions", completion("held for minutes"))
+    assert code == 200, doc
+    assert time.monotonic() - t0 > 180
+    gw = gw_status(sup)
+    assert gw["held"] == 1 and gw["503"] == 0

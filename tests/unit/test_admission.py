@@ -336,3 +336,38 @@ async def test_the_pressure_watch_reads_nvml_and_vllms_kv_cache() -> None:
     busy[0], card.kv, card.waiting = True, 0.99, 4
     got = await watch.check()
     assert got is not None and got.everyone and card.metrics_calls == 1
+
+
+def test_auto_holds_for_the_slowest_start_measured_plus_the_gates_and_a_number_still_works() -> None:
+    from supervisor.config import parse
+    from supervisor.gateway.server import hold_bound
+
+    cfg = parse({"engine": {"model": "m"}, "gateway": {}})
+    assert cfg.gateway is not None and cfg.gateway.hold_timeout_s == "auto"
+    fresh = hold_bound(cfg, cfg.gateway, None)
+    assert fresh >= 180  # never below the number it replaced
+    assert hold_bound(cfg, cfg.gateway, 113.0) >= 113 * 1.5 + cfg.gpu.free_wait_s + cfg.gpu.release_timeout_s
+    assert hold_bound(cfg, cfg.gateway, 400.0) > hold_bound(cfg, cfg.gateway, 113.0)
+    fixed = parse({"engine": {"model": "m"}, "gateway": {"hold_timeout_s": 30}})
+    assert fixed.gateway is not None and hold_bound(fixed, fixed.gateway, 400.0) == 30.0
+    from supervisor.config import ConfigError
+    with pytest.raises(ConfigError, match=r"gateway\.hold_timeout_s"):
+        parse({"engine": {"model": "m"}, "gateway": {"hold_timeout_s": "forever"}})
+
+
+def test_a_request_held_past_its_bound_keeps_waiting_while_the_supervisor_restarts_the_engine() -> None:
+    async def go() -> None:
+        gate = EngineGate(max_held=10)
+        restarting = True
+        f = Flight("a", None, 1)
+        waiting = asyncio.create_task(gate.admit(f, 0.05, lambda: restarting))
+        await asyncio.sleep(0.3)  # six times its bound
+        assert not waiting.done()
+        gate.on_state(S.WARMING, S.READY)
+        assert await waiting is True
+        # Not restarting (FATAL, or no restart under way): the bound holds.
+        gate.on_state(S.READY, S.FATAL)
+        restarting = False
+        with pytest.raises(Refused):
+            await gate.admit(Flight("b", None, 1), 0.05, lambda: restarting)
+    asyncio.run(go())

@@ -338,7 +338,6 @@ def test_warmup_plan_spans_a_quarter_to_a_half_of_the_chunk_and_fits_the_model()
 
 async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path: Path) -> None:
     arb, host, _ = make(tmp_path, profile={"gpu_memory_utilization": 0.5}, restart={"backoff_jitter": 0.0})
-    gib = 2**30
     run = asyncio.create_task(arb.run())
     first = await host.spawned.get()
     await until(lambda: arb.lifecycle.state.value == "READY", "READY")
