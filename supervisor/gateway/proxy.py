@@ -1,9 +1,11 @@
 """Forwarding one request to the engine and its answer back, with aiohttp on both sides.
 
-A non-streaming answer is read whole before the client sees anything, and a stream's first
-chunk is held until it arrives: until then nothing has reached the client, so a request the
-engine lost on its way down can be sent again to the next engine (``Unsent``). Once a stream
-is under way, an engine that dies ends it with an OpenAI-style error event.
+A non-streaming answer is read whole before the client sees anything, and a stream's events are
+held until one carries text: until then nothing of substance has reached the client, so a request
+the engine lost on its way down can be sent again to the next engine (``Unsent``). Once a stream
+is under way, an engine that dies under it leaves it open (``Cut``) for the gateway to continue on
+the next engine (``resume``, see streams.py), or, where that cannot be faithful, ends it with an
+OpenAI-style error event and [DONE].
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from supervisor.gateway import streams
+from supervisor.gateway.streams import StreamState
+
 # RFC 9110 hop-by-hop headers, and what aiohttp sets itself.
 HOP = frozenset(h.lower() for h in ("Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
                                     "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
-STREAM_ERROR_PREFIX = b'data: {"error"'
 
 
 def engine_gone_event(message: str) -> bytes:
@@ -62,9 +66,19 @@ def new_session() -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0))
 
 
-async def forward(session: aiohttp.ClientSession, url: str, request: web.Request, body: bytes,
-                  rid: str) -> web.StreamResponse | Unsent:
-    """Send ``request`` (its body already read) to ``url``; the client's response, or Unsent."""
+@dataclass
+class Cut:
+    """The engine died under a stream after content reached the client: ``resp`` is still open, and ``state``
+    says what the client has; the gateway continues it on the next engine (``resume``) or ends it."""
+
+    resp: Forwarded
+    state: StreamState
+    why: str
+
+
+async def forward(session: aiohttp.ClientSession, url: str, request: web.Request, body: bytes, rid: str,
+                  state: StreamState, cuttable: bool) -> web.StreamResponse | Unsent | Cut:
+    """Send ``request`` (its body already read) to ``url``; the client's response, Unsent, or (``cuttable``) Cut."""
     try:
         up = await session.request(request.method, url, data=body or None, allow_redirects=False,
                                    headers=passed(request.headers, rid))
@@ -75,44 +89,124 @@ async def forward(session: aiohttp.ClientSession, url: str, request: web.Request
             return Unsent(up.status, up.headers, await up.read(), f"the engine answered {up.status}")
         if "text/event-stream" not in up.headers.get("Content-Type", ""):
             return web.Response(status=up.status, body=await up.read(), headers=passed(up.headers, rid))
-        first = await up.content.readany()  # the first token: until then the stream can still be replayed
-        if not first or first.startswith(STREAM_ERROR_PREFIX):
-            return Unsent(up.status, up.headers, first + await up.read(),
-                          "the engine's stream failed before its first token")
+        opening = await _until_content(up, state)
+        if isinstance(opening, Unsent):
+            return opening
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         up.close()
         return Unsent(502, {}, _error_json("the engine failed the request"), f"{type(exc).__name__}: {exc}")
     except BaseException:
         up.close()
         raise
-    try:
-        return await _relay(up, first, request, rid)
-    finally:
-        # A stream cut short (the client left) closes the engine connection: vLLM aborts the request.
-        if up.content.at_eof():
-            up.release()
-        else:
-            up.close()
-
-
-async def _relay(up: aiohttp.ClientResponse, first: bytes, request: web.Request, rid: str) -> Forwarded:
     resp = Forwarded(status=up.status, headers=passed(up.headers, rid))
-    await resp.prepare(request)
     try:
-        await resp.write(first)  # each write waits for the client's socket to drain: backpressure reaches the engine
-        async for chunk in _chunks(up):
-            if chunk is None:
-                resp.broken = True
-                await resp.write(engine_gone_event("the inference engine failed during this response and is "
-                                                   "restarting; the response is incomplete, send the request again"))
-                break
-            if STREAM_ERROR_PREFIX in chunk:  # vLLM's own error event: the engine failed under this stream
-                resp.broken = True
-            await resp.write(chunk)
-        await resp.write_eof()
-    except ConnectionResetError:  # the client left mid-stream; the caller closes the engine request
+        await resp.prepare(request)
+        for event in opening:
+            await resp.write(event)
+        return await _pump(up, resp, state, cuttable)
+    except ConnectionResetError:  # the client left mid-stream; closing the engine request aborts it in vLLM
         resp.client_gone = True
+        return resp
+    finally:
+        _done_with(up)
+
+
+async def resume(session: aiohttp.ClientSession, url: str, request: web.Request, body: bytes, rid: str,
+                 cut: Cut) -> Forwarded | Cut:
+    """Continue ``cut`` on the new engine with ``body`` (its continuation); Cut again if this engine fails too."""
+    resp, state = cut.resp, cut.state
+    state.resuming()
+    try:
+        up = await session.request("POST", url, data=body, allow_redirects=False,
+                                   headers=passed(request.headers, rid))
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        return Cut(resp, state, f"the engine did not answer: {type(exc).__name__}")
+    try:
+        if up.status >= 500:
+            return Cut(resp, state, f"the engine answered {up.status}")
+        if up.status != 200 or "text/event-stream" not in up.headers.get("Content-Type", ""):
+            detail = (await up.read())[:300].decode(errors="replace")
+            return await _end(resp, f"the inference engine restarted during this response and refused to continue "
+                                    f"it ({up.status}: {detail}); the response is incomplete, send the request again")
+        return await _pump(up, resp, state, cuttable=True)
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        return Cut(resp, state, f"{type(exc).__name__}: {exc}")
+    except ConnectionResetError:
+        resp.client_gone = True
+        return resp
+    finally:
+        _done_with(up)
+
+
+async def end_cut(cut: Cut, why: str) -> Forwarded:
+    """A cut stream that will not be continued: the client gets an error event and [DONE]."""
+    try:
+        return await _end(cut.resp, why)
+    except ConnectionResetError:
+        cut.resp.client_gone = True
+        return cut.resp
+
+
+async def _end(resp: Forwarded, message: str) -> Forwarded:
+    resp.broken = True
+    await resp.write(engine_gone_event(message))
+    await resp.write_eof()
     return resp
+
+
+async def _until_content(up: aiohttp.ClientResponse, state: StreamState) -> list[bytes] | Unsent:
+    """The stream's events up to its first one with text: until then nothing of substance reached the client,
+    and a request the engine lost on the way can be sent again (role chunks and empty text do not count)."""
+    held: list[bytes] = []
+    while not state.content:
+        chunk = await up.content.readany()
+        if not chunk:
+            if any(streams.is_done(e) for e in held):
+                return held + ([state.pending] if state.pending else [])
+            return Unsent(up.status, up.headers, b"".join(held), "the engine's stream ended before any text")
+        for event in state.events(chunk):
+            if streams.is_error(event):
+                return Unsent(up.status, up.headers, b"".join(held) + event,
+                              "the engine's stream failed before its first token")
+            state.note(event)
+            held.append(event)
+    return held
+
+
+async def _pump(up: aiohttp.ClientResponse, resp: Forwarded, state: StreamState, cuttable: bool) -> Forwarded | Cut:
+    """Relay the rest of the stream event by event (each write waits for the client's socket: backpressure)."""
+    async for chunk in _chunks(up):
+        if chunk is None:
+            if cuttable and not state.finished:
+                return Cut(resp, state, "the engine connection broke")
+            return await _end(resp, "the inference engine failed during this response and is restarting; the "
+                                    "response is incomplete, send the request again")
+        for event in state.events(chunk):
+            if streams.is_error(event):  # vLLM's own error event: the engine failed under this stream
+                if cuttable and not state.finished:
+                    return Cut(resp, state, "the engine failed under the stream")
+                resp.broken = True
+            if state.resumed:
+                rewritten = streams.rewrite(event, state, state.usage_wanted)
+                if rewritten is None:
+                    continue
+                event = rewritten
+            state.note(event)
+            await resp.write(event)
+    if state.pending:
+        await resp.write(state.pending)
+    if cuttable and not state.finished and not state.done:
+        return Cut(resp, state, "the engine's stream ended early")
+    await resp.write_eof()
+    return resp
+
+
+def _done_with(up: aiohttp.ClientResponse) -> None:
+    # A stream cut short (the client left) closes the engine connection: vLLM aborts the request.
+    if up.content.at_eof():
+        up.release()
+    else:
+        up.close()
 
 
 async def _chunks(up: aiohttp.ClientResponse) -> AsyncIterator[bytes | None]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import re
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,15 +32,18 @@ from supervisor.event_stream import (
     FailureClassified,
     GatewayDrained,
     RequestQuarantined,
-    RequestRejected,
     RequestReplayed,
     SheddingChanged,
     StateChanged,
+    StreamContinued,
 )
-from supervisor.gateway import connections, parsing, pressure, proxy, quarantine_store, routes
+from supervisor.gateway import connections, parsing, pressure, proxy, quarantine_store, routes, streams
+from supervisor.gateway.answers import Answers
+from supervisor.gateway.counting import PromptCounter
 from supervisor.gateway.gate import EngineGate, Flight, Refused
+from supervisor.gateway.streams import StreamState
 from supervisor.host import Host
-from supervisor.host.vllm_http import EngineClient, EngineError
+from supervisor.host.vllm_http import EngineClient
 
 log = structlog.get_logger("supervisor.gateway")
 RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -52,7 +54,7 @@ CLOSE_S = 3.0  # at exit: how long open connections may hold the port's close
 DEFAULT_VOCAB = 128256  # Llama 3's: a conservative guess when the model's config cannot be read
 AUTO_HOLD_MIN_S = 180.0  # "auto" never holds for less than this (the number it replaced)
 COUNTERS = ("forwarded", "held", "replayed", "400", "413", "429", "503", "quarantined", "client_disconnected",
-            "streams_broken", "engine_errors")
+            "streams_broken", "streams_continued", "engine_errors")
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,8 @@ class Gateway:
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
         self.pressure: admission.Pressure | None = None
         self.proven_tokens = 0  # the longest prompt the current engine ran (its warm-up's): its memory is held
-        self._max_len: tuple[int, int | None] = (-1, None)  # (generation, vLLM's max_model_len)
-        self._rejected: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
+        self.counter = PromptCounter(self.client, lambda: self.gate.generation, lambda: self.view().max_model_len)
+        self.answers = Answers(self.counters, host, publish)
         self.parser = parsing.BodyParser()
         self.watch = pressure.PressureWatch(self.g, host, self.client, cfg.engine.devices(),
                                             lambda: self.view().pids, lambda: self.gate.open,
@@ -91,7 +93,7 @@ class Gateway:
         self.session = proxy.new_session()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.port = connections.PublicPort(app, self.g, CLOSE_S, self._refused_raw, self._accept_failed,
+        self.port = connections.PublicPort(app, self.g, CLOSE_S, self.answers.refused_raw, self._accept_failed,
                                            host.monotonic)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -138,14 +140,8 @@ class Gateway:
                 "shedding": self.pressure.reason if self.pressure else None,
                 "quarantine_size": sum(1 for e in self.quarantine.entries.values() if e["until"] > now),
                 "safe_prompt_tokens": safe,
-                "prompt_limit_source": admission.prompt_limit(self._max_len[1] or self.view().max_model_len,
-                                                              safe)[1],
+                "prompt_limit_source": admission.prompt_limit(self.counter.known_max_len(), safe)[1],
                 "longest_prompt_served": self.proven_tokens, "connections": self.port.status()}
-
-    def _refused_raw(self, status: int, code: str) -> None:
-        """A connection answered before aiohttp saw a request (the connection cap, a late head)."""
-        self.counters[str(status)] = self.counters.get(str(status), 0) + 1
-        self._record_rejection("", Rejection(status, code, ""))
 
     def _accept_failed(self, error: str, count: int) -> None:
         self.publish(AcceptFailed(at=self.host.wall(), error=error, count=count))
@@ -215,36 +211,36 @@ class Gateway:
         if request.path == "/health":
             return self._health()
         if not routes.public(request.path):
-            return self._reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
+            return self.answers.reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
         if self.client.api_key is not None and not routes.authorized(request, self.client.api_key):
             # vLLM's own answer to a request without the key, given before any work is done for it.
             return web.json_response({"error": "Unauthorized"}, status=401, headers={"X-Request-Id": rid})
         if self.gate.closing:
-            return self._reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
+            return self.answers.reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
                                                "server_error", self.g.retry_after_s))
         body = await _read_capped(request, self.g.max_body_bytes, self.g.body_timeout_s)
         if isinstance(body, Rejection):
-            return self._reject(rid, body)
+            return self.answers.reject(rid, body)
         route = routes.model_route(request.path) if request.method == "POST" else None
         parsed = await self.parser.parse(route, body) if route else None
         if isinstance(parsed, Rejection):
-            return self._reject(rid, parsed)
+            return self.answers.reject(rid, parsed)
         if parsed is not None:
             entry = self.quarantine.holds(parsed.digest, self.host.wall())
             if entry is not None:
-                return self._reject(rid, admission.quarantined(entry, parsed.digest))
+                return self.answers.reject(rid, admission.quarantined(entry, parsed.digest))
         flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0,
                         arrived=self.host.monotonic())
         if parsed is not None and self.pressure is not None and self.gate.open:
-            refused = admission.shed(self.pressure, await self._tokens_if_long(parsed, flight, self.proven_tokens),
-                                     self.proven_tokens, self.g.retry_after_s)
+            tokens = await self.counter.tokens_if_long(parsed, flight, self.proven_tokens)
+            refused = admission.shed(self.pressure, tokens, self.proven_tokens, self.g.retry_after_s)
             if refused is not None:
-                return self._reject(rid, refused)
+                return self.answers.reject(rid, refused)
         try:
             return await self._through(request, flight, parsed, body)
         except Refused as r:
             retry = self.g.retry_after_s if r.status == 429 else max(self.g.retry_after_s, self.view().restart_eta_s)
-            return self._reject(rid, Rejection(r.status, r.code, r.message, "server_error", retry))
+            return self.answers.reject(rid, Rejection(r.status, r.code, r.message, "server_error", retry))
         except asyncio.CancelledError:
             self.counters["client_disconnected"] += 1
             raise
@@ -254,13 +250,12 @@ class Gateway:
     async def _through(self, request: web.Request, flight: Flight, parsed: Parsed | None,
                        body: bytes) -> web.StreamResponse:
         url = self.client.base_url + str(request.rel_url)
+        route = routes.model_route(request.path) if request.method == "POST" else None
         while True:
-            left = flight.arrived + self.hold_s() - self.host.monotonic()
-            if await self.gate.admit(flight, max(0.0, left), self._keep_holding) and flight.replays == 0:
-                self.counters["held"] += 1
+            await self._admit(flight)
             if flight.quarantined:
                 entry = self.quarantine.holds(flight.digest or "", self.host.wall()) or {}
-                return self._reject(flight.rid, admission.quarantined(entry, flight.digest or ""))
+                return self.answers.reject(flight.rid, admission.quarantined(entry, flight.digest or ""))
             if flight.replays:
                 self.counters["replayed"] += 1
                 self.publish(RequestReplayed(at=self.host.wall(), request_id=flight.rid, replays=flight.replays,
@@ -269,8 +264,12 @@ class Gateway:
                 refused = await self._precheck(parsed, flight)
                 if refused is not None:
                     self.gate.leave(flight)
-                    return self._reject(flight.rid, refused)
-            out = await proxy.forward(self.session, url, request, body, flight.rid)
+                    return self.answers.reject(flight.rid, refused)
+            state = StreamState(route or "")
+            out = await proxy.forward(self.session, url, request, body, flight.rid, state,
+                                      cuttable=route in streams.CONTINUABLE_ROUTES)
+            if isinstance(out, proxy.Cut):
+                return await self._continue(request, flight, body, out)
             if not isinstance(out, proxy.Unsent):
                 self.gate.leave(flight)
                 if out.status == 200 and flight.tokens is not None and flight.generation == self.gate.generation:
@@ -292,6 +291,49 @@ class Gateway:
                                                          "times while restarting; retry later")
             flight.replays += 1
 
+    async def _admit(self, flight: Flight) -> None:
+        """Wait until ``flight`` may go to the engine (Refused when it may not)."""
+        left = flight.arrived + self.hold_s() - self.host.monotonic()
+        if await self.gate.admit(flight, max(0.0, left), self._keep_holding) and flight.replays == 0:
+            self.counters["held"] += 1
+
+    async def _continue(self, request: web.Request, flight: Flight, body: bytes, cut: proxy.Cut) -> web.StreamResponse:
+        """A stream the engine died under, after text reached the client: continued on the next engine as the
+        same stream (streams.py), or ended with an error event where that cannot be faithful."""
+        url = self.client.base_url + str(request.rel_url)
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            doc = None
+        why_not = streams.not_continuable(cut.state.route, doc) or ("tool calls" if cut.state.tool_calls else None)
+        cut.state.usage_wanted = isinstance(doc, dict) and bool((doc.get("stream_options") or {}).get("include_usage"))
+        while True:
+            died = await self.gate.engine_left(flight, DEATH_WAIT_S)
+            self.gate.leave(flight)
+            if why_not or not died or flight.replays >= self.g.max_replays:
+                self.counters["streams_broken"] += 1
+                reason = f"it cannot be continued faithfully ({why_not})" if why_not else \
+                    "it could not be continued" if died else "the engine failed under it"
+                return await proxy.end_cut(cut, f"the inference engine failed during this response and {reason}; "
+                                                "the response is incomplete, send the request again")
+            flight.replays += 1
+            try:
+                await self._admit(flight)
+            except Refused as r:
+                self.counters["streams_broken"] += 1
+                return await proxy.end_cut(cut, f"the inference engine failed during this response: {r.message}")
+            assert isinstance(doc, dict)
+            self.counters["streams_continued"] += 1
+            self.publish(StreamContinued(at=self.host.wall(), request_id=flight.rid, resumed=cut.state.resumed + 1,
+                                         tokens_sent=cut.state.tokens, why=cut.why))
+            out = await proxy.resume(self.session, url, request, json.dumps(streams.continuation(doc, cut.state))
+                                     .encode(), flight.rid, cut)
+            if not isinstance(out, proxy.Cut):
+                self.gate.leave(flight)
+                self.counters["client_disconnected" if out.client_gone else "forwarded"] += 1
+                return out
+            cut = out
+
     def hold_s(self) -> float:
         return hold_bound(self.cfg, self.g, self.view().slowest_start_s)
 
@@ -299,27 +341,12 @@ class Gateway:
         """With "auto", a request held past its bound keeps waiting while the supervisor's own restart runs."""
         return isinstance(self.g.hold_timeout_s, str) and self.view().restarting
 
-    async def _tokens_if_long(self, parsed: Parsed, flight: Flight, limit: int | None,
-                              always: bool = False) -> int | None:
-        """The prompt's exact tokens when its byte bound exceeds ``limit`` (or ``always``); else the bound."""
-        if flight.tokens is None:
-            if parsed.token_ids and not parsed.text_bytes:
-                flight.tokens = parsed.token_ids
-            elif (limit is not None and parsed.upper_bound > limit) or always:
-                try:
-                    flight.tokens = await self.client.tokenize(parsed.tokenize_body)
-                except EngineError:
-                    return None  # not known: the engine will judge it itself
-            else:
-                return parsed.upper_bound
-        return flight.tokens
-
     async def _precheck(self, parsed: Parsed, flight: Flight) -> Rejection | None:
         """413 over the current limits; counts the prompt exactly only when the byte bound is not enough."""
-        limit, why = admission.prompt_limit(await self._engine_max_len(),
+        limit, why = admission.prompt_limit(await self.counter.engine_max_len(),
                                             self.quarantine.safe_len(self.host.wall(), self.proven_tokens))
         # A suspect going alone is counted exactly: if it is quarantined, its count is the evidence shown.
-        await self._tokens_if_long(parsed, flight, limit,
+        await self.counter.tokens_if_long(parsed, flight, limit,
                                    always=parsed.prompt_logprobs is not None or self.gate.solo is flight)
         if flight.tokens is None:
             return None
@@ -331,42 +358,11 @@ class Gateway:
         return admission.logprobs_too_big(parsed, flight.tokens, self.view().chunk, self.vocab,
                                           self.g.prompt_logprobs_max_gib)
 
-    async def _engine_max_len(self) -> int | None:
-        gen, value = self._max_len
-        if gen != self.gate.generation:
-            try:
-                value = await self.client.max_model_len()
-            except (EngineError, KeyError, IndexError, TypeError):
-                value = None
-            value = value or self.view().max_model_len
-            self._max_len = (self.gate.generation, value)
-        return value
-
     # ---- answers of the gateway's own ------------------------------------------------------------------
     def _health(self) -> web.Response:
         if self.gate.closing:
             return web.json_response({"status": "shutting_down"}, status=503)
         return web.json_response({"status": "ok" if self.gate.open else "holding", "engine": self.gate.state.value})
-
-    def _reject(self, rid: str, r: Rejection) -> web.Response:
-        self.counters[str(r.status)] = self.counters.get(str(r.status), 0) + 1
-        headers = {"X-Request-Id": rid}
-        if r.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(r.retry_after_s)))
-        self._record_rejection(rid, r)
-        return web.Response(status=r.status, text=json.dumps(r.body()), content_type="application/json",
-                            headers=headers)
-
-    def _record_rejection(self, rid: str, r: Rejection) -> None:
-        """One event per code and second at most: a 429 storm must not flood the log or the stream."""
-        now = self.host.monotonic()
-        last, since = self._rejected.get(r.code, (-math.inf, 0))
-        if now - last < 1.0:
-            self._rejected[r.code] = (last, since + 1)
-            return
-        self._rejected[r.code] = (now, 0)
-        self.publish(RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid,
-                                     count=since + 1))
 
 
 def hold_bound(cfg: Config, g: GatewayConfig, slowest_start_s: float | None) -> float:

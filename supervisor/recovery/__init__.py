@@ -91,7 +91,8 @@ class Recovery:
         return self.precompiler.pids()
 
     def status(self) -> dict[str, Any]:
-        return {"standby": self.pool.status(), "precompiling": self.precompiler.running()}
+        return {"standby": self.pool.status(), "precompiling": self.precompiler.running(),
+                "precompile": self.precompiler.status()}
 
     async def close(self) -> None:
         if self._ticker is not None:

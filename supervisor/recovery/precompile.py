@@ -17,19 +17,21 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 import structlog
 
-from supervisor.config import Config
+from supervisor.config import Config, is_local_path
+from supervisor.decide import plan
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, PrecompileCrashed, PrecompileStarted, RungPrecompiled
 from supervisor.host import Host, files, leftovers
-from supervisor.host.gpu import GpuLost, free_fraction
+from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
@@ -39,6 +41,8 @@ log = structlog.get_logger("supervisor.engine.next_start")
 RECORD = "compiled.json"
 # Not part of vLLM's compile hash: what lets a precompile be cheap (dummy weights) and fit beside the engine.
 PRECOMPILE_ARGS = {"load_format": "dummy"}
+GIB = 2**30
+THROWAWAY_SPARE = 3 * GIB  # its CUDA context, CUDA graphs and a minimal KV cache
 
 
 def free_port() -> int:
@@ -57,6 +61,7 @@ class Precompiler:
         self._failed: set[str] = set()  # rungs whose precompile failed: not tried again in this run
         self.record = Path(cfg.state.dir) / RECORD
         self.compiled: dict[str, list[str]] = self._load()
+        self.why = "not asked yet: the engine has not been idle long enough"
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -87,14 +92,22 @@ class Precompiler:
                 log.warning("state.compiled_record_failed", error=str(exc))
 
     # ---- precompiling ----------------------------------------------------------------------------------
-    async def allowed(self) -> bool:
+    async def allowed(self, rung: Profile) -> bool:
+        """Whether a throwaway may compile ``rung`` now; ``self.why`` says why (or why not), for /status."""
         mode = self.cfg.recovery.precompile
         if mode != "auto":
+            self.why = f'[recovery] precompile = "{mode}"'
             return mode == "on"
         try:
-            return not await self.host.gpu_snapshot(self.cfg.engine.devices())
+            snaps = await self.host.gpu_snapshot(self.cfg.engine.devices())
         except GpuLost:
+            self.why = "the GPU is lost"
             return False
+        if not snaps:
+            self.why = "auto: no GPU, so a throwaway competes only for CPU, niced and while the engine is idle"
+            return True
+        ok, self.why = room_for_throwaway(snaps, self.cfg.engine.model, rung)
+        return ok
 
     async def maybe_precompile(self, profile: Profile, version: str | None, idle_for_s: float) -> None:
         """While READY and idle long enough: compile the next rung the policy would pick, one at a time."""
@@ -105,7 +118,7 @@ class Precompiler:
         todo = [p for p in self.targets(profile)
                 if not self.is_compiled(p, version) and p.compile_key() not in self._failed
                 and p.compile_key() != profile.compile_key()]
-        if todo and await self.allowed():
+        if todo and await self.allowed(todo[0]):
             self._precompile = asyncio.create_task(self._guarded(todo[0], version), name="recovery:precompile")
 
     async def _guarded(self, rung: Profile, version: str | None) -> None:
@@ -210,8 +223,50 @@ class Precompiler:
         child = self._precompile_child
         return set(child.known_pids) if child is not None else set()
 
+    def status(self) -> dict[str, Any]:
+        return {"running": self.running(), "why": self.why}
+
     def running(self) -> bool:
         return bool(self._precompile is not None and not self._precompile.done())
 
     async def close(self) -> None:
         await self.settled()
+
+
+def weights_on_disk(model: str) -> int | None:
+    """Bytes of the weights vLLM would load from a local model directory (safetensors when there are any,
+    else .bin / .pt); None when the model is not a local directory with weights."""
+    path = Path(model).expanduser()
+    if not is_local_path(model) or not path.is_dir():
+        return None
+    for patterns in (("*.safetensors",), ("*.bin", "*.pt")):
+        size = sum(f.stat().st_size for pat in patterns for f in path.glob(pat))
+        if size:
+            return size
+    return None
+
+
+def activation_of(model: str, rung: Profile) -> int:
+    """The rung's prefill peak by the plan's estimate (config.json), or 2 GiB when the shape is unknown."""
+    try:
+        shape = plan.ModelShape.from_config(json.loads((Path(model).expanduser() / "config.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return 2 * GIB
+    return plan.activation_bytes(shape, rung.chunk(), plan.DTYPE_BYTES.get(shape.dtype, 2))
+
+
+def room_for_throwaway(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile) -> tuple[bool, str]:
+    """On a GPU, "auto" compiles ahead only when half of what the serving engine left free holds a second copy
+    of the weights, the rung's prefill peak and a little KV cache (the throwaway takes half: vLLM's start
+    check wants utilization x total free)."""
+    weights = weights_on_disk(model)
+    if weights is None:
+        return False, "auto: the model is not a local directory with weights, so their size is unknown"
+    need = weights + activation_of(model, rung) + THROWAWAY_SPARE
+    half = min(s.free for s in snaps) // 2
+    if half < need:
+        return False, (f"auto: the card has {2 * half / GIB:.1f} GiB free beside the engine; a throwaway needs "
+                       f"about {need / GIB:.1f} GiB in half of it (weights {weights / GIB:.1f} GiB, the rung's "
+                       f"prefill, context and a minimal KV cache)")
+    return True, (f"auto: half of the {2 * half / GIB:.1f} GiB free beside the engine holds a throwaway "
+                  f"(about {need / GIB:.1f} GiB)")

@@ -116,8 +116,8 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
         log.info("platform variables read at import: %s", json.dumps({k: _vllm.IMPORT_ENV.get(k) for k in platform}))
     delay_file = os.environ.get("FAKE_VLLM_DELAY_FILE")
     if delay_file and os.path.exists(delay_file):
-        with open(delay_file) as f:
-            time.sleep(float(f.read()))
+        with open(delay_file) as delay_in:
+            time.sleep(float(delay_in.read()))
     else:
         time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
     try:
@@ -166,13 +166,16 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
                 log.exception("EngineCore encountered a fatal error.")
             f.write(b'{"dead": true}\n')
             sys.exit(1)
+        # Token k of the output is "x<n+k>" (n: prompt tokens): a continuation of prompt + output so far goes on
+        # numbering where the cut stream stopped, so a continued stream reads like one that never broke.
+        words = [f" x{n + k}" for k in range(req["max_tokens"])]
         if req.get("stream"):
-            for _ in range(req["max_tokens"]):
+            for word in words:
                 time.sleep(delay)
-                f.write(json.dumps({"id": req["id"], "delta": " tok"}).encode() + b"\n")
+                f.write(json.dumps({"id": req["id"], "delta": word}).encode() + b"\n")
         else:
             time.sleep(delay * req["max_tokens"])
-        out = {"id": req["id"], "text": " tok" * req["max_tokens"], "prompt_tokens": n,
+        out = {"id": req["id"], "text": "".join(words), "prompt_tokens": n,
                "completion_tokens": req["max_tokens"], "done": True}
         f.write(json.dumps(out).encode() + b"\n")
     # The API server is gone (EOF): like vLLM's EngineCore, stay alive holding "the GPU" until killed.
@@ -300,7 +303,15 @@ class Server:
     async def _serve(self, request: web.Request, chat: bool) -> web.Response:
         body = await request.json()
         if chat:
-            text = " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+            messages = body.get("messages", [])
+            if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+                return web.json_response({"error": {"message": "Cannot set both `continue_final_message` and "
+                                                    "`add_generation_prompt` to True.", "type": "BadRequestError",
+                                                    "code": 400}}, status=400)
+            if body.get("continue_final_message") and (not messages or messages[-1].get("role") != "assistant"):
+                return web.json_response({"error": {"message": "continue_final_message needs a final assistant "
+                                                    "message", "type": "BadRequestError", "code": 400}}, status=400)
+            text = " ".join(str(m.get("content", "")) for m in messages)
         else:
             text = str(body.get("prompt", ""))
         n = len(text.split())
@@ -312,7 +323,8 @@ class Server:
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         if body.get("stream"):
-            return await self._stream(request, n, max_tokens, stop, chat)
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, n, max_tokens, stop, chat, usage)
         try:
             out: dict[str, Any] = {}
             async for msg in self.generate(request, n, max_tokens, stop):
@@ -331,17 +343,31 @@ class Server:
                                   "usage": usage})
 
     async def _stream(self, request: web.Request, n: int, max_tokens: int, stop: list[str],
-                      chat: bool) -> web.StreamResponse:
-        """Server-sent events like vLLM's: headers at once, a chunk per token, an error event if the engine dies."""
+                      chat: bool, usage: bool) -> web.StreamResponse:
+        """Server-sent events like vLLM's: headers at once, a role chunk (chat), a chunk per token with the last
+        one's finish_reason, a usage chunk when asked for, an error event if the engine dies."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}", "object": kind,
+                "created": int(time.time()), "model": self.args.model}
+
+        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+            await resp.write(b"data: " + json.dumps({**head, "choices": choices, **extra}).encode() + b"\n\n")
+
+        sent = 0
         try:
+            if chat:
+                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             async for msg in self.generate(request, n, max_tokens, stop, stream=True):
                 if "delta" in msg:
+                    sent += 1
+                    finish = "length" if sent == max_tokens else None
                     choice = {"index": 0, "delta": {"content": msg["delta"]}} if chat else \
                         {"index": 0, "text": msg["delta"]}
-                    await resp.write(b"data: " + json.dumps({"object": kind, "choices": [choice]}).encode() + b"\n\n")
+                    await send([{**choice, "finish_reason": finish}])
+            if usage:
+                await send([], usage={"prompt_tokens": n, "completion_tokens": sent, "total_tokens": n + sent})
         except EngineDeadError as exc:
             err = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")

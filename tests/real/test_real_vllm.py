@@ -368,6 +368,40 @@ def test_gateway_clients_see_no_error_through_a_real_oom(sup: Sup) -> None:
     assert st["gateway"]["503"] == 0 and st["gateway"]["quarantined"] == 0
 
 
+def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: Sup) -> None:
+    """Issue 17: a stream cut after tokens reached the client goes on on the next engine as one stream."""
+    assert sup.gateway is not None
+    before = sup.status()
+    assert before is not None
+    conn = http.client.HTTPConnection(sup.gateway.removeprefix("http://"), timeout=START_S)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": "tiny-llama", "prompt": "hello", "max_tokens": 120, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events: list[Any] = []
+    killed = False
+    for line in resp:
+        if not line.startswith(b"data:"):
+            continue
+        body = line[5:].strip()
+        events.append("[DONE]" if body == b"[DONE]" else json.loads(body))
+        if len(events) == 10 and not killed:
+            os.kill(tree(sup)["worker"].pid, signal.SIGKILL)  # mid-generation: 10 tokens are the client's
+            killed = True
+    conn.close()
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert not [e for e in chunks if "error" in e], [e for e in chunks if "error" in e]
+    assert len({e["id"] for e in chunks}) == 1
+    (usage,) = [e["usage"] for e in chunks if e.get("usage")]
+    assert usage["completion_tokens"] == 120, usage  # counted once: the tokens before the death and after it
+    assert len([c for e in chunks for c in e["choices"]]) == 120  # one chunk a token, none sent twice
+    st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
+    assert st["gateway"]["streams_continued"] >= 1 and st["gateway"]["streams_broken"] == 0
+    assert sup.events("gateway.stream_continued")[-1]["tokens_sent"] >= 10
+
+
 def test_gateway_sigterm_finishes_requests_in_flight_and_refuses_new_ones(sup: Sup) -> None:
     """Last of the shared engine's tests: it stops the supervisor."""
     import concurrent.futures

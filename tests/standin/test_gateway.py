@@ -61,7 +61,7 @@ async def test_forwards_keeps_the_request_id_and_streams_chunk_by_chunk(supervis
     async with aiohttp.ClientSession() as s:
         code, doc, headers = await post(s, sup.gateway + "/v1/completions", completion("hello", 2),
                                         {"X-Request-Id": "client-id-1"})
-        assert code == 200 and doc["choices"][0]["text"] == " tok tok"
+        assert code == 200 and doc["choices"][0]["text"] == " x1 x2"  # token k of the output is x<n+k>
         assert headers["X-Request-Id"] == "client-id-1"
         code, doc, headers = await post(s, sup.gateway + "/v1/chat/completions",
                                         {"model": "fake-model", "max_tokens": 1,
@@ -239,23 +239,109 @@ async def test_the_quarantine_survives_a_restart_of_the_supervisor(supervise: Ca
     assert st["restarts"] == 0
 
 
-async def test_a_stream_under_way_when_the_engine_dies_ends_with_an_error_event(
+async def read_stream(r: aiohttp.ClientResponse, on_event: Callable[[int], None] | None = None) -> list[Any]:
+    """The stream's events, parsed ("[DONE]" as the string); ``on_event(count)`` after each."""
+    events: list[Any] = []
+    async for line in r.content:
+        if line.startswith(b"data:"):
+            body = line[5:].strip()
+            events.append("[DONE]" if body == b"[DONE]" else json.loads(body))
+            if on_event is not None:
+                on_event(len(events))
+    return events
+
+
+def kill_core(sup: Sup) -> None:
+    core = [p for p in sup.engine_tree() if "--engine-core-fd" in " ".join(p.cmdline())]
+    core[0].kill()
+
+
+def text_of(events: list[Any]) -> str:
+    out = []
+    for e in events:
+        for c in (e.get("choices") or []) if isinstance(e, dict) else []:
+            out.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+async def test_a_completion_stream_cut_by_an_engine_death_continues_on_the_next_engine_as_one_stream(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 17: 3 streams were cut mid-generation by the seed's crash; now they continue, same id, one usage."""
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    body = completion("one two three", 20, stream=True, stream_options={"include_usage": True})
+    async with aiohttp.ClientSession() as s, s.post(sup.gateway + "/v1/completions", json=body) as r:
+        events = await read_stream(r, lambda n: kill_core(sup) if n == 5 else None)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert not [e for e in events if isinstance(e, dict) and "error" in e], events
+    # The prompt is 3 tokens: the output reads x3 .. x22 as if the engine had never died.
+    assert text_of(events) == "".join(f" x{3 + k}" for k in range(20))
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert len({e["id"] for e in chunks}) == 1 and len({e["created"] for e in chunks}) == 1
+    usage = [e["usage"] for e in chunks if e.get("usage")]
+    assert usage == [{"prompt_tokens": 3, "completion_tokens": 20, "total_tokens": 23}]
+    assert [c["finish_reason"] for e in chunks for c in e["choices"] if c.get("finish_reason")] == ["length"]
+    st = sup.wait_ready(restarts=1)
+    assert st["gateway"]["streams_continued"] == 1 and st["gateway"]["streams_broken"] == 0
+    (ev,) = sup.events("gateway.stream_continued")
+    assert ev["tokens_sent"] >= 4 and ev["resumed"] == 1
+
+
+async def test_a_chat_stream_cut_by_an_engine_death_continues_its_partial_assistant_message(
         supervise: Callable[..., Sup]) -> None:
     sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}}})
     sup.wait_ready()
     assert sup.gateway is not None
-    events: list[bytes] = []
-    async with aiohttp.ClientSession() as s, \
-            s.post(sup.gateway + "/v1/completions", json=completion("hi", 200, stream=True)) as r:
-        async for line in r.content:
-            if line.startswith(b"data:"):
-                events.append(line)
-                if len(events) == 2:
-                    core = [p for p in sup.engine_tree() if "--engine-core-fd" in " ".join(p.cmdline())]
-                    core[0].kill()
-    assert b'"error"' in events[-2] and events[-1].strip() == b"data: [DONE]"
+    body = {"model": "fake-model", "max_tokens": 12, "stream": True,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    async with aiohttp.ClientSession() as s, s.post(sup.gateway + "/v1/chat/completions", json=body) as r:
+        events = await read_stream(r, lambda n: kill_core(sup) if n == 4 else None)
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert events[-1] == "[DONE]" and not [e for e in chunks if "error" in e], events
+    assert text_of(events) == "".join(f" x{2 + k}" for k in range(12))
+    roles = [c["delta"]["role"] for e in chunks for c in e["choices"] if c.get("delta", {}).get("role")]
+    assert roles == ["assistant"]  # the continuation's own role chunk is not sent again
+    assert not [e for e in chunks if e.get("usage")]  # not asked for: none, though the gateway counted it
+    assert len({e["id"] for e in chunks}) == 1
+    assert sup.wait_ready(restarts=1)["gateway"]["streams_continued"] == 1
+
+
+async def test_a_stream_that_cannot_be_continued_faithfully_still_ends_with_an_error_event(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.05"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    body = completion("hi", 200, stream=True, guided_json={"type": "object"})
+    async with aiohttp.ClientSession() as s, s.post(sup.gateway + "/v1/completions", json=body) as r:
+        events = await read_stream(r, lambda n: kill_core(sup) if n == 2 else None)
+    assert "error" in events[-2] and events[-1] == "[DONE]"
+    assert "guided decoding" in events[-2]["error"]["message"]
     st = sup.wait_ready(restarts=1)
     assert st["gateway"]["streams_broken"] == 1 and st["gateway"]["replayed"] == 0
+
+
+async def test_a_stream_that_sent_only_its_role_chunk_counts_as_unsent_and_is_replayed(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "1.0"}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    body = {"model": "fake-model", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as s:
+        async def client() -> list[Any]:
+            async with s.post(sup.gateway + "/v1/chat/completions", json=body) as r:  # type: ignore[operator]
+                return await read_stream(r)
+
+        task = asyncio.create_task(client())
+        # The engine sent its role chunk at once; its first token is a second away: kill it in between.
+        await asyncio.to_thread(sup.wait_for, lambda _: engine_running(sup) >= 1, 10, "the request at the engine")
+        kill_core(sup)
+        events = await task
+    assert text_of(events) == " x1 x2" and events[-1] == "[DONE]"
+    assert not [e for e in events if isinstance(e, dict) and "error" in e]
+    st = sup.wait_ready(restarts=1)
+    assert st["gateway"]["replayed"] == 1 and st["gateway"]["streams_broken"] == 0
+    assert st["gateway"]["streams_continued"] == 0
 
 
 async def test_a_client_that_disconnects_aborts_its_engine_request(supervise: Callable[..., Sup]) -> None:

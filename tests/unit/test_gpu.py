@@ -123,3 +123,33 @@ async def test_the_start_gate_waits_only_while_memory_is_being_released(monkeypa
     # A release that is too slow still ends at the timeout, short.
     slow = ScriptedNvml([(30 + i) * GIB for i in range(1000)])
     assert await wait_free(slow, None, 0.9, 0, timeout_s=0.3, poll_s=0.02)  # type: ignore[arg-type]
+
+
+def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_holds_a_throwaway(
+        tmp_path: Any) -> None:
+    """Issue 17: "auto" was off on every GPU host, so a new rung compiled on the recovery's critical path."""
+    import json
+
+    from supervisor.host.gpu import DeviceSnapshot
+    from supervisor.profile import Profile
+    from supervisor.recovery.precompile import room_for_throwaway, weights_on_disk
+
+    model = tmp_path / "glm9b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 4096,
+                                                   "intermediate_size": 13696, "num_attention_heads": 32,
+                                                   "num_key_value_heads": 2, "torch_dtype": "bfloat16"}))
+    with open(model / "model-00001.safetensors", "wb") as f:
+        f.truncate(18 * GIB)  # sparse: its size is what vLLM would load
+    with open(model / "pytorch_model.bin", "wb") as f:
+        f.truncate(18 * GIB)  # a second copy in another format: vLLM loads one of them
+    assert weights_on_disk(str(model)) == 18 * GIB
+    rung = Profile(max_num_batched_tokens=6144)
+    beside = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())]  # the engine at 0.5 holds the other half
+    ok, why = room_for_throwaway(beside, str(model), rung)
+    assert ok and "holds a throwaway" in why
+    crowded = [DeviceSnapshot(0, 140 * GIB, 30 * GIB, 110 * GIB, ())]
+    ok, why = room_for_throwaway(crowded, str(model), rung)
+    assert not ok and "weights 18.0 GiB" in why
+    ok, why = room_for_throwaway(beside, "org/hub-model", rung)
+    assert not ok and "not a local directory" in why
