@@ -19,9 +19,10 @@ DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "540"))
 T0 = time.monotonic()
 ADMIN, PORT = "127.0.0.1:8001", 18000
 notes: list[str] = []
-HOG = ("import torch, time\n"
+HOG = ("import os, torch, time\n"
        "free, total = torch.cuda.mem_get_info()\n"
-       "x = torch.empty(free - 16 * 2**20, dtype=torch.uint8, device='cuda')\n"
+       "x = torch.empty(free - int(os.environ.get('HOG_LEAVE_MIB', '16')) * 2**20, dtype=torch.uint8, "
+       "device='cuda')\n"
        "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
        "time.sleep(3600)\n")
 
@@ -70,7 +71,8 @@ def wait(pred: Any, what: str, check: Any = None) -> dict[str, Any] | None:
 
 
 def start_hog() -> subprocess.Popen[str]:
-    """Another process that takes all but 16 MiB of what is free on the card (the seed's "other process")."""
+    """Another process that takes all but 16 MiB (HOG_LEAVE_MIB) of what is free on the card (the seed's "other
+    process")."""
     hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
     assert hog.stdout is not None
     note(hog.stdout.readline().strip())

