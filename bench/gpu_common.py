@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -112,3 +113,21 @@ listen = "{ADMIN}"
 [log]
 format = "json"
 """ + extra
+
+
+ROOT = Path(__file__).resolve().parents[1]  # `-m supervisor` resolves from the checkout, whatever the cwd
+
+
+def run_supervisor(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115 - the child holds it
+    return subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def stop_supervisor(sup: subprocess.Popen[bytes], wait_s: float = 120.0) -> None:
+    sup.send_signal(signal.SIGTERM)
+    try:
+        sup.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        sup.wait()

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common import events_in
-from gpu_common import OUT, PORT, http, note, notes, start_hog, supervisor_toml, wait
+from gpu_common import OUT, PORT, http, note, notes, run_supervisor, start_hog, stop_supervisor, supervisor_toml, wait
 
 ARMS = {
     "plain": '[recovery]\nstandby = false\nprecompile = "off"\n',
@@ -34,13 +33,6 @@ ARMS = {
 IDLE_S = 20.0
 
 
-ROOT = Path(__file__).resolve().parents[1]  # `-m supervisor` resolves from the checkout, whatever the cwd
-
-
-def run_supervisor(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
-    out = open(log, "ab")  # noqa: SIM115 - the child holds it
-    return subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
-                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def alive(sup: subprocess.Popen[bytes], log: Path) -> None:
@@ -48,15 +40,6 @@ def alive(sup: subprocess.Popen[bytes], log: Path) -> None:
     if sup.poll() is not None:
         tail = log.read_text(errors="replace").splitlines()[-15:]
         raise SystemExit(f"the supervisor exited with status {sup.returncode}:\n" + "\n".join(tail))
-
-
-def stop(sup: subprocess.Popen[bytes]) -> None:
-    sup.send_signal(signal.SIGTERM)
-    try:
-        sup.wait(90)
-    except subprocess.TimeoutExpired:
-        sup.kill()
-        sup.wait()
 
 
 def main() -> int:
@@ -82,7 +65,7 @@ def main() -> int:
         sup = run_supervisor(cfg, log)
         st = wait(lambda s: s["ready"], "the cache-warming start", lambda: alive(sup, log))
         note(f"cache-warming start (fresh cache): {st and st['timings']}")
-        stop(sup)
+        stop_supervisor(sup)
         # The measured supervisor.
         shutil.rmtree(state, ignore_errors=True)
         cfg.write_text(base + ARMS[part])
@@ -125,12 +108,12 @@ def main() -> int:
         note(f"{'phase':<26}" + "".join(f"{label:>20}" for label, _ in phases))
         for n in names:
             note(f"{n:<26}" + "".join(f"{p.get(n, 0.0):20.2f}" for _, p in phases))
-        stop(sup)
+        stop_supervisor(sup)
     finally:
         if hog is not None:
             hog.kill()
         if sup is not None and sup.poll() is None:
-            stop(sup)
+            stop_supervisor(sup)
         (OUT / f"summary-{name}.txt").write_text("\n".join(notes) + "\n")
         ours = [line for line in log.read_text(errors="replace").splitlines()
                 if line.startswith('{"') and '"event": "' in line] if log.exists() else []

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -31,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from common import events_in
-from gpu_common import OUT, PORT, http, note, notes, start_hog, status, wait
+from gpu_common import OUT, PORT, http, note, notes, run_supervisor, start_hog, status, stop_supervisor, wait
 
-ROOT = Path(__file__).resolve().parents[1]
 GW = "127.0.0.1:8000"
 MODEL = os.path.expanduser(os.environ.get("MODEL", "~/glm9b"))
 MAX_LEN = int(os.environ.get("MAX_MODEL_LEN", "131072"))
@@ -136,21 +134,6 @@ def died_or_stop(code: int, body: Any, deadline_s: float = 30.0) -> None:
                f"is still READY after {deadline_s:.0f}s")
 
 
-def run_supervisor(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
-    out = open(log, "ab")  # noqa: SIM115 - the child holds it
-    return subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
-                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-
-
-def stop(sup: subprocess.Popen[bytes]) -> None:
-    sup.send_signal(signal.SIGTERM)
-    try:
-        sup.wait(120)
-    except subprocess.TimeoutExpired:
-        sup.kill()
-        sup.wait()
-
-
 def ready(sup: subprocess.Popen[bytes], log: Path, what: str, restarts: int = 0) -> dict[str, Any]:
     def alive() -> None:
         if sup.poll() is not None:
@@ -193,7 +176,7 @@ def main() -> int:
             sup = run_supervisor(cfg, log)
             st = ready(sup, log, "the cache-warming start")
             note(f"{part}: cold start with an empty compile cache: {st['timings']['start_to_ready_s']}s")
-            stop(sup)
+            stop_supervisor(sup)
         log.write_text("")
         sup = run_supervisor(cfg, log)
         st = ready(sup, log, "READY from the warm cache")
@@ -246,7 +229,7 @@ def main() -> int:
         if hog is not None:
             hog.kill()
         if sup is not None and sup.poll() is None:
-            stop(sup)
+            stop_supervisor(sup)
         for name in ("gpu.utilization_adapted", "gpu.not_enough_free", "engine.failed", "engine.profile_lowered",
                      "engine.profile_changed", "gateway.stream_continued", "engine.rung_precompiled"):
             for e in events_in(log, name)[:6]:

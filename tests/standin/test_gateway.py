@@ -186,14 +186,18 @@ async def test_requests_in_flight_at_an_oom_are_replayed_and_the_poison_is_quara
     assert (sup.state_dir / "quarantine.json").stat().st_mode & 0o777 == 0o600
 
 
-async def test_a_long_prompt_that_fits_after_the_step_down_is_served(supervise: Callable[..., Sup]) -> None:
-    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "7000"}}})
+async def long_prompt_served(sup: Sup) -> dict[str, Any]:
+    """The 30,000-word prompt through the gateway is answered 200; the status once READY again."""
     sup.wait_ready()
     assert sup.gateway is not None
     async with aiohttp.ClientSession() as s:
         code, doc, _ = await post(s, sup.gateway + "/v1/completions", completion(LONG))
     assert code == 200, doc
-    st = sup.wait_ready()
+    return sup.wait_ready()
+
+
+async def test_a_long_prompt_that_fits_after_the_step_down_is_served(supervise: Callable[..., Sup]) -> None:
+    st = await long_prompt_served(supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "7000"}}}))
     assert st["restarts"] == 1 and st["profile"]["max_num_batched_tokens"] == 6144
     assert st["gateway"]["replayed"] == 1 and st["gateway"]["quarantined"] == 0
 
@@ -203,12 +207,7 @@ async def test_a_prompt_that_killed_two_rungs_is_tried_alone_at_the_lowest_rung_
     """A rung of 2048 may serve what 6144 could not: two strikes are not yet a quarantine (issue 16)."""
     sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "3000"}},
                      "warmup": {"prompt_tokens": [256, 512]}})
-    sup.wait_ready()
-    assert sup.gateway is not None
-    async with aiohttp.ClientSession() as s:
-        code, doc, _ = await post(s, sup.gateway + "/v1/completions", completion(LONG))
-    assert code == 200, doc
-    st = sup.wait_ready()
+    st = await long_prompt_served(sup)
     assert st["restarts"] == 2 and st["profile"]["max_num_batched_tokens"] == 2048  # 8192, 6144, then 2048
     assert st["gateway"]["quarantined"] == 0 and st["gateway"]["safe_prompt_tokens"] is None
     lowered = [e["diff"]["max_num_batched_tokens"] for e in sup.events("engine.profile_lowered")]
