@@ -170,7 +170,7 @@ async def wait_released(nvml: Nvml, pids: Collection[int], timeout_s: float, pol
 # Memory "visibly being released": some short device's free memory grew at least this much within the last
 # STEADY_S. A foreign process that holds its memory steady is not waited for: the start adapts instead.
 RELEASE_STEP = 256 * 2**20
-STEADY_S = 3.0
+STEADY_S = 1.0
 
 
 class Release:
@@ -191,7 +191,7 @@ class Release:
 
 
 async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: float, headroom: int,
-                    timeout_s: float, poll_s: float = 1.0) -> list[DeviceSnapshot]:
+                    timeout_s: float, poll_s: float = 0.25) -> list[DeviceSnapshot]:
     """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still short.
 
     Returns early, short, once the shortfall is steady (nothing grew for STEADY_S): memory another process
