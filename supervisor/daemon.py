@@ -32,7 +32,7 @@ from supervisor.event_stream import (
     Reloading,
     SupervisorStarted,
 )
-from supervisor.gateway.server import COUNTERS, EngineView, Gateway
+from supervisor.gateway.server import COUNTERS, EngineView, Gateway, SupervisorSide
 from supervisor.heartbeat import Heartbeat
 from supervisor.host import Host, leftovers, rundir
 from supervisor.host.gpu import GpuLost
@@ -68,8 +68,8 @@ class Daemon:
                         rung_failures=dict(learned.rung_failures) if learned else {})
         self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
         self.recovery = Recovery(cfg, host, publish, policy.next_rungs)
-        self.gateway = Gateway(cfg, host, publish, self._engine_view,
-                               caught_up=lambda: self.bus.drain_one("gateway")) if cfg.gateway else None
+        side = SupervisorSide(caught_up=lambda: self.bus.drain_one("gateway"), sound=lambda: self.heartbeat.alive())
+        self.gateway = Gateway(cfg, host, publish, self._engine_view, side) if cfg.gateway else None
         self.heartbeat = Heartbeat(host, self.notifier, publish, lambda: self.lifecycle.state)
         self.loop_lag = LoopLag()
         self.run_dir = Path()

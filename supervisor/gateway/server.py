@@ -71,11 +71,11 @@ class EngineView:
 
 class Gateway:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
-                 view: Callable[[], EngineView], caught_up: Callable[[], Awaitable[None]] | None = None) -> None:
+                 view: Callable[[], EngineView], side: SupervisorSide | None = None) -> None:
         assert cfg.gateway is not None
         self.cfg, self.g = cfg, cfg.gateway
         self.host, self.publish, self.view = host, publish, view
-        self.caught_up = caught_up  # waits until the gateway has read every event published so far
+        self.side = side or SupervisorSide()
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
@@ -159,9 +159,9 @@ class Gateway:
 
     async def wants_floor(self) -> bool:
         """Asked by the lifecycle after a memory failure: should the next engine start at the lowest rung?"""
-        if self.caught_up is not None:
+        if self.side.caught_up is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.caught_up(), 2.0)
+                await asyncio.wait_for(self.side.caught_up(), 2.0)
         return self.gate.take_floor_wish()
 
     def _quarantine(self, flight: Flight, event: FailureClassified) -> None:
@@ -208,8 +208,8 @@ class Gateway:
         rid = request.headers.get("X-Request-Id") or ""
         if not RID.fullmatch(rid):  # absent, or characters vLLM's ids and our logs should not carry: replaced
             rid = f"gw-{uuid.uuid4().hex[:24]}"
-        if request.path == "/health":
-            return self._health()
+        if request.path in ("/health", "/readyz", "/healthz"):
+            return probe(request.path, self.gate, self.side.sound())
         if not routes.public(request.path):
             return self.answers.reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
         if self.client.api_key is not None and not routes.authorized(request, self.client.api_key):
@@ -359,10 +359,27 @@ class Gateway:
                                           self.g.prompt_logprobs_max_gib)
 
     # ---- answers of the gateway's own ------------------------------------------------------------------
-    def _health(self) -> web.Response:
-        if self.gate.closing:
-            return web.json_response({"status": "shutting_down"}, status=503)
-        return web.json_response({"status": "ok" if self.gate.open else "holding", "engine": self.gate.state.value})
+
+
+
+@dataclass(frozen=True)
+class SupervisorSide:
+    """What the gateway asks of the supervisor around it."""
+
+    caught_up: Callable[[], Awaitable[None]] | None = None  # until the gateway read every event published so far
+    sound: Callable[[], bool] = lambda: True  # the supervisor's loop beats (what /healthz answers)
+
+
+def probe(path: str, gate: EngineGate, sound: bool) -> web.Response:
+    """The gateway's own probes, never forwarded: ``/healthz`` the supervisor is sound (its loop beats),
+    ``/readyz`` the engine takes traffic now (READY, not draining, not shutting down); ``/health`` as before."""
+    if path == "/healthz":
+        return web.json_response({"ok": sound}, status=200 if sound else 503)
+    if gate.closing:
+        return web.json_response({"status": "shutting_down", "ready": False, "engine": gate.state.value}, status=503)
+    if path == "/readyz":
+        return web.json_response({"ready": gate.open, "engine": gate.state.value}, status=200 if gate.open else 503)
+    return web.json_response({"status": "ok" if gate.open else "holding", "engine": gate.state.value})
 
 
 def hold_bound(cfg: Config, g: GatewayConfig, slowest_start_s: float | None) -> float:

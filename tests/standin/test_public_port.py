@@ -331,3 +331,34 @@ def test_sixteen_clients_sending_8_mib_bodies_never_starve_the_watchdog_or_healt
     assert pets and max(gaps, default=0) < 3.0, gaps  # the loop beats every second; WatchdogSec=30 needs one per 30
     # The loop's own measure: parsed on it, one 8 MiB body stalls it ~0.7 s on this machine; in the pool, ~0.06 s.
     assert st["loop"]["max_stall_s"] < 0.4, st["loop"]
+
+
+def test_readyz_and_healthz_on_the_gateway_port_are_answered_by_the_supervisor(supervise: Callable[..., Sup],
+                                                                               tmp_path: Path) -> None:
+    """Issue 18, item 9: a load balancer or Kubernetes probe outside the host had nothing to ask."""
+    import signal
+
+    delay = tmp_path / "restart-delay"
+    sup = supervise({**GW, "engine": {"env": {"FAKE_VLLM_DELAY_FILE": str(delay)}}})
+    sup.wait_ready()
+    assert sup.gateway is not None
+    assert call(sup.gateway + "/readyz")[:2] == (200, {"ready": True, "engine": "READY"})
+    assert call(sup.gateway + "/healthz")[:2] == (200, {"ok": True})
+    delay.write_text("3")  # the restart takes 3 s: long enough to ask in between
+    core = [p for p in sup.engine_tree() if "--engine-core-fd" in " ".join(p.cmdline())]
+    core[0].kill()
+    sup.wait_for(lambda s: s["state"] in ("STARTING", "WARMING", "BACKOFF", "STOPPING"), 30, "the restart")
+    code, doc, _ = call(sup.gateway + "/readyz")
+    assert code == 503 and doc["ready"] is False and doc["engine"] != "READY"
+    assert call(sup.gateway + "/healthz")[0] == 200  # the supervisor itself is sound while it restarts the engine
+    sup.wait_ready(restarts=1)
+    assert call(sup.gateway + "/readyz")[0] == 200
+    sup.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    seen = 200
+    while time.monotonic() < deadline and seen == 200 and sup.proc.poll() is None:
+        try:
+            seen = call(sup.gateway + "/readyz")[0]
+        except OSError:
+            break
+    assert seen != 200  # draining for the stop: not ready (or already gone)
