@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 import urllib.error
@@ -18,43 +19,71 @@ from supervisor.engine_states import ExitCode
 from supervisor.ops import logs, oncall
 from supervisor.profile import Profile
 
+DEFAULT_CONFIG = "/etc/vllm-supervisor/config.toml"
+CONFIG_HELP = f"TOML config file (default: $VLLM_SUPERVISOR_CONFIG, else {DEFAULT_CONFIG})"
+
+
+def default_config() -> str:
+    return os.environ.get("VLLM_SUPERVISOR_CONFIG") or DEFAULT_CONFIG
+
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # `vllm-supervisor status | head -1`: the reader left; say nothing more (Python's own advice: stdout to
+        # /dev/null, so that the interpreter's flush at exit does not raise again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-supervisor", description="Keep one vLLM engine alive.")
     parser.add_argument("--version", action="version", version=f"vllm-supervisor {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     p_run = sub.add_parser("run", help="supervise the engine in the foreground")
-    p_run.add_argument("--config", "-c", required=True, help="TOML config file")
+    p_run.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
     p_run.add_argument("--quiet-engine", action="store_true", help="do not echo the engine's console output")
     p_check = sub.add_parser("check", help="validate a config and print the effective engine command")
-    p_check.add_argument("--config", "-c", required=True)
+    p_check.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
+    p_check.add_argument("--strict", action="store_true",
+                         help="exit 2 when a problem for a start on this machine is found (a missing model path, "
+                              "an engine command not found or without vLLM, an alert secret not set)")
     p_status = sub.add_parser("status", help="ask a running supervisor for its status")
-    p_status.add_argument("--config", "-c", help="TOML config file (for [admin] listen)")
+    p_status.add_argument("--config", "-c", help=f"TOML config file for [admin] listen (default: "
+                                                 f"$VLLM_SUPERVISOR_CONFIG, else {DEFAULT_CONFIG} when it exists)")
     p_status.add_argument("--admin", help="admin address HOST:PORT (default 127.0.0.1:8001)")
     p_status.add_argument("--json", action="store_true", help="print the raw JSON document")
     for name, what in (("restart", "restart the engine now (planned: drained, not counted as a failure)"),
                        ("reset-profile", "go back to the configured [profile] and forget failed rungs"),
                        ("reload", "read the config file again (as SIGHUP does); an invalid one is refused")):
         p_ctl = sub.add_parser(name, help=what)
-        p_ctl.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
+        p_ctl.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
     p_plan = sub.add_parser("plan", help="size [profile]/[ladder] for a model and a card (the seed's formula)")
     p_plan.add_argument("--model", required=True, help="local model directory (its config.json)")
     p_plan.add_argument("--gpu-mem", type=float, help="the card's memory in GiB (default: NVML's first device)")
     p_plan.add_argument("--utilization", type=float, default=0.9, help="gpu_memory_utilization (default 0.9)")
     p_plan.add_argument("--kv-cache-gib", type=float, help="size the KV cache directly (like --kv-cache-memory-bytes)")
     p_plan.add_argument("--max-model-len", type=int, help="the longest request to serve (default: the model's)")
-    p_plan.add_argument("--dtype", default="auto")
-    p_plan.add_argument("--kv-cache-dtype", default="auto")
+    p_plan.add_argument("--dtype", default="auto", help="the model's dtype as vLLM's --dtype (default auto)")
+    p_plan.add_argument("--kv-cache-dtype", default="auto",
+                        help="the KV cache's dtype as vLLM's --kv-cache-dtype (default auto: the model's)")
     p_q = sub.add_parser("quarantine", help="list the requests the gateway refuses as engine killers, or clear them")
     p_q.add_argument("action", choices=("list", "clear"), help="list them, or clear one (KEY) or all")
     p_q.add_argument("key", nargs="?", help="with clear: the entry's key as `list` shows it (default: every entry)")
-    p_q.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
+    p_q.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
     p_q.add_argument("--json", action="store_true", help="with list: print the raw entries")
     p_inc = sub.add_parser("incidents", help="list the incident bundles, or show one")
     p_inc.add_argument("id", nargs="?", help="an incident's name (as listed), or 'latest'")
-    p_inc.add_argument("--config", "-c", required=True, help="TOML config file (for [state] dir)")
+    p_inc.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
     p_inc.add_argument("--json", action="store_true", help="print the whole bundle")
     args = parser.parse_args(argv)
+    if args.cmd is None:  # a bare `vllm-supervisor`: the commands, and a usage error
+        parser.print_help(sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
+    if args.cmd != "plan" and getattr(args, "config", None) is None and (args.cmd != "status" or
+                                                                          os.path.exists(default_config())):
+        args.config = default_config()
 
     if args.cmd == "status":
         return _status(args)
@@ -70,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return ExitCode.BAD_SUPERVISOR_CONFIG
     if args.cmd == "check":
-        return _check(cfg)
+        return _check(cfg, strict=args.strict)
     return _run(cfg, echo_engine=not args.quiet_engine, config_path=args.config)
 
 
@@ -83,7 +112,7 @@ def _load(path: str) -> config_mod.Config | None:
         return None
 
 
-def _check(cfg: config_mod.Config) -> int:
+def _check(cfg: config_mod.Config, strict: bool = False) -> int:
     """Validate what can be seen before a start; print the engine command with secrets masked."""
     from supervisor.decide.policy import clamp_to_configured
     from supervisor.ops import statefile
@@ -103,7 +132,7 @@ def _check(cfg: config_mod.Config) -> int:
     if learned and profile != cfg.profile:
         print("profile learned from", statefile.path_in(cfg.state.dir), "->",
               json.dumps(cfg.profile.diff(profile)))
-    return ExitCode.OK
+    return ExitCode.BAD_SUPERVISOR_CONFIG if strict and errors else ExitCode.OK
 
 
 def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:

@@ -174,6 +174,38 @@ def test_check_reports_what_would_stop_a_start(tmp_path: Path) -> None:
     assert "engine command: /nonexistent/vllm serve /nonexistent/model" in r.stdout
 
 
+def test_check_strict_exits_2_on_a_problem_and_the_default_config_path_is_used(tmp_path: Path) -> None:
+    """Issue 18, item 7: `check --strict`, $VLLM_SUPERVISOR_CONFIG, a bare command, a closed pipe."""
+    import os
+
+    p = tmp_path / "c.toml"
+    # An interpreter that exists but has no vLLM: this test's own python.
+    p.write_text(f'[engine]\nmodel = "/nonexistent/model"\ncommand = ["{sys.executable}", "-m", '
+                 '"vllm.entrypoints.openai.api_server"]\n'
+                 f'[state]\ndir = "{tmp_path}/s"\n')
+    env = {**os.environ, "VLLM_SUPERVISOR_CONFIG": str(p)}
+    plain = subprocess.run([sys.executable, "-m", "supervisor", "check"], capture_output=True, text=True, env=env)
+    assert plain.returncode == 0, plain.stderr  # found through $VLLM_SUPERVISOR_CONFIG; problems are not errors
+    assert "cannot import vllm" in plain.stderr and "engine.model" in plain.stderr
+    strict = subprocess.run([sys.executable, "-m", "supervisor", "check", "--strict"], capture_output=True,
+                            text=True, env=env)
+    assert strict.returncode == 2 and "problem: engine.command" in strict.stderr
+    missing = subprocess.run([sys.executable, "-m", "supervisor", "check"], capture_output=True, text=True,
+                             env={**env, "VLLM_SUPERVISOR_CONFIG": str(tmp_path / "none.toml")})
+    assert missing.returncode == 2 and "none.toml does not exist" in missing.stderr
+    bare = subprocess.run([sys.executable, "-m", "supervisor"], capture_output=True, text=True)
+    assert bare.returncode == 2 and all(c in bare.stderr for c in ("run", "check", "status", "quarantine", "plan"))
+    for cmd in ("run", "check", "status", "incidents", "quarantine", "plan", "reload"):
+        helptext = subprocess.run([sys.executable, "-m", "supervisor", cmd, "--help"], capture_output=True,
+                                  text=True).stdout
+        options = [line for line in helptext.splitlines() if line.strip().startswith("-") and "--help" not in line]
+        assert all(len(line.split("  ")) > 1 or line.rstrip().endswith(",") for line in options), (cmd, options)
+    # A reader that leaves early (`| head -1`) is not a traceback.
+    piped = subprocess.run(f"{sys.executable} -m supervisor check --config {p} | head -c 1", shell=True,
+                           capture_output=True, text=True)
+    assert "Traceback" not in piped.stderr
+
+
 def test_check_command_rejects_bad_config_with_exit_2(tmp_path: Path) -> None:
     p = tmp_path / "c.toml"
     p.write_text('[engine]\nmodel = "/m"\n[restart]\nmax_restarts = "x"\n')
