@@ -224,3 +224,13 @@ def test_every_config_key_is_documented_with_its_default() -> None:
     missing = [f"{section}.{f.name}" for section, cls in tables for f in dataclasses.fields(cls)
                if f"`{TOML_KEYS.get(f.name, f.name)}`" not in doc and f"`{section}.{f.name}`" not in doc]
     assert missing == []
+
+
+def test_every_shipped_example_is_a_valid_config() -> None:
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert {p.name for p in examples} >= {"cpu-tiny.toml", "gpu.toml", "gpu0.toml"}
+    for p in examples:
+        cfg = load(p)
+        if p.name.startswith("gpu"):
+            assert cfg.gateway is not None and cfg.gateway.hold_timeout_s == "auto"
+            assert cfg.engine.args.get("trust_remote_code") is True
