@@ -32,7 +32,7 @@ from supervisor.event_stream import (
     Reloading,
     SupervisorStarted,
 )
-from supervisor.gateway.server import COUNTERS, EngineView, Gateway, SupervisorSide
+from supervisor.gateway.server import EVENTS, OUTCOMES, EngineView, Gateway, SupervisorSide
 from supervisor.heartbeat import Heartbeat
 from supervisor.host import Host, leftovers, rundir
 from supervisor.host.gpu import GpuLost
@@ -98,7 +98,7 @@ class Daemon:
         self.bus.subscribe("recovery", self.recovery)
         if self.gateway is not None:
             self.bus.subscribe("gateway", self.gateway)
-            self.metrics.gateway_from(self.gateway.status, COUNTERS)
+            self.metrics.gateway_from(self.gateway.status, OUTCOMES, EVENTS)
         # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control socket.
         self.admin = AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render),
                                  *cfg.admin.host_port)

@@ -12,11 +12,30 @@ from supervisor.decide.admission import Rejection
 from supervisor.event_stream import Event, RequestRejected
 from supervisor.host import Host
 
+HELD_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
 
 class Answers:
     def __init__(self, counters: dict[str, int], host: Host, publish: Callable[[Event], None]) -> None:
         self.counters, self.host, self.publish = counters, host, publish
         self._last: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
+        self.held = [0] * (len(HELD_BUCKETS) + 1)  # requests held, by the first bucket their time fits (+Inf last)
+        self.held_sum = 0.0
+
+    def held_for(self, seconds: float) -> None:
+        """A request waited ``seconds`` for the engine (held: not READY, or its caps full)."""
+        if seconds < 0.001:
+            return  # went straight through
+        self.held[next((i for i, b in enumerate(HELD_BUCKETS) if seconds <= b), len(HELD_BUCKETS))] += 1
+        self.held_sum += seconds
+
+    def held_histogram(self) -> tuple[list[tuple[str, float]], float]:
+        """Cumulative buckets (Prometheus' ``le``) and the sum of the seconds held."""
+        out, total = [], 0
+        for bound, n in zip([*map(str, HELD_BUCKETS), "+Inf"], self.held, strict=True):
+            total += n
+            out.append((bound, float(total)))
+        return out, self.held_sum
 
     def reject(self, rid: str, r: Rejection) -> web.Response:
         self.count(r, rid)

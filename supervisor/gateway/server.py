@@ -53,8 +53,11 @@ DEATH_WAIT_S = 6.0
 CLOSE_S = 3.0  # at exit: how long open connections may hold the port's close
 DEFAULT_VOCAB = 128256  # Llama 3's: a conservative guess when the model's config cannot be read
 AUTO_HOLD_MIN_S = 180.0  # "auto" never holds for less than this (the number it replaced)
-COUNTERS = ("forwarded", "held", "replayed", "400", "413", "429", "503", "quarantined", "client_disconnected",
-            "streams_broken", "streams_continued", "engine_errors")
+# How each request ended: exactly one of these per request (their sum is the requests answered).
+OUTCOMES = ("forwarded", "engine_errors", "client_disconnected", "400", "401", "404", "408", "413", "429", "503")
+# What happened to requests on the way (a request may be held, replayed and its stream continued).
+EVENTS = ("held", "replayed", "quarantined", "streams_broken", "streams_continued")
+COUNTERS = OUTCOMES + EVENTS
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,8 @@ class Gateway:
                 "quarantine_size": sum(1 for e in self.quarantine.entries.values() if e["until"] > now),
                 "safe_prompt_tokens": safe,
                 "prompt_limit_source": admission.prompt_limit(self.counter.known_max_len(), safe)[1],
-                "longest_prompt_served": self.proven_tokens, "connections": self.port.status()}
+                "longest_prompt_served": self.proven_tokens, "connections": self.port.status(),
+                "held_seconds": dict(zip(("buckets", "sum"), self.answers.held_histogram(), strict=True))}
 
     def _accept_failed(self, error: str, count: int) -> None:
         self.publish(AcceptFailed(at=self.host.wall(), error=error, count=count))
@@ -214,6 +218,7 @@ class Gateway:
             return self.answers.reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
         if self.client.api_key is not None and not routes.authorized(request, self.client.api_key):
             # vLLM's own answer to a request without the key, given before any work is done for it.
+            self.answers.count(Rejection(401, "unauthorized", ""), rid)
             return web.json_response({"error": "Unauthorized"}, status=401, headers={"X-Request-Id": rid})
         if self.gate.closing:
             return self.answers.reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
@@ -293,8 +298,13 @@ class Gateway:
 
     async def _admit(self, flight: Flight) -> None:
         """Wait until ``flight`` may go to the engine (Refused when it may not)."""
-        left = flight.arrived + self.hold_s() - self.host.monotonic()
-        if await self.gate.admit(flight, max(0.0, left), self._keep_holding) and flight.replays == 0:
+        t0 = self.host.monotonic()
+        left = flight.arrived + self.hold_s() - t0
+        try:
+            held = await self.gate.admit(flight, max(0.0, left), self._keep_holding)
+        finally:
+            self.answers.held_for(self.host.monotonic() - t0)
+        if held and flight.replays == 0:
             self.counters["held"] += 1
 
     async def _continue(self, request: web.Request, flight: Flight, body: bytes, cut: proxy.Cut) -> web.StreamResponse:
@@ -312,6 +322,7 @@ class Gateway:
             self.gate.leave(flight)
             if why_not or not died or flight.replays >= self.g.max_replays:
                 self.counters["streams_broken"] += 1
+                self.counters["forwarded"] += 1  # its 200 and most of its stream reached the client
                 reason = f"it cannot be continued faithfully ({why_not})" if why_not else \
                     "it could not be continued" if died else "the engine failed under it"
                 return await proxy.end_cut(cut, f"the inference engine failed during this response and {reason}; "
@@ -321,6 +332,7 @@ class Gateway:
                 await self._admit(flight)
             except Refused as r:
                 self.counters["streams_broken"] += 1
+                self.counters["forwarded"] += 1
                 return await proxy.end_cut(cut, f"the inference engine failed during this response: {r.message}")
             assert isinstance(doc, dict)
             self.counters["streams_continued"] += 1

@@ -9,8 +9,16 @@ import platform
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from supervisor.about import __version__
 from supervisor.engine_states import LEGAL_TRANSITIONS, EngineState, FailureKind
@@ -33,6 +41,7 @@ class Metrics:
 
     def __init__(self, profile: Mapping[str, Any] | None = None,
                  configured: Mapping[str, Any] | None = None) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # a `_created` series per counter: noise
         self.registry = CollectorRegistry()
         r = self.registry
         Info("vllm_supervisor_build", "Version of the supervisor and its Python", registry=r).info(
@@ -128,9 +137,10 @@ class Metrics:
         Gauge("vllm_supervisor_loop_stall_max_seconds", "The longest the supervisor's event loop ran late "
               "(watchdog, /healthz and the public port share it)", registry=self.registry).set_function(longest)
 
-    def gateway_from(self, read: Callable[[], Mapping[str, Any]], outcomes: Sequence[str]) -> None:
+    def gateway_from(self, read: Callable[[], Mapping[str, Any]], outcomes: Sequence[str],
+                     events: Sequence[str] = ()) -> None:
         """The gateway's own counters, read at each scrape (one source of truth: its /status object)."""
-        self.registry.register(_GatewayCollector(read, outcomes))
+        self.registry.register(_GatewayCollector(read, outcomes, events))
 
     def set_gpu(self, devices: Sequence[Any]) -> None:
         for d in devices:
@@ -142,17 +152,28 @@ class Metrics:
 
 
 class _GatewayCollector:
-    def __init__(self, read: Callable[[], Mapping[str, Any]], outcomes: Sequence[str]) -> None:
-        self.read, self.outcomes = read, outcomes
+    def __init__(self, read: Callable[[], Mapping[str, Any]], outcomes: Sequence[str], events: Sequence[str]) -> None:
+        self.read, self.outcomes, self.events = read, outcomes, events
 
     def collect(self) -> list[Metric]:
         doc = self.read()
         requests = CounterMetricFamily("vllm_supervisor_gateway_requests",
-                                       "Requests by what the gateway did with them (forwarded, held, replayed, "
-                                       "the status it answered itself, quarantined, ...)", labels=["outcome"])
+                                       "Requests by how they ended, one outcome each (forwarded, the engine's own "
+                                       "5xx, client gone, or the status the gateway answered itself)",
+                                       labels=["outcome"])
         for outcome in self.outcomes:
             requests.add_metric([outcome], float(doc.get(outcome, 0)))
-        return [requests,
+        events = CounterMetricFamily("vllm_supervisor_gateway_request_events",
+                                     "What happened to requests on their way (held, replayed, quarantined, a stream "
+                                     "broken or continued); a request may count under several", labels=["event"])
+        for event in self.events:
+            events.add_metric([event], float(doc.get(event, 0)))
+        held = doc.get("held_seconds") or {"buckets": [("+Inf", 0.0)], "sum": 0.0}
+        return [requests, events,
+                HistogramMetricFamily("vllm_supervisor_gateway_held_seconds",
+                                      "How long requests waited for the engine (not READY, or its caps full)",
+                                      buckets=[(str(le), float(n)) for le, n in held["buckets"]],
+                                      sum_value=float(held["sum"])),
                 GaugeMetricFamily("vllm_supervisor_gateway_in_flight", "Requests at the engine now",
                                   value=float(doc["in_flight"])),
                 GaugeMetricFamily("vllm_supervisor_gateway_waiting", "Requests held waiting for the engine now",

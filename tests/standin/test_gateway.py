@@ -404,6 +404,16 @@ async def test_held_through_a_planned_restart_costs_only_latency(supervise: Call
     assert set(codes) == {200} and len(codes) > 8
     gw = gw_status(sup)
     assert gw["held"] >= 1 and gw["503"] == 0
+    # /metrics: one outcome per request (their sum is what the clients got), the waits in a histogram, no _created.
+    with urllib.request.urlopen(f"http://{sup.admin}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    outcomes = {line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("vllm_supervisor_gateway_requests_total{")}
+    assert "held" not in outcomes and sum(outcomes.values()) == len(codes)
+    assert f'vllm_supervisor_gateway_request_events_total{{event="held"}} {float(gw["held"])}' in text
+    held = [line for line in text.splitlines() if line.startswith("vllm_supervisor_gateway_held_seconds_count")]
+    assert held and float(held[0].rsplit(" ", 1)[1]) >= gw["held"]
+    assert "_created" not in text
 
 
 async def test_kv_cache_full_with_requests_waiting_sheds_new_ones_with_429(supervise: Callable[..., Sup]) -> None:
