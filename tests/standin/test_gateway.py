@@ -405,8 +405,8 @@ async def test_held_through_a_planned_restart_costs_only_latency(supervise: Call
     gw = gw_status(sup)
     assert gw["held"] >= 1 and gw["503"] == 0
     # /metrics: one outcome per request (their sum is what the clients got), the waits in a histogram, no _created.
-    with urllib.request.urlopen(f"http://{sup.admin}/metrics", timeout=5) as r:
-        text = r.read().decode()
+    async with aiohttp.ClientSession() as s, s.get(f"http://{sup.admin}/metrics") as r:
+        text = await r.text()
     outcomes = {line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("vllm_supervisor_gateway_requests_total{")}
     assert "held" not in outcomes and sum(outcomes.values()) == len(codes)

@@ -194,3 +194,48 @@ def test_typed_events_render_under_their_documented_names() -> None:
     f = failed(suspect_request="cmpl-1").fields()
     assert f["kind"] == "runtime_oom" and f["trigger"] == "death" and f["phase"] == "serving"
     assert f["failure"] == {"kind": "runtime_oom", "evidence": "CUDA out of memory. Tried to allocate 176.00 MiB"}
+
+
+def test_the_grafana_dashboard_and_the_alert_rules_only_use_metrics_the_supervisor_exports() -> None:
+    """Issue 18, item 4: a dashboard or rule over a metric name nobody exports shows nothing when it matters."""
+    import json
+    import re
+    from pathlib import Path
+
+    from supervisor.gateway.server import EVENTS, OUTCOMES
+    from supervisor.ops.metrics import Metrics
+
+    m = Metrics({"max_num_seqs": 8}, {"max_num_seqs": 8})
+    m.budget_from(lambda: 3)
+    m.loop_stall_from(lambda: 0.01)
+    doc = {"in_flight": 0, "waiting": 0, "quarantine_size": 0, "held_seconds": {"buckets": [["1.0", 1]], "sum": 0.5},
+           **dict.fromkeys(OUTCOMES + EVENTS, 1)}
+    m.gateway_from(lambda: doc, OUTCOMES, EVENTS)
+    m.set_gpu([type("D", (), {"index": 0, "total": 2, "free": 1, "used": 1})()])
+    m.alerts_failed.labels("webhook")  # as the daemon does for each hook
+    exported = set(re.findall(r"^(vllm_supervisor_\w+?)(?:_bucket|_sum|_count)?[{ ]", m.render().decode(), re.M))
+    docs = Path(__file__).parents[2] / "docs"
+    dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    rules = (docs / "prometheus-alerts.yml").read_text()
+    used = set(re.findall(r"vllm_supervisor_\w+", " ".join(exprs) + rules))
+    used = {re.sub(r"_(bucket|sum|count)$", "", u) for u in used}
+    assert used and used <= exported, used - exported
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_the_alert_rules_pass_promtool() -> None:
+    """`promtool check rules` (CI installs it from Debian's prometheus package: .ci/run)."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    promtool = os.environ.get("PROMTOOL") or shutil.which("promtool")
+    if not promtool:
+        pytest.skip("promtool not installed (.ci/run installs it)")
+    rules = Path(__file__).parents[2] / "docs" / "prometheus-alerts.yml"
+    r = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
