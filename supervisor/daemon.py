@@ -218,7 +218,7 @@ class Daemon:
 
     def _alerts_for(self, cfg: Config) -> Alerts:
         """The alert hooks of ``cfg``, their series at 0 on /metrics; raises MissingSecret."""
-        alerts = Alerts.from_config(cfg.alerts, self.bus.publish)
+        alerts = Alerts.from_config(cfg.alerts, self.bus.publish, cfg.state.dir, cfg.profile)
         for hook in cfg.alerts.hooks:
             self.metrics.alerts_sent.labels(hook.type)
             self.metrics.alerts_failed.labels(hook.type)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,8 +24,8 @@ def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
 def receiver() -> Iterator[Callable[..., Receiver]]:
     made: list[Receiver] = []
 
-    def make(status: int = 200, hang: bool = False) -> Receiver:
-        made.append(Receiver(status, hang))
+    def make(status: int = 200, hang: bool = False, answer: Any = None) -> Receiver:
+        made.append(Receiver(status, hang, answer))
         return made[-1]
 
     yield make

@@ -6,8 +6,8 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: bytes
+    at: float = field(default_factory=time.monotonic)  # when it arrived
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -25,14 +26,17 @@ class Received:
 class Receiver:
     """A local HTTP server in a thread that records every POST (an alert service stand-in).
 
-    ``status`` is what it answers; ``hang`` makes it never answer (until closed).
+    ``status`` is what it answers; ``hang`` makes it never answer (until closed); ``answer(request)``, when
+    given, decides each answer's status and headers, as the real service would (a 429 with Retry-After, a
+    400 for one number of a Twilio hook, ...).
     """
 
-    def __init__(self, status: int = 200, hang: bool = False) -> None:
+    def __init__(self, status: int = 200, hang: bool = False,
+                 answer: Callable[[Received], tuple[int, dict[str, str]]] | None = None) -> None:
         import http.server
         import threading
 
-        self.status, self.hang = status, hang
+        self.status, self.hang, self.answer = status, hang, answer
         self.requests: list[Received] = []
         self.released = threading.Event()
         rec = self
@@ -44,7 +48,10 @@ class Receiver:
                 if rec.hang:
                     rec.released.wait(60)
                     return
-                self.send_response(rec.status)
+                status, headers = rec.answer(rec.requests[-1]) if rec.answer else (rec.status, {})
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"{}")

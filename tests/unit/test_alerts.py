@@ -42,17 +42,18 @@ def test_rules_turn_a_crash_into_a_restart_warning_and_repeats_into_an_error() -
     assert recovered and not recovered[0].resolves  # no outage was paged, nothing to resolve
 
 
-def test_rules_page_an_outage_once_and_the_recovery_resolves_the_same_key() -> None:
+def test_rules_page_an_outage_once_and_readiness_clears_it() -> None:
     rules = AlertRules(AlertsConfig(page_after_s=60), "gpu-7", started_at=0.0)
     rules.on_event(sc("WARMING", "READY"), 5.0)
     rules.on_event(sc("READY", "STOPPING"), 100.0)
     rules.on_event(failed("hang", "no token progress for 60s"), 100.0)
     assert rules.tick(159.0, 1_700_000_000.0) == []
     outage = rules.tick(160.0, 1_700_000_001.0)
-    assert [(a.event, a.severity, a.kind) for a in outage] == [("outage", "error", "hang")]
+    assert [(a.event, a.severity, a.kind, a.clears_on) for a in outage] == [("outage", "error", "hang", "ready")]
     assert rules.tick(500.0, 1_700_000_400.0) == []  # once per outage
+    assert rules.cleared(sc("WARMING", "READY")) == ["ready"]
     rec = rules.on_event(recovered("hang", 420.0, at=9.0), 520.0)
-    assert rec[0].resolves and rec[0].dedup_key == outage[0].dedup_key
+    assert rec[0].clears_on is None and not rec[0].resolves  # a notice; the page is resolved by the dispatcher
 
 
 def test_a_quarantined_request_is_a_warning_naming_its_hash_never_its_text() -> None:
@@ -101,11 +102,12 @@ async def test_pagerduty_triggers_and_resolves_with_one_dedup_key(receiver: Call
     rules = AlertRules(AlertsConfig(page_after_s=1), "gpu-7", 0.0)
     rules.on_event(failed("hang", "no token progress"), 0.0)
     (outage,) = rules.tick(5.0, 1_700_000_000.0)
-    (resolved,) = rules.on_event(recovered("hang", 9.0, at=2.0), 6.0)
-    ch = make_channel(HookConfig(type="pagerduty", url=r.url + "/v2/enqueue", routing_key_env="PD_ROUTING"))
-    await ch.send(outage)
-    await ch.send(resolved)
-    await ch.close()
+    hook = HookConfig(type="pagerduty", url=r.url + "/v2/enqueue", routing_key_env="PD_ROUTING")
+    alerts = Alerts(AlertsConfig(), [(hook, make_channel(hook))], lambda _: None)
+    alerts.start()
+    alerts.fan_out(outage)
+    alerts.on_event(sc("WARMING", "READY"))  # the condition that clears an outage
+    await alerts.close()
     trigger, resolve = (x.json() for x in r.requests)
     assert trigger["routing_key"] == "R0UT1NG-KEY" and trigger["event_action"] == "trigger"
     assert trigger["payload"]["severity"] == "error" and trigger["payload"]["source"] == "gpu-7"
@@ -210,7 +212,7 @@ async def test_a_hooks_rate_limit_holds_back_all_but_critical(receiver: Callable
     alerts.on_event(Fatal(at=1.0, reason="budget", exit_code=4, failure=None))
     await alerts.close()
     assert outcomes.count("suppressed") == 1 and outcomes.count("sent") == 3
-    assert r.requests[-1].json()["event"] == "fatal"
+    assert "fatal" in [req.json()["event"] for req in r.requests]  # critical: past the limit, in its own lane
 
 
 async def test_a_command_hook_that_times_out_is_killed_with_everything_it_started(tmp_path: Path) -> None:
@@ -237,3 +239,108 @@ async def test_a_command_hook_that_times_out_is_killed_with_everything_it_starte
     else:
         os.kill(grandchild, 9)
         raise AssertionError("the hook's grandchild outlived the hook's timeout")
+
+
+# ---- receivers' rules, the page that matters first, pages that resolve --------------------------------------
+async def test_a_429_is_retried_after_its_retry_after_and_a_400_is_never_retried(
+        receiver: Callable[..., Receiver], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 18, item 2: PagerDuty's 429 + Retry-After: 7 was retried after 0.65 s; a Slack 400 twice more."""
+    monkeypatch.setenv("PD_ROUTING", "rk")
+    pd = receiver(answer=lambda req: (429, {"Retry-After": "2"}) if len(pd.requests) == 1 else (202, {}))
+    slack = receiver(status=400)
+    hooks = [HookConfig(type="pagerduty", url=pd.url, routing_key_env="PD_ROUTING", min_severity="warning"),
+             HookConfig(type="slack", url=slack.url, min_severity="warning")]
+    outcomes: list[AlertOutcome] = []
+    alerts = Alerts(AlertsConfig(flush_s=10), [(h, make_channel(h)) for h in hooks],
+                    lambda ev: outcomes.append(ev) if isinstance(ev, AlertOutcome) else None, retry_wait_s=0.01)
+    alerts.start()
+    alerts.fan_out(one_alert())
+    await alerts.close()
+    assert len(pd.requests) == 2 and pd.requests[1].at - pd.requests[0].at >= 1.9  # waited as it asked
+    assert len(slack.requests) == 1  # a 400 says the payload is wrong: trying again cannot help
+    assert {(o.channel, o.outcome) for o in outcomes} == {("pagerduty", "sent"), ("slack", "failed")}
+
+
+async def test_twilio_retries_only_the_numbers_that_did_not_get_the_text(
+        receiver: Callable[..., Receiver], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 18, item 2: a later number failing re-texted the numbers that already had the SMS."""
+    monkeypatch.setenv("TW_TOKEN", "tok")
+    tries: dict[str, int] = {}
+
+    def answer(req: Any) -> tuple[int, dict[str, str]]:
+        to = urllib.parse.parse_qs(req.body.decode())["To"][0]
+        tries[to] = tries.get(to, 0) + 1
+        if to == "+15550003":
+            return 400, {}  # Twilio: not a valid phone number, never worth a retry
+        return (503, {}) if to == "+15550002" and tries[to] == 1 else (201, {})
+
+    tw = receiver(answer=answer)
+    hook = HookConfig(type="twilio", url=tw.url, account_sid="AC1", auth_token_env="TW_TOKEN", from_="+15550000",
+                      to=("+15550001", "+15550002", "+15550003"), min_severity="warning")
+    outcomes: list[AlertOutcome] = []
+    alerts = Alerts(AlertsConfig(flush_s=10), [(hook, make_channel(hook))],
+                    lambda ev: outcomes.append(ev) if isinstance(ev, AlertOutcome) else None, retry_wait_s=0.01)
+    alerts.start()
+    alerts.fan_out(one_alert())
+    await alerts.close()
+    assert tries == {"+15550001": 1, "+15550002": 2, "+15550003": 1}
+    assert [o.outcome for o in outcomes] == ["failed"] and "refused 1 of 3" in outcomes[0].error
+
+
+async def test_a_fatal_goes_ahead_of_a_hook_busy_retrying_and_what_is_dropped_at_exit_is_logged(
+        receiver: Callable[..., Receiver]) -> None:
+    """Issue 18, item 3: with a hanging hook and a crash loop, the fatal alert never left and was dropped silently."""
+    from structlog.testing import capture_logs
+
+    hang, good = receiver(hang=True), receiver()
+    hooks = [HookConfig(type="slack", url=hang.url, min_severity="info", timeout_s=30.0),
+             HookConfig(type="webhook", url=good.url, min_severity="info")]
+    alerts = Alerts(AlertsConfig(flush_s=1.0, dedup_window_s=0), [(h, make_channel(h)) for h in hooks],
+                    lambda _: None, retry_wait_s=0.01)
+    alerts.start()
+    for ev in [failed(), sc("STOPPING", "BACKOFF", delay_s=1.0)] * 3:  # a crash loop: warnings, then errors
+        alerts.on_event(ev)
+    alerts.on_event(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure=None))
+    await asyncio.sleep(0.5)
+    assert "fatal" in [r.json()["event"] for r in good.requests]  # not behind the hung hook's queue
+    with capture_logs() as logs:
+        await alerts.close()
+    dropped = [e for e in logs if e["event"] == "alert.outcome" and e["outcome"] == "dropped"]
+    assert {e["channel"] for e in dropped} == {"slack"} and "fatal" in {e["alert"] for e in dropped}
+
+
+async def test_a_page_left_open_by_a_supervisor_that_died_is_resolved_by_the_next_one(
+        receiver: Callable[..., Receiver], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 18, item 1: open pages lived in memory only; a profile_lowered page had a fixed key and no resolve."""
+    monkeypatch.setenv("PD_ROUTING", "rk")
+    pd = receiver(status=202)
+    hook = HookConfig(type="pagerduty", url=pd.url, routing_key_env="PD_ROUTING", min_severity="warning")
+    from tests.helpers.events import P
+
+    first = Alerts(AlertsConfig(dedup_window_s=0), [(hook, make_channel(hook))], lambda _: None,
+                   state_dir=str(tmp_path), configured=P)
+    first.start()
+    first.on_event(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure=None))
+    first.on_event(lowered())
+    await first.close()  # the supervisor exits FATAL with two pages open
+    pages = json.loads((tmp_path / "pages.json").read_text())["open"]["pagerduty"]
+    assert {v["event"] for v in pages.values()} == {"fatal", "profile_lowered"}
+    assert (tmp_path / "pages.json").stat().st_mode & 0o777 == 0o600
+    second = Alerts(AlertsConfig(), [(hook, make_channel(hook))], lambda _: None, state_dir=str(tmp_path),
+                    configured=P)
+    second.start()
+    second.on_event(sc("WARMING", "READY", profile=P))  # READY at the configured profile: both conditions over
+    await second.close()
+    sent = [r.json() for r in pd.requests]
+    triggers = {s["dedup_key"] for s in sent if s["event_action"] == "trigger"}
+    resolves = {s["dedup_key"] for s in sent if s["event_action"] == "resolve"}
+    assert len(triggers) == 2 and resolves == triggers
+    assert json.loads((tmp_path / "pages.json").read_text())["open"] == {}
+    # Notify-only alerts never open a page nobody could resolve.
+    from supervisor.event_stream import RequestQuarantined
+
+    third = Alerts(AlertsConfig(), [(hook, make_channel(hook))], lambda _: None, state_dir=str(tmp_path))
+    third.start()
+    third.on_event(RequestQuarantined(at=1.0, request_hash="h", prompt_tokens=9, evidence="x"))
+    await third.close()
+    assert len(pd.requests) == 4

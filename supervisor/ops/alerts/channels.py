@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import json
 import os
 import signal
+import time
 from typing import Protocol
 
 import aiohttp
@@ -22,7 +24,28 @@ PD_SEVERITY = {"info": "info", "warning": "warning", "error": "error", "critical
 
 
 class SendFailed(RuntimeError):
-    """The service did not take the alert (an error status, a timeout, a command that failed)."""
+    """The service did not take the alert (an error status, a timeout, a command that failed).
+
+    ``retryable``: trying again may help (5xx, 408, 429, no answer); any other 4xx says the request itself is
+    wrong. ``retry_after``: the seconds the service asked for (its Retry-After), when it said."""
+
+    def __init__(self, message: str, retryable: bool = True, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retryable, self.retry_after = retryable, retry_after
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """An HTTP Retry-After (seconds, or an HTTP date) in seconds from now; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
 
 
 class Channel(Protocol):
@@ -55,7 +78,9 @@ class _Http:
         try:
             async with self.session().post(url, **kw) as r:  # type: ignore[arg-type]
                 if r.status >= 300:
-                    raise SendFailed(f"{what} answered HTTP {r.status}")
+                    raise SendFailed(f"{what} answered HTTP {r.status}",
+                                     retryable=r.status >= 500 or r.status in (408, 429),
+                                     retry_after=retry_after_s(r.headers.get("Retry-After")))
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise SendFailed(f"{what} failed: {type(exc).__name__}") from None
 
@@ -109,7 +134,8 @@ class PagerDuty(_Http):
 
 
 class Twilio(_Http):
-    """SMS through the Messages API: one form POST per number, HTTP basic auth."""
+    """SMS through the Messages API: one form POST per number, HTTP basic auth. A retry texts only the numbers
+    that did not get the message yet: nobody is texted twice because somebody else's number failed."""
 
     name = "twilio"
 
@@ -119,13 +145,40 @@ class Twilio(_Http):
         if not token:
             raise MissingSecret("alerts.hooks.auth_token_env", hook.auth_token_env)
         self._auth = {"Authorization": aiohttp.encode_basic_auth(hook.account_sid, token)}
+        self._left: dict[tuple[str, str, float], list[str]] = {}  # alert -> numbers still to text
+        self._refused: dict[tuple[str, str, float], list[SendFailed]] = {}  # alert -> numbers Twilio refused
 
     async def send(self, alert: Alert) -> None:
         url = f"{self.hook.endpoint.rstrip('/')}/2010-04-01/Accounts/{self.hook.account_sid}/Messages.json"
         body = f"[{alert.severity}] {alert.host}: {alert.message}"[:1500]
-        for number in self.hook.to:
-            await self.post(url, "twilio", data={"To": number, "From": self.hook.from_, "Body": body},
-                            headers=self._auth)
+        key = (alert.event, alert.dedup_key, alert.at)
+        left = self._left.setdefault(key, list(self.hook.to))
+        while len(self._left) > 100:  # alerts given up on: forget the oldest
+            oldest = next(iter(self._left))
+            self._left.pop(oldest)
+            self._refused.pop(oldest, None)
+        refused = self._refused.setdefault(key, [])
+        failed: list[SendFailed] = []
+        for number in list(left):
+            try:
+                await self.post(url, "twilio", data={"To": number, "From": self.hook.from_, "Body": body},
+                                headers=self._auth)
+                left.remove(number)
+            except SendFailed as exc:
+                failed.append(exc)
+                if not exc.retryable:  # Twilio refused this number (400: not a valid number): never again
+                    left.remove(number)
+                    refused.append(exc)
+        retryable = [f for f in failed if f.retryable]
+        if not retryable:
+            self._left.pop(key, None)
+            self._refused.pop(key, None)
+            if refused:
+                raise SendFailed(f"twilio refused {len(refused)} of {len(self.hook.to)} numbers ({refused[0]})",
+                                 retryable=False)
+            return
+        raise SendFailed(f"twilio: {len(left)} of {len(self.hook.to)} numbers not texted yet ({retryable[0]})",
+                         retry_after=max((f.retry_after for f in retryable if f.retry_after), default=None))
 
 
 class Command:

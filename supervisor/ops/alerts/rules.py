@@ -2,8 +2,13 @@
 
 An alert is a frozen record a channel can send as it is. The rules keep just enough memory to
 deduplicate (the same alert within ``dedup_window_s`` is sent once), to escalate (restarts that
-keep repeating become an ``error``), and to give each outage a stable ``dedup_key`` that the
-recovery resolves.
+keep repeating become an ``error``), and to give each outage a stable ``dedup_key``.
+
+Every alert that can page names the condition whose end clears it (``clears_on``): ``ready`` (the
+engine READY again: a restart, a hang, an outage, a FATAL of an earlier supervisor), ``profile``
+(back at the configured profile) or ``reload`` (a reload that succeeded). ``cleared`` says which
+conditions an event ends; the dispatcher resolves every open page waiting on them. An alert with
+no ``clears_on`` only notifies: it never opens a page (PagerDuty never gets it as a trigger).
 """
 
 from __future__ import annotations
@@ -22,10 +27,16 @@ from supervisor.event_stream import (
     ProfileLowered,
     ProfileRaised,
     Recovered,
+    Reloaded,
     ReloadFailed,
     RequestQuarantined,
     StateChanged,
 )
+from supervisor.profile import Profile
+
+# Which alerts can open a page, and what ends it (docs/operations.md says the same for on-call).
+CLEARS_ON = {"outage": "ready", "fatal": "ready", "engine_restarted": "ready", "hang_detected": "ready",
+             "profile_lowered": "profile", "config_reload_failed": "reload"}
 
 
 def rank(severity: str) -> int:
@@ -48,7 +59,8 @@ class Alert:
     dedup_key: str
     kind: str | None = None  # the failure kind, where there is one
     details: dict[str, Any] = field(default_factory=dict)
-    resolves: bool = False  # a recovery: PagerDuty resolves ``dedup_key`` instead of triggering
+    resolves: bool = False  # PagerDuty resolves ``dedup_key`` instead of triggering
+    clears_on: str | None = None  # the condition whose end resolves this page; None: it only notifies
 
     @property
     def time(self) -> str:
@@ -67,9 +79,10 @@ class Alert:
 class AlertRules:
     """Feed it the event stream (and clock ticks for outages); it returns the alerts to send."""
 
-    def __init__(self, cfg: AlertsConfig, host: str, started_at: float) -> None:
+    def __init__(self, cfg: AlertsConfig, host: str, started_at: float, configured: Profile | None = None) -> None:
         self.cfg = cfg
         self.host = host
+        self.configured = configured  # [profile] as configured: the "profile" condition ends there
         self.not_ready_since: float | None = started_at
         self.outage_key: str | None = None  # set once an outage alert went out, until the recovery
         self.last_failure: FailureClassified | None = None
@@ -80,7 +93,21 @@ class AlertRules:
                details: dict[str, Any] | None = None, dedup_key: str | None = None,
                resolves: bool = False) -> Alert:
         key = dedup_key or f"vllm-supervisor/{self.host}/{event}"
-        return Alert(event, severity, self.host, message, at, key, kind, details or {}, resolves)
+        return Alert(event, severity, self.host, message, at, key, kind, details or {}, resolves,
+                     CLEARS_ON.get(event))
+
+    def cleared(self, ev: Event) -> list[str]:
+        """The conditions ``ev`` ends: their open pages are resolved."""
+        if isinstance(ev, StateChanged) and ev.new is EngineState.READY:
+            at_configured = self.configured is not None and ev.profile == self.configured
+            return ["ready", "profile"] if at_configured else ["ready"]
+        if isinstance(ev, ProfileRaised) and self.configured is not None and ev.profile == self.configured:
+            return ["profile"]
+        if isinstance(ev, Reloaded):
+            if ev.configured_profile is not None:
+                self.configured = ev.configured_profile
+            return ["reload"]
+        return []
 
     def on_event(self, ev: Event, now: float) -> list[Alert]:
         """Alerts for one stream event; ``now`` is the monotonic clock (the outage timer)."""
@@ -91,8 +118,8 @@ class AlertRules:
         if isinstance(ev, StateChanged):
             # The lifecycle says whether the engine is out of service and since how long (one definition).
             self.not_ready_since = None if ev.outage_s is None else now - ev.outage_s
-            if ev.new is EngineState.READY and self.outage_key is not None and self.last_failure is None:
-                return [self._resolve_outage(ev.at, "engine READY after its first start")]
+            if ev.new is EngineState.READY:
+                self.outage_key = None  # its page is resolved by the "ready" condition
             if ev.new is EngineState.BACKOFF:
                 return [self._restarted(ev, now)]
             return []
@@ -109,12 +136,10 @@ class AlertRules:
             return [self._alert("profile_raised", "info", f"profile raised: {_diff(ev.diff)}", ev.at,
                                 details={"profile": ev.profile.knobs()})]
         if isinstance(ev, Recovered):
-            key, self.outage_key = self.outage_key, None
             kind = ev.kind.value if ev.kind else None
             return [self._alert("recovered", "info", f"engine READY again {ev.recovered_after_s:.0f}s after "
                                 f"the {kind or 'failure'}", ev.at, kind,
-                                {"recovered_after_s": ev.recovered_after_s, "profile": ev.profile.knobs()},
-                                dedup_key=key, resolves=key is not None)]
+                                {"recovered_after_s": ev.recovered_after_s, "profile": ev.profile.knobs()})]
         if isinstance(ev, RequestQuarantined):
             return [self._alert("request_quarantined", "warning", f"a request that killed the engine twice is "
                                 f"quarantined ({ev.prompt_tokens} prompt tokens): {ev.evidence}", ev.at,
@@ -129,11 +154,6 @@ class AlertRules:
                                               "failure": ev.failure.as_dict() if ev.failure else {}},
                                 dedup_key=self._outage_key(ev.at))]
         return []
-
-    def _resolve_outage(self, at: float, why: str) -> Alert:
-        key, self.outage_key = self.outage_key, None
-        assert key is not None
-        return self._alert("recovered", "info", why, at, dedup_key=key, resolves=True)
 
     def _restarted(self, ev: StateChanged, now: float) -> Alert:
         while self.restarts and now - self.restarts[0] > self.cfg.escalate_window_s:
