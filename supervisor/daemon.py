@@ -81,7 +81,7 @@ class Daemon:
         self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run,
                                    recovery=self.recovery, front=self.gateway,
                                    learned={"restarts_total": learned.restarts_total,
-                                            "slowest_start_s": learned.slowest_start_s,
+                                            "slowest_start_s": learned.slowest_start_s, "fatal": learned.fatal,
                                             "last_failure": learned.last_failure} if learned else None)
         # Subscribers, in the order they read each event.
         self.metrics = Metrics(profile.knobs(), cfg.profile.knobs())
@@ -200,6 +200,7 @@ class Daemon:
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
             "loop": self.loop_lag.status(),
+            "alerts": self.alerts.status(),
             "next_start": self.recovery.status(),
             **({"gateway": self.gateway.status()} if self.gateway else {}),
         }

@@ -248,6 +248,7 @@ class LearnedChanged(Event):
     last_failure: Mapping[str, Any] | None
     restarts_total: int
     slowest_start_s: float | None = None
+    fatal: Mapping[str, Any] | None = None  # the supervisor gave up: exit_code, reason, at, kind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -416,6 +417,14 @@ class GpuShort(Event):
     level = "warning"
     devices: tuple[Mapping[str, Any], ...]
     evidence: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartupStep(Event):
+    """vLLM's startup reached a new step (loading weights, compiling, capturing graphs, ...), from its console."""
+
+    name = "engine.startup_step"
+    step: str
 
 
 @dataclass(frozen=True, kw_only=True)

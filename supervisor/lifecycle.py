@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from supervisor.config import Config
-from supervisor.decide.policy import Policy, floor_of
+from supervisor.config import Config, LadderConfig
+from supervisor.decide.policy import Decision, Policy, floor_of
 from supervisor.engine import launch
 from supervisor.engine.run import EngineRun, Healthy, StandbySource, Trigger, Verdict
 from supervisor.engine_states import EngineState, ExitCode, Failure, FailureKind, TriggerKind, check_transition
@@ -77,6 +77,7 @@ class Kept:
     restarts_total: int = 0
     last_failure: dict[str, Any] | None = None
     slowest_start_s: float | None = None  # start -> READY, gates included: what "auto" holds clients for
+    fatal: dict[str, Any] | None = None  # the supervisor gave up: until a later one is READY
 
     def note_start(self, seconds: float) -> bool:
         """A start reached READY in ``seconds``; True when it is the slowest measured."""
@@ -84,6 +85,10 @@ class Kept:
             return False
         self.slowest_start_s = round(seconds, 3)
         return True
+
+    def gave_up(self, decision: Decision, at: float) -> None:
+        self.fatal = {"exit_code": int(decision.exit_code), "reason": decision.reason, "at": at,
+                      "kind": decision.failure.kind.value}
 
     def recovered(self, outage: Outage | None, now: float) -> tuple[FailureKind | None, float] | None:
         """At READY after a failure: its kind and the seconds since the first failure of the outage."""
@@ -159,7 +164,7 @@ class Lifecycle:
         self.publish(LearnedChanged(at=self.host.wall(), profile=self.profile,
                                     rung_failures=dict(self.policy.rung_failures),
                                     last_failure=self.last_failure, restarts_total=self.restarts_total,
-                                    slowest_start_s=self.kept.slowest_start_s))
+                                    slowest_start_s=self.kept.slowest_start_s, fatal=self.kept.fatal))
 
     @property
     def restarts_total(self) -> int:
@@ -247,6 +252,7 @@ class Lifecycle:
             "state_for_s": round(now - self.state_since, 3),
             "outage_s": self._outage_s(),
             "timings": self.last_ready.as_dict() if self.last_ready else {},
+            "fatal": self.kept.fatal,
         }
 
     # ---- the main loop -------------------------------------------------------------------------------------
@@ -299,7 +305,8 @@ class Lifecycle:
         if recovered is not None:
             self.publish(Recovered(at=self.host.wall(), kind=recovered[0], recovered_after_s=recovered[1],
                                    profile=self.profile))
-        if recovered is not None or slower:
+        if recovered is not None or slower or self.kept.fatal is not None:
+            self.kept.fatal = None  # an earlier supervisor's FATAL is over
             self.learned()
         return await self.heartbeat.wait(run.serve(), run.deadline_at, on_tick=lambda: self._tick_ready(run))
 
@@ -382,15 +389,12 @@ class Lifecycle:
                                        named_by_vllm=failure.suspect_request is not None,
                                        at_floor=floor_of(before, self.cfg.ladder) == before, chunk=before.chunk()))
         if decision.restart and failure.kind.memory and self.front is not None and await self.front.wants_floor():
-            floor = floor_of(decision.profile, self.cfg.ladder)
-            if floor != decision.profile:
-                decision = replace(decision, profile=floor, reason=f"{decision.reason}; then to the lowest rung "
-                                   f"({_fmt_rung(floor)}): a request that killed the engine twice is tried there "
-                                   "alone before it is quarantined")
+            decision = floor_trial(decision, self.cfg.ladder)
         if not decision.restart:
             self.change_state(S.FATAL, reason=decision.reason, exit_code=int(decision.exit_code))  # STOPPING -> FATAL
             self.publish(Fatal(at=self.host.wall(), reason=decision.reason, exit_code=int(decision.exit_code),
                                failure=failure))
+            self.kept.gave_up(decision, self.host.wall())
             self.learned()
             return decision.exit_code
         self.change_profile(decision.profile, decision.reason, failure=failure)
@@ -434,8 +438,14 @@ async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], Non
     return str(path)
 
 
-def _fmt_rung(p: Profile) -> str:
-    return f"max_num_batched_tokens {p.chunk()}, max_num_seqs {p.effective(Knob.MAX_NUM_SEQS)}"
+def floor_trial(decision: Decision, ladder: LadderConfig) -> Decision:
+    """The restart goes to the ladder's lowest rung: a request that killed the engine twice is tried there alone."""
+    floor = floor_of(decision.profile, ladder)
+    if floor == decision.profile:
+        return decision
+    rung = f"max_num_batched_tokens {floor.chunk()}, max_num_seqs {floor.effective(Knob.MAX_NUM_SEQS)}"
+    return replace(decision, profile=floor, reason=f"{decision.reason}; then to the lowest rung ({rung}): a request "
+                   "that killed the engine twice is tried there alone before it is quarantined")
 
 
 def _at_least(new: Profile, old: Profile, knob: Knob) -> bool:

@@ -20,7 +20,7 @@ from supervisor.decide.classify import death_evidence
 from supervisor.decide.evidence import ConsoleFilter, event_evidence
 from supervisor.engine import launch
 from supervisor.engine.logtail import LogTail
-from supervisor.event_stream import CompileCacheUnusable, EngineEnvReported, Event
+from supervisor.event_stream import CompileCacheUnusable, EngineEnvReported, Event, StartupStep
 from supervisor.host import Host
 
 AOT_HINT = ("vLLM compiles the model again at every start (2-3 s of each on the tiny CPU model, docs/recovery.md); "
@@ -75,6 +75,7 @@ class Observer:
             step = startup.step_of(line)
             if step and (not self.steps or self.steps[-1][0] != step):
                 self.steps.append((step, self.host.monotonic()))
+                self.publish(StartupStep(at=self.host.wall(), step=step))
             if self.engine_version is None:
                 self.engine_version = startup.version_of(line)
             reason = None if self._aot_noted else startup.aot_cache_failure(line)

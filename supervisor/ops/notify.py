@@ -15,7 +15,15 @@ from typing import Any
 import sdnotify
 
 from supervisor.engine_states import EngineState
-from supervisor.event_stream import Event, Reloaded, ReloadFailed, Reloading, StateChanged, StopRequested
+from supervisor.event_stream import (
+    Event,
+    Reloaded,
+    ReloadFailed,
+    Reloading,
+    StartupStep,
+    StateChanged,
+    StopRequested,
+)
 
 
 def status_line(state: str, profile: Mapping[str, Any], restarts: int) -> str:
@@ -40,13 +48,19 @@ class Notifier:
         self.start_budget_s = start_budget_s  # what one start may take: load + warm-up
         self.ready_sent = False
         self.reloading = False  # READY=1 is owed once the reload (and any engine restart it needs) is done
+        self.last: tuple[str, Mapping[str, Any], int] | None = None  # the last state change, for step lines
 
     def send(self, *fields: str) -> None:
         if self._n is not None:
             self._n.notify("\n".join(fields))
 
     def on_event(self, event: Event) -> None:
-        if isinstance(event, StateChanged):
+        if isinstance(event, StartupStep) and self.last is not None:
+            # A long start says which step it is in, not only STARTING (loading weights, compiling, ...).
+            state, knobs, restarts = self.last
+            self.send(f"STATUS={status_line(f'{state} ({event.step})', knobs, restarts)}")
+        elif isinstance(event, StateChanged):
+            self.last = (event.new.value, event.profile.knobs(), event.restarts)
             line = f"STATUS={status_line(event.new.value, event.profile.knobs(), event.restarts)}"
             if event.new is EngineState.READY and (not self.ready_sent or self.reloading):
                 self.ready_sent, self.reloading = True, False

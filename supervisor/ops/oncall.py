@@ -7,6 +7,7 @@ remembers (state.json and the newest incident bundle).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,18 @@ def render_status(doc: dict[str, Any]) -> str:
     lines.append("profile   " + _knobs(doc["profile"], doc.get("configured_profile")) + degraded)
     lines.append(f"restarts  {doc['restarts']} (this run), {doc.get('restarts_total', '?')} (all time); "
                  f"{doc.get('failures_in_a_row', 0)} failures in a row")
+    gw = doc.get("gateway")
+    if gw:
+        lines.append(f"gateway   {gw['listen']}  {gw.get('waiting', 0)} held now, {gw.get('held', 0)} held and "
+                     f"{gw.get('replayed', 0)} replayed so far, {gw.get('streams_continued', 0)} streams continued; "
+                     f"shedding: {gw.get('shedding') or 'no'}; quarantine: {gw.get('quarantine_size', 0)}")
+    failing = {name: s for name, s in (doc.get("alerts") or {}).items() if s.get("last_error")
+               and s.get("last_failed_at", 0) >= s.get("last_sent_at", 0)}
+    if failing:
+        lines.append("alerts    failing: " + "; ".join(f"{name} ({s.get('failed', 0)} failed, {s.get('dropped', 0)} "
+                                                       f"dropped): {s['last_error']}" for name, s in failing.items()))
+    if doc.get("fatal"):
+        lines.append(fatal_line(doc["fatal"], "a previous supervisor"))
     lf = doc.get("last_failure")
     if lf:
         lines.append(f"last failure  {lf['kind']}: {lf['evidence']}")
@@ -49,6 +62,13 @@ def render_status(doc: dict[str, Any]) -> str:
             lines.append(f"              incident {Path(lf['incident']).stem}  (vllm-supervisor incidents "
                          f"{Path(lf['incident']).stem})")
     return "\n".join(lines)
+
+
+def fatal_line(fatal: dict[str, Any], who: str) -> str:
+    """The FATAL kept in state.json: who gave up, when, with which exit code, and why."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(fatal.get("at") or 0)))
+    return (f"GAVE UP   {who} ended FATAL at {when} with exit code {fatal.get('exit_code')}: "
+            f"{fatal.get('reason')} (systemd restarts it unless the code is 2, 3 or 6)")
 
 
 def incident_paths(state_dir: str | Path) -> list[Path]:
@@ -72,6 +92,8 @@ def render_offline(state_dir: str | Path) -> str:
     if learned is None:
         lines.append("  state.json: none (the next start uses the configured profile)")
     else:
+        if learned.fatal:
+            lines.append("  " + fatal_line(learned.fatal, "the supervisor"))
         lines.append("  profile   " + _knobs(learned.profile.knobs(), None))
         lines.append(f"  restarts  {learned.restarts_total} (all time)")
         if learned.last_failure:

@@ -30,11 +30,12 @@ class Learned:
     last_failure: dict[str, Any] | None = None
     restarts_total: int = 0
     slowest_start_s: float | None = None
+    fatal: dict[str, Any] | None = None  # the supervisor gave up: exit_code, reason, at, kind
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "profile": self.profile.as_dict(), "rung_failures": self.rung_failures,
                 "last_failure": self.last_failure, "restarts_total": self.restarts_total,
-                "slowest_start_s": self.slowest_start_s}
+                "slowest_start_s": self.slowest_start_s, "fatal": self.fatal}
 
 
 def path_in(state_dir: str | Path) -> Path:
@@ -55,7 +56,8 @@ def load(state_dir: str | Path) -> Learned | None:
         return Learned(profile=Profile.from_dict(raw["profile"]), rung_failures=dict(failures),
                        last_failure=last if isinstance(last, dict) else None,
                        restarts_total=int(raw.get("restarts_total") or 0),
-                       slowest_start_s=_seconds(raw.get("slowest_start_s")))
+                       slowest_start_s=_seconds(raw.get("slowest_start_s")),
+                       fatal=raw["fatal"] if isinstance(raw.get("fatal"), dict) else None)
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, KeyError, OSError) as exc:
@@ -104,6 +106,7 @@ class StateFileWriter:
         try:
             save(self.state_dir, Learned(event.profile, dict(event.rung_failures),
                                          dict(event.last_failure) if event.last_failure else None,
-                                         event.restarts_total, event.slowest_start_s))
+                                         event.restarts_total, event.slowest_start_s,
+                                         dict(event.fatal) if event.fatal else None))
         except OSError as exc:
             log.error("state.save_failed", dir=str(self.state_dir), error=str(exc))

@@ -479,3 +479,19 @@ def test_notify_sequence_on_a_real_socket_across_start_crash_recovery_reload_and
     assert len(ready) == 2 and ready[1] > reloading  # READY=1 at the first warm-up, and after the reload
     assert "MONOTONIC_USEC=" in messages[reloading]
     assert kinds[-1] == "STATUS=STOPPED" and "STOPPING" in kinds[reloading:]
+
+
+def test_status_after_a_fatal_says_who_gave_up_when_and_why_until_a_later_supervisor_is_ready(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 18, item 8: after FATAL, `status` said nothing of it (the supervisor exits 0.1 s later)."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_DIE_AFTER_READY": "0.3"}}, "restart": {"max_restarts": 1}})
+    assert sup.wait_exit(60) == 4
+    saved = json.loads((sup.state_dir / "state.json").read_text())
+    assert saved["fatal"]["exit_code"] == 4 and "restart budget" in saved["fatal"]["reason"]
+    out = cli("status", "--config", str(sup.config))
+    assert out.returncode == 1 and "GAVE UP" in out.stdout and "exit code 4" in out.stdout, out.stdout
+    assert "restart budget" in out.stdout
+    again = supervise({"state": {"dir": str(sup.state_dir)}})
+    st = again.wait_ready()
+    assert st["fatal"] is None  # cleared at READY: it is history now
+    assert json.loads((sup.state_dir / "state.json").read_text())["fatal"] is None

@@ -239,3 +239,29 @@ def test_the_alert_rules_pass_promtool() -> None:
     rules = Path(__file__).parents[2] / "docs" / "prometheus-alerts.yml"
     r = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_status_names_vllms_step_during_a_long_start_and_the_human_view_has_gateway_and_alert_lines() -> None:
+    """Issue 18, item 8: STATUS= and `status` said only STARTING; no line for the gateway or a failing hook."""
+    from supervisor.event_stream import StartupStep
+    from supervisor.ops import oncall
+    from supervisor.ops.notify import Notifier
+    from tests.helpers.events import sc
+
+    n = Notifier()
+    sent: list[str] = []
+    n.send = lambda *fields: sent.extend(fields)  # type: ignore[method-assign]
+    n.on_event(sc("BACKOFF", "STARTING"))
+    n.on_event(StartupStep(at=1.0, step="loading weights"))
+    assert sent[-1].startswith("STATUS=STARTING (loading weights) chunk=8192")
+    doc = {"state": "READY", "ready": True, "state_for_s": 5, "engine_pid": 7, "profile": {}, "restarts": 1,
+           "gateway": {"listen": "0.0.0.0:8000", "waiting": 2, "held": 9, "replayed": 3, "streams_continued": 1,
+                       "shedding": None, "quarantine_size": 1},
+           "alerts": {"pagerduty": {"sent": 1, "failed": 2, "last_error": "pagerduty answered HTTP 503",
+                                    "last_failed_at": 20.0, "last_sent_at": 10.0},
+                      "slack": {"sent": 4, "failed": 1, "last_error": "x", "last_failed_at": 1.0, "last_sent_at": 9.0}},
+           "fatal": {"exit_code": 4, "reason": "restart budget spent", "at": 0.0}}
+    text = oncall.render_status(doc)
+    assert "gateway   0.0.0.0:8000  2 held now, 9 held and 3 replayed" in text and "quarantine: 1" in text
+    assert "failing: pagerduty (2 failed, 0 dropped): pagerduty answered HTTP 503" in text and "slack" not in text
+    assert "GAVE UP   a previous supervisor ended FATAL at 1970-01-01 00:00:00 UTC with exit code 4" in text

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from tenacity import (
@@ -68,6 +69,7 @@ class Alerts:
         self.rules = AlertRules(cfg, self.host, monotonic(), configured)
         self.hooks = [HookState(h, c) for h, c in channels]
         self.pages = OpenPages(state_dir)
+        self.stats: dict[str, dict[str, Any]] = {h.hook.name: {} for h in self.hooks}  # for /status and `status`
         self._ticker: asyncio.Task[None] | None = None
 
     @classmethod
@@ -167,7 +169,17 @@ class Alerts:
             with attempt:
                 await h.channel.send(alert)
 
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per hook: alerts by outcome, and the last error (what `vllm-supervisor status` shows when one fails)."""
+        return {name: dict(s) for name, s in self.stats.items()}
+
     def _outcome(self, h: HookState, alert: Alert, outcome: str, error: str) -> None:
+        s = self.stats.setdefault(h.hook.name, {})
+        s[outcome] = s.get(outcome, 0) + 1
+        if outcome in ("failed", "dropped"):
+            s["last_error"], s["last_failed_at"] = error, self.wall()
+        elif outcome == "sent":
+            s["last_sent_at"] = self.wall()
         self.publish(AlertOutcome(at=self.wall(), channel=h.hook.name, alert=alert.event, severity=alert.severity,
                                   outcome=outcome, error=error))
 
