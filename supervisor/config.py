@@ -411,7 +411,7 @@ def _build(cls: type, section: str, table: dict[str, Any], problems: list[tuple[
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
-    before = len(problems)
+    bad: set[str] = set()  # keys already reported: their range checks would only repeat them
     toml_to_field = {v: k for k, v in TOML_KEYS.items()}
     for key, value in table.items():
         name = f"{section}.{key}"
@@ -428,17 +428,25 @@ def _build(cls: type, section: str, table: dict[str, Any], problems: list[tuple[
                 problems.append((name, f"must be an array of tables ([[{name}]])"))
                 continue
             items = [_build(tables, f"{name}[{i}]", v, problems) for i, v in enumerate(value)]
-            kwargs[field_name] = tuple(items)
+            if any(item is None for item in items):
+                bad.add(key)
+            else:
+                kwargs[field_name] = tuple(items)
             continue
         try:
             kwargs[field_name] = _coerce(hints[field_name], value, name)
         except _FieldError as exc:
-            problems.append((name, str(exc)))
-    if len(problems) > before:
+            problems.extend((e.where, str(e)) for e in (exc, *exc.more))
+            bad.add(key)
+    # Every other field is still checked, with its default standing in for what was wrong: one run of
+    # `check` names every problem of the file, not the first of each table.
+    try:
+        obj = cls(**kwargs)
+    except TypeError:  # a required key of this table is missing: reported by the caller or the hook checks
         return None
-    obj = cls(**kwargs)
-    problems.extend(_range_checks(section, obj))
-    return obj
+    problems.extend(p for p in _range_checks(section, obj) if p[0].removeprefix(f"{section}.").split("[")[0]
+                    not in bad)
+    return obj if not bad else None
 
 
 def _tables_of(tp: Any) -> type | None:
@@ -450,7 +458,12 @@ def _tables_of(tp: Any) -> type | None:
 
 
 class _FieldError(ValueError):
-    pass
+    """A value of the wrong type; ``where`` is its full path (``engine.args.lora_modules[1]``)."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where = where
+        self.more: list[_FieldError] = []  # the other bad entries of the same table
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:
@@ -459,9 +472,13 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     if tp == ArgValue:
         if isinstance(value, (str, int, float, bool, dict)):
             return value
-        if isinstance(value, list) and all(isinstance(v, (str, int, float, bool)) for v in value):
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                if not isinstance(v, (str, int, float, bool)):
+                    raise _FieldError(f"{name}[{i}]", f"must be a string, number or boolean (a flag's value), "
+                                                     f"got {type(v).__name__}")
             return value
-        raise _FieldError("must be a string, number, boolean, list of those, or a table")
+        raise _FieldError(name, "must be a string, number, boolean, list of those, or a table")
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
             return None
@@ -469,7 +486,7 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if tp == Scalar or set(inner) == {str, int, float, bool}:
             if isinstance(value, (str, int, float, bool)):
                 return value
-            raise _FieldError(f"must be a string, number or boolean, got {type(value).__name__}")
+            raise _FieldError(name, f"must be a string, number or boolean, got {type(value).__name__}")
         if set(inner) == {float, str}:  # a number of seconds, or a word such as "auto"
             if isinstance(value, str):
                 return value
@@ -477,29 +494,39 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         return _coerce(inner[0], value, name)
     if origin is tuple:
         if not isinstance(value, list):
-            raise _FieldError(f"must be a list, got {type(value).__name__}")
+            raise _FieldError(name, f"must be a list, got {type(value).__name__}")
         return tuple(_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise _FieldError(f"must be a table, got {type(value).__name__}")
-        return {str(k): _coerce(args[1], v, f"{name}.{k}") for k, v in value.items()}
+            raise _FieldError(name, f"must be a table, got {type(value).__name__}")
+        out: dict[str, Any] = {}
+        errors: list[_FieldError] = []
+        for k, v in value.items():  # every bad entry of a table is named, not the first alone
+            try:
+                out[str(k)] = _coerce(args[1], v, f"{name}.{k}")
+            except _FieldError as exc:
+                errors.extend([exc, *exc.more])
+        if errors:
+            errors[0].more = errors[1:]
+            raise errors[0]
+        return out
     if tp is bool:
         if not isinstance(value, bool):
-            raise _FieldError(f"must be true or false, got {value!r}")
+            raise _FieldError(name, f"must be true or false, got {value!r}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _FieldError(f"must be an integer, got {value!r}")
+            raise _FieldError(name, f"must be an integer, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _FieldError(f"must be a number, got {value!r}")
+            raise _FieldError(name, f"must be a number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise _FieldError(f"must be a string, got {value!r}")
+            raise _FieldError(name, f"must be a string, got {value!r}")
         return value
-    raise _FieldError(f"unsupported type {tp}")  # pragma: no cover - schema bug
+    raise _FieldError(name, f"unsupported type {tp}")  # pragma: no cover - schema bug
 
 
 def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:

@@ -234,3 +234,18 @@ def test_every_shipped_example_is_a_valid_config() -> None:
         if p.name.startswith("gpu"):
             assert cfg.gateway is not None and cfg.gateway.hold_timeout_s == "auto"
             assert cfg.engine.args.get("trust_remote_code") is True
+
+
+def test_every_config_error_is_reported_in_one_run_with_its_full_path() -> None:
+    """Issue 18, item 6: a missing engine.model hid engine.port and engine.host; an unknown hook key hid its
+    missing required keys; a bad [engine.args] value lost its key's name."""
+    raw = {"engine": {"port": 70000, "host": "0.0.0.0", "args": {"lora_modules": ["a=/x", {"x": 1}],
+                                                                "max_loras": [1, [2]], "seed": 7}},
+           "restart": {"max_restarts": "five", "window_s": -1},
+           "alerts": {"hooks": [{"type": "pagerduty", "bogus": 1}]}}
+    with pytest.raises(ConfigError) as err:
+        parse(raw)
+    fields = [f for f, _ in err.value.problems]
+    assert fields == ["engine.model", "engine.args.lora_modules[1]", "engine.args.max_loras[1]", "engine.port",
+                      "engine.host", "restart.max_restarts", "restart.window_s", "alerts.hooks[0].bogus",
+                      "alerts.hooks[0].routing_key_env"], fields
