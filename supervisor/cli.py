@@ -65,6 +65,10 @@ def _main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--utilization", type=float, default=0.9, help="gpu_memory_utilization (default 0.9)")
     p_plan.add_argument("--kv-cache-gib", type=float, help="size the KV cache directly (like --kv-cache-memory-bytes)")
     p_plan.add_argument("--max-model-len", type=int, help="the longest request to serve (default: the model's)")
+    p_plan.add_argument("--weights-gib", type=float,
+                        help="the weights' size in GiB (default: the weight files vLLM would load from --model)")
+    p_plan.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs the engine spans: each holds 1/N of the weights and of the KV heads (default 1)")
     p_plan.add_argument("--dtype", default="auto", help="the model's dtype as vLLM's --dtype (default auto)")
     p_plan.add_argument("--kv-cache-dtype", default="auto",
                         help="the KV cache's dtype as vLLM's --kv-cache-dtype (default auto: the model's)")
@@ -192,19 +196,28 @@ def _plan(args: argparse.Namespace) -> int:
         return ExitCode.BAD_SUPERVISOR_CONFIG
     card = int(args.gpu_mem * plan.GIB) if args.gpu_mem else None
     if card is None and args.kv_cache_gib is None:
+        import structlog
+
         from supervisor.host.gpu import GpuLost, Nvml
 
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is the TOML
         try:
             snaps = Nvml().snapshot()
         except GpuLost:
             snaps = []
         card = snaps[0].total if snaps else None
-    weights = sum(f.stat().st_size for pat in ("*.safetensors", "*.bin", "*.pt") for f in model.glob(pat))
+    from supervisor.host.files import weights_on_disk
+
+    weights = int(args.weights_gib * plan.GIB) if args.weights_gib is not None else weights_on_disk(str(model))
+    if weights is None and args.kv_cache_gib is None:
+        print(f"vllm-supervisor: plan: --model {model} has no weight files (*.safetensors, else *.bin / *.pt): "
+              "pass --weights-gib GIB", file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
     try:
-        result = plan.make_plan(shape, card_bytes=card, weights_bytes=weights, utilization=args.utilization,
+        result = plan.make_plan(shape, card_bytes=card, weights_bytes=weights or 0, utilization=args.utilization,
                                 kv_budget=int(args.kv_cache_gib * plan.GIB) if args.kv_cache_gib else None,
                                 max_model_len=args.max_model_len, dtype=args.dtype,
-                                kv_cache_dtype=args.kv_cache_dtype)
+                                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, KeyError) as exc:
         print(f"vllm-supervisor: plan: {exc}", file=sys.stderr)
         return ExitCode.BAD_SUPERVISOR_CONFIG

@@ -9,7 +9,7 @@ whose activation peak still fits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from supervisor.profile import DEFAULT_CHUNK
 
@@ -17,6 +17,9 @@ GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1}
 LADDER = (DEFAULT_CHUNK, 6144, 4096, 2048, 1024, 512)
+# What vLLM holds outside torch's allocator and its KV cache: the CUDA context's non-torch memory (NCCL, cuBLAS
+# workspaces) and the CUDA graphs it captures, which the KV budget must leave alone.
+RESERVE_BYTES = int(1.5 * GIB)
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class ModelShape:
         hidden = num("hidden_size", "n_embd", "d_model")
         return cls(layers=num("num_hidden_layers", "n_layer", "num_layers"),
                    kv_heads=num("num_key_value_heads", "multi_query_group_num", default=heads),
-                   head_size=num("head_dim", default=hidden // heads),
+                   head_size=num("head_dim", "kv_channels", default=hidden // heads),  # ChatGLM: kv_channels
                    hidden=hidden, intermediate=num("intermediate_size", "ffn_hidden_size", default=4 * hidden),
                    max_len=num("max_position_embeddings", "seq_length", "n_positions", default=4096),
                    dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
@@ -106,21 +109,30 @@ class Plan:
 
 def make_plan(shape: ModelShape, *, card_bytes: int | None, weights_bytes: int, utilization: float = 0.9,
               kv_budget: int | None = None, max_model_len: int | None = None, dtype: str = "auto",
-              kv_cache_dtype: str = "auto") -> Plan:
-    """Size the profile; ``kv_budget`` (bytes) overrides what is derived from the card."""
+              kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> Plan:
+    """Size the profile; ``kv_budget`` (bytes, per GPU) overrides what is derived from the card.
+
+    With ``tensor_parallel_size`` N, each of the N cards holds 1/N of the weights and of the KV heads (vLLM
+    replicates KV heads when there are fewer than N) and 1/N of the MLP's activations."""
+    tp = max(1, tensor_parallel_size)
+    if tp > 1:
+        shape = replace(shape, kv_heads=max(1, shape.kv_heads // tp), intermediate=shape.intermediate // tp)
+        weights_bytes //= tp
     b = kv_dtype_bytes(shape.dtype, dtype, kv_cache_dtype)
+    act_b = kv_dtype_bytes(shape.dtype, dtype)  # activations are in the model's dtype, not the KV cache's
     per_token = kv_bytes_per_token(shape, b)
-    notes: list[str] = []
+    notes: list[str] = [f"tensor_parallel_size {tp}: per GPU 1/{tp} of the weights, KV heads and MLP"] if tp > 1 else []
     chunk = LADDER[0]
     if kv_budget is None:
         if card_bytes is None:
             raise ValueError("the card's memory is needed: --gpu-mem GIB, or a GPU NVML can see")
-        usable = int(card_bytes * utilization) - weights_bytes
+        usable = int(card_bytes * utilization) - weights_bytes - RESERVE_BYTES
         # The largest ladder chunk whose activation peak leaves at least half of the rest for the KV cache.
-        chunk = next((c for c in LADDER if activation_bytes(shape, c, b) <= usable // 2), LADDER[-1])
-        kv_budget = usable - activation_bytes(shape, chunk, b)
+        chunk = next((c for c in LADDER if activation_bytes(shape, c, act_b) <= usable // 2), LADDER[-1])
+        kv_budget = usable - activation_bytes(shape, chunk, act_b)
         notes.append(f"card {card_bytes / GIB:.1f} GiB x {utilization:g} - weights {weights_bytes / GIB:.2f} GiB "
-                     f"- activation peak of a {chunk}-token chunk {activation_bytes(shape, chunk, b) / GIB:.2f} GiB "
+                     f"- {RESERVE_BYTES / GIB:.1f} GiB for vLLM's non-torch memory and CUDA graphs - activation "
+                     f"peak of a {chunk}-token chunk {activation_bytes(shape, chunk, act_b) / GIB:.2f} GiB "
                      "(estimated)")
     if kv_budget <= 0:
         raise ValueError(f"nothing is left for the KV cache ({kv_budget / GIB:.2f} GiB): a bigger card, a higher "

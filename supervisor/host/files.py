@@ -19,3 +19,16 @@ def write_private(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+def weights_on_disk(model: str) -> int | None:
+    """Bytes of the weights vLLM would load from a local model directory (safetensors when there are any,
+    else .bin / .pt); None when the model is not a local directory with weights."""
+    path = Path(model).expanduser()
+    if not model.startswith(("/", ".", "~")) or not path.is_dir():  # a hub id, not a path
+        return None
+    for patterns in (("*.safetensors",), ("*.bin", "*.pt")):
+        size = sum(f.stat().st_size for pat in patterns for f in path.glob(pat))
+        if size:
+            return size
+    return None

@@ -25,12 +25,13 @@ from typing import Any
 import psutil
 import structlog
 
-from supervisor.config import Config, is_local_path
+from supervisor.config import Config
 from supervisor.decide import plan
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, PrecompileCrashed, PrecompileStarted, RungPrecompiled
 from supervisor.host import Host, files, leftovers
+from supervisor.host.files import weights_on_disk
 from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
@@ -241,19 +242,6 @@ class Precompiler:
 
     async def close(self) -> None:
         await self.settled()
-
-
-def weights_on_disk(model: str) -> int | None:
-    """Bytes of the weights vLLM would load from a local model directory (safetensors when there are any,
-    else .bin / .pt); None when the model is not a local directory with weights."""
-    path = Path(model).expanduser()
-    if not is_local_path(model) or not path.is_dir():
-        return None
-    for patterns in (("*.safetensors",), ("*.bin", "*.pt")):
-        size = sum(f.stat().st_size for pat in patterns for f in path.glob(pat))
-        if size:
-            return size
-    return None
 
 
 def activation_of(model: str, rung: Profile) -> int:

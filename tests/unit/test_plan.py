@@ -48,6 +48,8 @@ def test_plan_command_prints_toml_that_the_config_accepts(tmp_path: Path) -> Non
     import tomllib
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(2 * GIB)
     out = subprocess.run([sys.executable, "-m", "supervisor", "plan", "--model", str(tmp_path), "--gpu-mem", "24"],
                          capture_output=True, text=True, check=True).stdout
     doc = tomllib.loads(out)
@@ -58,3 +60,36 @@ def test_plan_command_prints_toml_that_the_config_accepts(tmp_path: Path) -> Non
     bad = subprocess.run([sys.executable, "-m", "supervisor", "plan", "--model", str(tmp_path / "nope")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "cannot read its config.json" in bad.stderr
+
+
+def test_plan_counts_what_vllm_loads_and_refuses_a_directory_without_weights(tmp_path: Path) -> None:
+    """Issue 18, item 11: no weight files counted as 0 GiB silently; .bin and .safetensors were both counted."""
+    (tmp_path / "config.json").write_text(json.dumps(GLM4))
+    cmd = [sys.executable, "-m", "supervisor", "plan", "--model", str(tmp_path), "--gpu-mem", "80"]
+    bare = subprocess.run(cmd, capture_output=True, text=True)
+    assert bare.returncode == 2 and "--weights-gib" in bare.stderr and bare.stdout == ""
+    given = subprocess.run([*cmd, "--weights-gib", "17.5"], capture_output=True, text=True, check=True).stdout
+    for name in ("model-00001.safetensors", "pytorch_model.bin"):  # the same 17.5 GiB in two formats
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(int(17.5 * GIB))
+    found = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "weights 17.50 GiB" in found and found == given
+    # No GPU here and no --gpu-mem: the error on stderr, nothing (no NVML notice) on stdout.
+    nogpu = subprocess.run(cmd[:-2], capture_output=True, text=True)
+    assert nogpu.returncode == 2 and nogpu.stdout == ""
+
+
+def test_plan_reads_chatglm_kv_channels_reserves_vllms_own_memory_and_divides_by_tensor_parallel_size() -> None:
+    glm = ModelShape.from_config({**GLM4, "kv_channels": 128, "num_attention_heads": 32, "hidden_size": 8192})
+    assert glm.head_size == 128  # kv_channels, not hidden / heads (256)
+    seed = ModelShape.from_config(GLM4)
+    p = make_plan(seed, card_bytes=80 * GIB, weights_bytes=18 * GIB, utilization=0.9, max_model_len=128000)
+    assert p.max_num_seqs == 10  # the seed's host: 10 fit at 128,000
+    import supervisor.decide.plan as plan_mod
+
+    assert p.kv_budget == int(80 * GIB * 0.9) - 18 * GIB - plan_mod.RESERVE_BYTES - \
+        plan_mod.activation_bytes(seed, p.chunk, 2)  # vLLM's non-torch memory and graphs are not KV cache
+    fp8 = make_plan(seed, card_bytes=80 * GIB, weights_bytes=18 * GIB, kv_cache_dtype="fp8", max_model_len=128000)
+    assert fp8.kv_tokens >= 2 * p.kv_tokens - 2  # activations stay 16-bit: only the KV cache halves per token
+    tp2 = make_plan(seed, card_bytes=80 * GIB, weights_bytes=18 * GIB, max_model_len=128000, tensor_parallel_size=2)
+    assert tp2.shape.kv_heads == 1 and tp2.kv_tokens > p.kv_tokens and "tensor_parallel_size 2" in tp2.notes[0]
