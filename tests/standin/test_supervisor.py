@@ -495,3 +495,26 @@ def test_status_after_a_fatal_says_who_gave_up_when_and_why_until_a_later_superv
     st = again.wait_ready()
     assert st["fatal"] is None  # cleared at READY: it is history now
     assert json.loads((sup.state_dir / "state.json").read_text())["fatal"] is None
+
+
+def test_a_page_open_when_the_supervisor_is_sigkilled_is_resolved_by_the_next_one(
+        supervise: Callable[..., Sup], receiver: Callable[..., Receiver], tmp_path: Path) -> None:
+    """Issue 18, item 1: open pages lived in memory only, so a page outlived the supervisor that opened it."""
+    pd = receiver(status=202)
+    overrides = {"engine": {"env": {"FAKE_VLLM_START_DELAY": "30"}},
+                 "alerts": {"page_after_s": 0.5, "hooks": [{"type": "pagerduty", "url": pd.url,
+                                                            "routing_key_env": "PD_KEY_T"}]}}
+    sup = supervise(overrides, env={"PD_KEY_T": "rk-1"})
+    sup.wait_for(lambda _: len(pd.requests) >= 1, 30, "the outage page during the first cold start")
+    trigger = pd.requests[0].json()
+    assert trigger["event_action"] == "trigger" and trigger["payload"]["class"] == "outage"
+    sup.wait_for(lambda _: (sup.state_dir / "pages.json").exists(), 10, "the page kept in the state dir")
+    sup.proc.kill()
+    sup.proc.wait()
+    again = supervise({**overrides, "engine": {"env": {}}, "state": {"dir": str(sup.state_dir)}},
+                      env={"PD_KEY_T": "rk-1"})
+    again.wait_ready()
+    again.wait_for(lambda _: any(r.json()["event_action"] == "resolve" for r in pd.requests), 30, "the resolve")
+    resolve = next(r.json() for r in pd.requests if r.json()["event_action"] == "resolve")
+    assert resolve["dedup_key"] == trigger["dedup_key"]
+    assert json.loads((sup.state_dir / "pages.json").read_text())["open"] == {}
