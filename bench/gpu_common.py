@@ -131,3 +131,32 @@ def stop_supervisor(sup: subprocess.Popen[bytes], wait_s: float = 120.0) -> None
     except subprocess.TimeoutExpired:
         sup.kill()
         sup.wait()
+
+
+class Stop(Exception):
+    """A driver's part cannot go on: the reason is its summary's last line."""
+
+
+def counted(prompt: str, model: str, max_len: int) -> int:
+    """The prompt's tokens by the engine's own tokenizer; Stop when it cannot be sent as the incident needs
+    (a prompt over max_model_len gets 400 and no incident can happen: a driver waiting for one waits in vain)."""
+    code, body, _ = http(f"http://127.0.0.1:{PORT}/tokenize", {"model": model, "prompt": prompt}, timeout=120)
+    if code != 200 or not isinstance(body, dict):
+        raise Stop(f"/tokenize answered {code}: {str(body)[:300]}")
+    n = int(body["count"])
+    if n >= max_len:
+        raise Stop(f"the long prompt is {n} tokens, over max_model_len {max_len}: vLLM would answer 400 and no "
+                   "incident could happen; send a shorter one")
+    return n
+
+
+def died_or_stop(code: int, body: Any, deadline_s: float = 30.0) -> None:
+    """The engine died after the long prompt (the supervisor left READY); else Stop, saying what happened."""
+    t = time.monotonic()
+    while time.monotonic() - t < deadline_s:
+        st = status()
+        if st and (st["state"] != "READY" or st["restarts"] > 0):
+            return
+        time.sleep(0.2)
+    raise Stop(f"the incident did not happen: the long prompt got HTTP {code} ({str(body)[:300]}) and the engine "
+               f"is still READY after {deadline_s:.0f}s")

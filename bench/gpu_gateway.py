@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpu_common import OUT, PORT, http, note, notes, start_hog, status, supervisor_toml, wait
+from gpu_common import OUT, PORT, Stop, counted, http, note, notes, start_hog, status, supervisor_toml, wait
 
 GW = "127.0.0.1:8000"
 
@@ -79,6 +79,7 @@ foreign_growth_mib = {1024 if floor_mib else 0}
 
 def crash_through_the_gateway(clients: Clients) -> list[subprocess.Popen[str]]:
     """Part one: the seed's crash with the gateway in front (its memory-floor rules off)."""
+    note(f"the long prompt: {counted('hello ' * 30000, 'tiny', 32768)} tokens by the engine's tokenizer")
     hogs = [start_hog()]
     clients.start()
     time.sleep(5)
@@ -156,6 +157,9 @@ def main() -> int:
             cost()
         else:
             hogs = crash_through_the_gateway(clients) if part == "crash" else shed_under_pressure(clients)
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
     finally:
         clients.finish()
         lat = sorted(clients.latencies)

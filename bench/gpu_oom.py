@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_common import OUT, PORT, http, note, notes, start_hog, supervisor_toml, wait
+from gpu_common import OUT, PORT, Stop, counted, died_or_stop, http, note, notes, start_hog, supervisor_toml, wait
 
 HOSTILE_STOP = ["error: unrecognized arguments: --x", "EngineDeadError", "an illegal memory access was encountered"]
 
@@ -50,12 +50,14 @@ def main() -> int:
             return 1
         snaps.append(st)
         note(f"READY: timings {st['timings']} profile {st['profile']}")
+        note(f"the long prompt: {counted('hello ' * 30000, 'tiny', 32768)} tokens by the engine's tokenizer")
         hog = start_hog()
         t = time.monotonic()
         code, body, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
-                          {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4, "stop": HOSTILE_STOP})
+                             {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4, "stop": HOSTILE_STOP})
         note(f"30k-token prompt (hostile stop strings) at chunk 8192 -> HTTP {code} after "
              f"{time.monotonic() - t:.2f}s")
+        died_or_stop(code, body)
         st = wait(lambda s: s["restarts"] >= 1 and s["last_failure"] is not None, "first failure")
         if st:
             note(f"failure seen: {json.dumps(st['last_failure'])[:500]}")
@@ -89,6 +91,9 @@ def main() -> int:
                     if any(f'"{e}"' in line for e in ("engine.failed", "engine.profile_lowered",
                                                       "engine.profile_raised", "gpu.not_enough_free")):
                         note(line[:400])
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
     finally:
         if hog is not None:
             hog.kill()

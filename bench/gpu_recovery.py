@@ -24,7 +24,21 @@ import time
 from pathlib import Path
 
 from common import events_in
-from gpu_common import OUT, PORT, http, note, notes, run_supervisor, start_hog, stop_supervisor, supervisor_toml, wait
+from gpu_common import (
+    OUT,
+    PORT,
+    Stop,
+    counted,
+    died_or_stop,
+    http,
+    note,
+    notes,
+    run_supervisor,
+    start_hog,
+    stop_supervisor,
+    supervisor_toml,
+    wait,
+)
 
 ARMS = {
     "plain": '[recovery]\nstandby = false\nprecompile = "off"\n',
@@ -85,11 +99,12 @@ def main() -> int:
             note(f"precompiles: {events_in(log, 'engine.rung_precompiled')}")
         time.sleep(max(0.0, IDLE_S - (time.monotonic() - t)))
         note(f"idle for {time.monotonic() - t:.0f}s; then the other process and the 30k-token prompt")
+        note(f"the long prompt: {counted('hello ' * 30000, 'tiny', 32768)} tokens by the engine's tokenizer")
         hog = start_hog()
-        code, _, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
-                          {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4}, timeout=120)
+        code, body, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
+                             {"model": "tiny", "prompt": "hello " * 30000, "max_tokens": 4}, timeout=120)
         note(f"30k-token prompt at chunk 8192 -> HTTP {code}")
-        wait(lambda s: s["state"] != "READY", "the death seen")
+        died_or_stop(code, body)
         hog.kill()
         hog.wait()
         hog = None
@@ -109,6 +124,9 @@ def main() -> int:
         for n in names:
             note(f"{n:<26}" + "".join(f"{p.get(n, 0.0):20.2f}" for _, p in phases))
         stop_supervisor(sup)
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
     finally:
         if hog is not None:
             hog.kill()

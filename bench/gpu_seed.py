@@ -30,17 +30,27 @@ from pathlib import Path
 from typing import Any
 
 from common import events_in
-from gpu_common import OUT, PORT, http, note, notes, run_supervisor, start_hog, status, stop_supervisor, wait
+from gpu_common import (
+    OUT,
+    PORT,
+    Stop,
+    counted,
+    died_or_stop,
+    http,
+    note,
+    notes,
+    run_supervisor,
+    start_hog,
+    status,
+    stop_supervisor,
+    wait,
+)
 
 GW = "127.0.0.1:8000"
 MODEL = os.path.expanduser(os.environ.get("MODEL", "~/glm9b"))
 MAX_LEN = int(os.environ.get("MAX_MODEL_LEN", "131072"))
 LONG = os.environ.get("LONG_PROMPT", " the contract clause") * int(os.environ.get("LONG_REPEAT", "25000"))
 PRECOMPILE_WAIT_S = float(os.environ.get("PRECOMPILE_WAIT_S", "240"))
-
-
-class Stop(Exception):
-    """The part cannot go on: the reason is the summary's last line."""
 
 
 def toml(state: Path, cache: Path, gateway: str) -> str:
@@ -110,30 +120,6 @@ class Clients:
         return f"ordinary clients: {sum(self.codes.values())} answers, {failed} failed {self.codes} {self.errors}"
 
 
-def counted(prompt: str) -> int:
-    """The prompt's tokens by the engine's own tokenizer; Stop when it cannot be sent as the incident needs."""
-    code, body, _ = http(f"http://127.0.0.1:{PORT}/tokenize", {"model": "m", "prompt": prompt}, timeout=120)
-    if code != 200 or not isinstance(body, dict):
-        raise Stop(f"/tokenize answered {code}: {str(body)[:300]}")
-    n = int(body["count"])
-    if n >= MAX_LEN:
-        raise Stop(f"the long prompt is {n} tokens, over max_model_len {MAX_LEN}: vLLM would answer 400 and "
-                   "no incident could happen; shorten LONG_REPEAT")
-    return n
-
-
-def died_or_stop(code: int, body: Any, deadline_s: float = 30.0) -> None:
-    """The engine died after the long prompt (the supervisor left READY); else Stop, saying what happened."""
-    t = time.monotonic()
-    while time.monotonic() - t < deadline_s:
-        st = status()
-        if st and (st["state"] != "READY" or st["restarts"] > 0):
-            return
-        time.sleep(0.2)
-    raise Stop(f"the incident did not happen: the long prompt got HTTP {code} ({str(body)[:300]}) and the engine "
-               f"is still READY after {deadline_s:.0f}s")
-
-
 def ready(sup: subprocess.Popen[bytes], log: Path, what: str, restarts: int = 0) -> dict[str, Any]:
     def alive() -> None:
         if sup.poll() is not None:
@@ -185,7 +171,7 @@ def main() -> int:
         if gateway:
             clients.start()
         prepared(log)
-        n = counted(LONG)
+        n = counted(LONG, "m", MAX_LEN)
         note(f"the long prompt: {n} tokens by the engine's tokenizer")
         if part == "shed":
             return shed(clients, n)
