@@ -34,7 +34,7 @@ from supervisor.event_stream import (
 )
 from supervisor.gateway.server import EVENTS, OUTCOMES, EngineView, Gateway, SupervisorSide
 from supervisor.heartbeat import Heartbeat
-from supervisor.host import Host, leftovers, rundir
+from supervisor.host import Host, leftovers, reaper, rundir
 from supervisor.host.gpu import GpuLost
 from supervisor.host.vllm_http import EngineClient
 from supervisor.lifecycle import Lifecycle
@@ -52,6 +52,7 @@ from supervisor.profile import Profile
 from supervisor.recovery import Recovery
 
 GPU_POLL_S = 10.0
+REAP_S = 1.0
 
 
 class Daemon:
@@ -140,6 +141,8 @@ class Daemon:
         self.alerts.start()
         self.recovery.start()
         self._soon(self._poll_gpu)
+        if reaper.needed():
+            self._soon(self._reap)
         self._soon(self.loop_lag.run)
         profile = self.lifecycle.profile
         self.bus.publish(SupervisorStarted(at=self.host.wall(), admin=self.cfg.admin.listen,
@@ -179,6 +182,12 @@ class Daemon:
             with contextlib.suppress(GpuLost):
                 self.metrics.set_gpu(await self.host.gpu_snapshot())
             await asyncio.sleep(GPU_POLL_S)
+
+    async def _reap(self) -> None:
+        """As PID 1: reap the engine's orphans every second (a container's PID table never fills with them)."""
+        while True:
+            reaper.reap_orphans()
+            await asyncio.sleep(REAP_S)
 
     def _soon(self, work: Callable[[], Awaitable[Any]]) -> None:
         """Run ``work`` as a task of the loop (signal handlers only enqueue)."""
