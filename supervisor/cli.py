@@ -54,6 +54,11 @@ def _main(argv: list[str] | None = None) -> int:
                                                  f"$VLLM_SUPERVISOR_CONFIG, else {DEFAULT_CONFIG} when it exists)")
     p_status.add_argument("--admin", help="admin address HOST:PORT (default 127.0.0.1:8001)")
     p_status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    p_status.add_argument("--all", action="store_true",
+                          help="every instance on this host: one line per config in --config-dir (one engine per GPU)")
+    p_status.add_argument("--config-dir", default=os.path.dirname(DEFAULT_CONFIG),
+                          help=f"with --all: the directory of the instances' configs (default "
+                               f"{os.path.dirname(DEFAULT_CONFIG)}, as vllm-supervisor@NAME.service reads NAME.toml)")
     for name, what in (("restart", "restart the engine now (planned: drained, not counted as a failure)"),
                        ("reset-profile", "go back to the configured [profile] and forget failed rungs"),
                        ("reload", "read the config file again (as SIGHUP does); an invalid one is refused")):
@@ -160,6 +165,8 @@ def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.all:
+        return _status_all(args.config_dir, args.json)
     listen = args.admin
     state_dir = None
     if args.config:
@@ -181,6 +188,39 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(oncall.render_status(doc))
     return 0
+
+
+def _ask(listen: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://{listen}/status", timeout=5) as r:
+            doc: dict[str, Any] = json.load(r)
+            return doc
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _status_all(config_dir: str, as_json: bool) -> int:
+    """One line per instance (a config in ``config_dir``): every supervisor of the host in one view."""
+    from pathlib import Path
+
+    configs = sorted(Path(config_dir).glob("*.toml"))
+    if not configs:
+        print(f"vllm-supervisor: no instance configs (*.toml) in {config_dir}", file=sys.stderr)
+        return 1
+    rows: dict[str, Any] = {}
+    for path in configs:
+        try:
+            cfg = config_mod.load(path)
+        except config_mod.ConfigError as exc:
+            rows[path.stem] = {"config": str(path), "error": str(exc).splitlines()[0]}
+            continue
+        rows[path.stem] = {"config": str(path), "admin": cfg.admin.listen, "status": _ask(cfg.admin.listen),
+                           "state_dir": cfg.state.dir}
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(oncall.render_instances(rows))
+    return 0 if all(r.get("status") for r in rows.values()) else 1
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -209,6 +209,7 @@ class Daemon:
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
             "loop": self.loop_lag.status(),
+            "devices": ",".join(map(str, self.cfg.engine.devices() or [])) or "all",
             "alerts": self.alerts.status(),
             "next_start": self.recovery.status(),
             **({"gateway": self.gateway.status()} if self.gateway else {}),

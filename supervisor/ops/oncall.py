@@ -71,6 +71,29 @@ def fatal_line(fatal: dict[str, Any], who: str) -> str:
             f"{fatal.get('reason')} (systemd restarts it unless the code is 2, 3 or 6)")
 
 
+def render_instances(rows: dict[str, Any]) -> str:
+    """`status --all`: one line per instance of the host."""
+    lines = [f"{'instance':<14}{'state':<10}{'for':>8}  {'restarts':>8}  {'gpu':<6}{'gateway':<22}profile"]
+    for name, row in rows.items():
+        st = row.get("status")
+        if row.get("error"):
+            lines.append(f"{name:<14}{'BAD CFG':<10}{'':>8}  {'':>8}  {'':<6}{'':<22}{row['error']}")
+            continue
+        if st is None:
+            learned = statefile.load(row["state_dir"])
+            gave_up = fatal_line(learned.fatal, "it") if learned and learned.fatal else "nothing answers on " \
+                f"{row['admin']}"
+            lines.append(f"{name:<14}{'DOWN':<10}{'':>8}  {'':>8}  {'':<6}{'':<22}{gave_up}")
+            continue
+        p = st.get("profile", {})
+        gw = (st.get("gateway") or {}).get("listen", "-")
+        knobs = f"chunk={p.get('max_num_batched_tokens')} seqs={p.get('max_num_seqs')} " \
+                f"util={p.get('gpu_memory_utilization')}" + ("  [degraded]" if st.get("degraded") else "")
+        lines.append(f"{name:<14}{st['state']:<10}{fmt_s(st.get('state_for_s', 0)):>8}  {st.get('restarts', 0):>8}  "
+                     f"{st.get('devices', '-')!s:<6}{gw:<22}{knobs}")
+    return "\n".join(lines)
+
+
 def incident_paths(state_dir: str | Path) -> list[Path]:
     """Incident bundles, oldest first."""
     d = Path(state_dir) / "incidents"

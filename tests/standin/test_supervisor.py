@@ -518,3 +518,39 @@ def test_a_page_open_when_the_supervisor_is_sigkilled_is_resolved_by_the_next_on
     resolve = next(r.json() for r in pd.requests if r.json()["event_action"] == "resolve")
     assert resolve["dedup_key"] == trigger["dedup_key"]
     assert json.loads((sup.state_dir / "pages.json").read_text())["open"] == {}
+
+
+def test_two_instances_one_per_gpu_never_touch_each_other_and_status_all_shows_both(
+        supervise: Callable[..., Sup], receiver: Callable[..., Receiver], tmp_path: Path) -> None:
+    """Issue 19, part 2: vllm-supervisor@gpu0 and @gpu1 side by side; one engine dies, the other serves on."""
+    hooks = [receiver(), receiver()]
+    sups = [supervise({"engine": {"env": {"CUDA_VISIBLE_DEVICES": str(i)}}, "gateway": {},
+                       "alerts": {"hooks": [{"type": "webhook", "url": hooks[i].url, "min_severity": "info"}]}})
+            for i in range(2)]
+    for s in sups:
+        s.wait_ready()
+    gpu0, gpu1 = sups
+    assert gpu1.gateway is not None
+    tree1 = {p.pid for p in gpu1.engine_tree()}
+    state1 = sorted(p.name for p in gpu1.state_dir.iterdir())
+    core = [p for p in gpu0.engine_tree() if "--engine-core-fd" in " ".join(p.cmdline())]
+    core[0].kill()
+    gpu0.wait_for(lambda st: st["state"] != "READY" or st["restarts"] >= 1, 30, "gpu0's restart")
+    codes = [http_json(gpu1.gateway + "/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 2})[0]
+             for _ in range(5)]
+    assert codes == [200] * 5  # the other instance serves on
+    gpu0.wait_ready(restarts=1)
+    assert {p.pid for p in gpu1.engine_tree()} == tree1 and gpu1.status()["restarts"] == 0  # nothing of it touched
+    assert sorted(p.name for p in gpu1.state_dir.iterdir()) == state1  # no incident, no file of gpu0's
+    gpu0.wait_for(lambda _: any(r.json()["event"] == "engine_restarted" for r in hooks[0].requests), 10, "gpu0's alert")
+    assert not any(r.json()["event"] == "engine_restarted" for r in hooks[1].requests)
+    # `status --all` over the host's instance configs (as vllm-supervisor@NAME.service reads NAME.toml).
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    for name, s in (("gpu0", gpu0), ("gpu1", gpu1)):
+        (etc / f"{name}.toml").write_text(s.config.read_text())
+    out = cli("status", "--all", "--config-dir", str(etc))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith("gpu0") and "READY" in lines[1] and lines[1].split()[3] == "1"
+    assert lines[2].startswith("gpu1") and "READY" in lines[2] and " 1 " in lines[2]  # its device
