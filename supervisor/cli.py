@@ -129,7 +129,7 @@ def _check(cfg: config_mod.Config, strict: bool = False) -> int:
     learned = statefile.load(cfg.state.dir)
     profile: Profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
     errors, warnings = config_mod.preflight(cfg)
-    argv = launch.masked(launch.build_argv(cfg.engine, profile), cfg.engine.secrets())
+    argv = launch.masked(launch.build_argv(cfg.engine, profile, cfg.health.hang_timeout_s), cfg.engine.secrets())
     # What would stop or slow a start on this machine. Not a bad config: a late mount is waited for, and a
     # missing engine command is the engine's configuration error (exit 3 at run).
     for name, msg in errors:

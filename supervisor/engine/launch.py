@@ -47,17 +47,29 @@ def takes_model_positionally(prefix: Sequence[str]) -> bool:
     return len(prefix) >= 2 and prefix[-1] == "serve" and os.path.basename(prefix[-2]) == "vllm"
 
 
-def build_argv(engine: EngineConfig, profile: Profile) -> list[str]:
+def build_argv(engine: EngineConfig, profile: Profile, distributed_timeout_s: float | None = None) -> list[str]:
+    """The engine's command line. For an engine of several ranks (``tensor_parallel_size`` or
+    ``pipeline_parallel_size`` > 1 in [engine.args]) ``--distributed-timeout-seconds`` is set from [health]
+    ``hang_timeout_s`` unless the operator set it: vLLM has no watchdog across ranks, and a collective that one
+    rank never joins otherwise waits forever; bounded, it ends in an error the hang rule and the log classifier see."""
     prefix = list(engine.argv_prefix)
     model = [engine.model] if takes_model_positionally(prefix) else ["--model", engine.model]
+    args = dict(engine.args)
+    ranks = _int(args.get("tensor_parallel_size")) * _int(args.get("pipeline_parallel_size"))
+    if ranks > 1 and distributed_timeout_s and "distributed_timeout_seconds" not in args:
+        args["distributed_timeout_seconds"] = max(1, int(distributed_timeout_s))
     return [
         *prefix,
         *model,
         "--host", engine.host,
         "--port", str(engine.port),
         *profile.flags(),
-        *arg_flags(engine.args),
+        *arg_flags(args),
     ]
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def masked(argv: Sequence[str], secret_values: Sequence[str]) -> list[str]:

@@ -206,7 +206,7 @@ class EngineRun:
     async def start(self) -> Trigger | Healthy:
         """Spawn, and wait for /health 200."""
         e = self.cfg.engine
-        argv = launch.build_argv(e, self.profile)
+        argv = launch.build_argv(e, self.profile, self.cfg.health.hang_timeout_s)
         sock = self.run_dir / "events.sock"
         ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e))
         await self.server.start()
@@ -410,4 +410,5 @@ class EngineRun:
                 "events": events[-100:], "log_tail": lines[-400:], "timings": self._timings,
                 "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
                              "vllm": self.seen.engine_version},
-                "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile), self.secrets)}
+                "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile, self.cfg.health.hang_timeout_s),
+                                      self.secrets)}

@@ -145,7 +145,7 @@ class Precompiler:
         rung = await self._beside_the_engine(rung)
         work = self.dir / f"precompile-{key.replace(' ', '').replace('-', '')[:40]}"
         engine = replace(e, port=free_port(), args={**e.args, **PRECOMPILE_ARGS})
-        argv = launch.build_argv(engine, rung)
+        argv = launch.build_argv(engine, rung, self.cfg.health.hang_timeout_s)
         if shutil.which("nice"):
             argv = ["nice", "-n", "10", *argv]  # never the engine: a throwaway may be niced
         env = launch.build_env(e, ipc.prepare_child_env(work, str(work / "events.sock"), "INFO"), str(work),

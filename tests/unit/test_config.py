@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,19 @@ def test_every_config_error_is_reported_in_one_run_with_its_full_path() -> None:
     assert fields == ["engine.model", "engine.args.lora_modules[1]", "engine.args.max_loras[1]", "engine.port",
                       "engine.host", "restart.max_restarts", "restart.window_s", "alerts.hooks[0].bogus",
                       "alerts.hooks[0].routing_key_env"], fields
+
+
+def test_an_engine_of_several_ranks_gets_a_bounded_distributed_timeout_from_health_unless_set() -> None:
+    """Issue 19: vLLM has no watchdog across ranks; its --distributed-timeout-seconds bounds a stuck collective."""
+    from supervisor.engine import launch
+
+    def argv(args: dict[str, Any]) -> list[str]:
+        cfg = parse({"engine": {"model": "m", "args": args}, "health": {"hang_timeout_s": 45}})
+        return launch.build_argv(cfg.engine, cfg.profile, cfg.health.hang_timeout_s)
+
+    tp2 = argv({"tensor_parallel_size": 2})
+    assert tp2[tp2.index("--distributed-timeout-seconds") + 1] == "45"
+    assert "--distributed-timeout-seconds" not in argv({})  # one rank: nothing to bound
+    own = argv({"tensor_parallel_size": 2, "distributed_timeout_seconds": 600})
+    assert own.count("--distributed-timeout-seconds") == 1 and own[own.index("--distributed-timeout-seconds") + 1] \
+        == "600"
