@@ -108,7 +108,8 @@ class Precompiler:
         if not snaps:
             self.why = "auto: no GPU, so a throwaway competes only for CPU, niced and while the engine is idle"
             return True
-        ok, self.why = room_for_throwaway(snaps, self.cfg.engine.model, rung)
+        tp = self.cfg.engine.args.get("tensor_parallel_size")
+        ok, self.why = room_for_throwaway(snaps, self.cfg.engine.model, rung, tp if isinstance(tp, int) else 1)
         return ok
 
     async def maybe_precompile(self, profile: Profile, version: str | None, idle_for_s: float,
@@ -253,14 +254,17 @@ def activation_of(model: str, rung: Profile) -> int:
     return plan.activation_bytes(shape, rung.chunk(), plan.DTYPE_BYTES.get(shape.dtype, 2))
 
 
-def room_for_throwaway(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile) -> tuple[bool, str]:
+def room_for_throwaway(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile,
+                       ranks: int = 1) -> tuple[bool, str]:
     """On a GPU, "auto" compiles ahead only when half of what the serving engine left free holds a second copy
     of the weights, the rung's prefill peak and a little KV cache (the throwaway takes half: vLLM's start
-    check wants utilization x total free)."""
+    check wants utilization x total free). A tensor-parallel engine's throwaway has as many ranks, each with
+    1/N of the weights and of the prefill: that must fit on every device (the smallest free one decides)."""
     weights = weights_on_disk(model)
     if weights is None:
         return False, "auto: the model is not a local directory with weights, so their size is unknown"
-    need = weights + activation_of(model, rung) + THROWAWAY_SPARE
+    weights //= max(1, ranks)
+    need = weights + activation_of(model, rung) // max(1, ranks) + THROWAWAY_SPARE
     half = min(s.free for s in snaps) // 2
     if half < need:
         return False, (f"auto: the card has {2 * half / GIB:.1f} GiB free beside the engine; a throwaway needs "

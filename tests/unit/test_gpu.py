@@ -153,3 +153,8 @@ def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_
     assert not ok and "weights 18.0 GiB" in why
     ok, why = room_for_throwaway(beside, "org/hub-model", rung)
     assert not ok and "not a local directory" in why
+    # Tensor-parallel over two cards: each rank's throwaway holds half the weights, and every card must have room.
+    two = [DeviceSnapshot(0, 140 * GIB, 30 * GIB, 110 * GIB, ()), DeviceSnapshot(1, 140 * GIB, 70 * GIB, 70 * GIB, ())]
+    assert room_for_throwaway(two, str(model), rung, ranks=2)[0]  # 9 GiB a rank fits in half of 30
+    assert not room_for_throwaway([DeviceSnapshot(0, 140 * GIB, 20 * GIB, 120 * GIB, ()), two[1]], str(model),
+                                  rung, ranks=2)[0]
