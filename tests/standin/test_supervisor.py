@@ -554,3 +554,18 @@ def test_two_instances_one_per_gpu_never_touch_each_other_and_status_all_shows_b
     lines = out.stdout.splitlines()
     assert lines[1].startswith("gpu0") and "READY" in lines[1] and lines[1].split()[3] == "1"
     assert lines[2].startswith("gpu1") and "READY" in lines[2] and " 1 " in lines[2]  # its device
+
+
+def test_a_lost_ray_worker_node_is_a_failure_of_the_whole_engine_group(supervise: Callable[..., Sup],
+                                                                       tmp_path: Path) -> None:
+    """Issue 19: a multi-node engine over Ray loses a worker node; vLLM's RayWorkerMonitor says so (the
+    wording of v1/executor/ray_executor_v2.py) and the supervisor restarts the whole group."""
+    lost = tmp_path / "lose-a-node"
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_RAY_LOST_FILE": str(lost)}}})
+    sup.wait_ready()
+    old = {p.pid for p in sup.engine_tree()}
+    lost.write_text("")
+    st = sup.wait_ready(restarts=1)
+    lf = st["last_failure"]
+    assert lf["kind"] == "engine_dead" and "RayWorkerProc rank=[1] died unexpectedly" in lf["evidence"], lf
+    assert all(gone(p) for p in old)
