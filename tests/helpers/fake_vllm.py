@@ -158,9 +158,19 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
             os._exit(1)
 
         threading.Thread(target=lose_a_node, daemon=True).start()
+    def rank_died(rank: int, code: int | None) -> None:
+        log.error("Worker proc VllmWorker-%d died unexpectedly (exit code: %s), shutting down executor.", rank,
+                  code)
+        log.error("EngineCore encountered a fatal error.")
+        f.write(b'{"dead": true}\n')
+        f.flush()
+        os._exit(1)
+
+    ranks = Ranks(args, rank_died)
     dump_log = logging.getLogger("vllm.v1.engine.dump_input")
     for raw in f:
         req = json.loads(raw)
+        ranks.step()
         n, chunk = req["prompt_tokens"], args.max_num_batched_tokens
         first = min(n, chunk)
         dump = ("Dumping scheduler output for model execution: SchedulerOutput(scheduled_new_reqs=["
@@ -472,12 +482,54 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--engine-core-fd", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--distributed-timeout-seconds", type=int, default=None)
+    p.add_argument("--worker-rank", type=int, default=None)
     return p.parse_args(argv)
+
+
+def worker_main(rank: int) -> None:
+    """One rank of a tensor-parallel engine: answers each step of the EngineCore (a line on stdin) with a line.
+    SIGSTOPped, it never answers, and the core waits in that "collective" forever, as vLLM's ranks do."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    for line in sys.stdin.buffer:
+        sys.stdout.buffer.write(line)
+        sys.stdout.buffer.flush()
+
+
+class Ranks:
+    """The EngineCore's N ranks (``--tensor-parallel-size``): a rank that dies is reported in vLLM's words."""
+
+    def __init__(self, args: argparse.Namespace, on_death: Any) -> None:
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--model", args.model, "--worker-rank", str(i)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                      for i in range(args.tensor_parallel_size if args.tensor_parallel_size > 1 else 0)]
+        self.on_death = on_death
+        if self.procs:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            for i, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    self.on_death(i, p.returncode)
+                    return
+            time.sleep(0.05)
+
+    def step(self) -> None:
+        """Every rank takes part in each step; one that does not answer holds the whole engine."""
+        for p in self.procs:
+            assert p.stdin is not None and p.stdout is not None
+            p.stdin.write(b"step\n")
+            p.stdin.flush()
+            p.stdout.readline()
 
 
 if __name__ == "__main__":
     ns = parse(sys.argv[1:])
-    if ns.engine_core_fd is not None:
+    if ns.worker_rank is not None:
+        worker_main(ns.worker_rank)
+    elif ns.engine_core_fd is not None:
         engine_core_main(ns.engine_core_fd, ns)
     else:
         sys.exit(asyncio.run(api_server_main(ns)))

@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from supervisor.host.real import py_spy
@@ -568,4 +569,31 @@ def test_a_lost_ray_worker_node_is_a_failure_of_the_whole_engine_group(supervise
     st = sup.wait_ready(restarts=1)
     lf = st["last_failure"]
     assert lf["kind"] == "engine_dead" and "RayWorkerProc rank=[1] died unexpectedly" in lf["evidence"], lf
+    assert all(gone(p) for p in old)
+
+
+def test_a_tensor_parallel_stand_in_rank_that_dies_or_hangs_is_one_failure_of_the_whole_engine(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 19: the stand-in learns N ranks; a rank SIGKILLed is vLLM's 'Worker proc ... died unexpectedly',
+    a rank SIGSTOPped holds every step: a hang."""
+    sup = supervise({"engine": {"args": {"tensor_parallel_size": 2}}})
+    sup.wait_ready()
+
+    def ranks() -> list[psutil.Process]:
+        return [p for p in sup.engine_tree() if "--worker-rank" in " ".join(p.cmdline())]
+
+    assert len(ranks()) == 2
+    spawned = sup.events("engine.spawned")[-1]["argv"]
+    assert spawned[spawned.index("--distributed-timeout-seconds") + 1] == "3"  # [health] hang_timeout_s
+    old = {p.pid for p in sup.engine_tree()}
+    ranks()[1].kill()
+    st = sup.wait_ready(restarts=1)
+    assert "Worker proc VllmWorker-1 died unexpectedly" in st["last_failure"]["evidence"]
+    assert all(gone(p) for p in old) and len(ranks()) == 2
+    old = {p.pid for p in sup.engine_tree()}
+    ranks()[0].suspend()
+    import threading
+    threading.Thread(target=lambda: send_long_prompt(sup), daemon=True).start()
+    st = sup.wait_ready(30, restarts=2)
+    assert st["last_failure"]["kind"] == "hang", st["last_failure"]
     assert all(gone(p) for p in old)
