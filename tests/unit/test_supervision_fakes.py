@@ -557,3 +557,23 @@ def test_vllms_own_aot_cache_failure_is_recognised_in_real_logs() -> None:
     assert reasons == {"'function' object has no attribute 'finalize_loading'"}
     healthy = (FIXTURES / "h200-vllm0.26-startup-ok.log").read_text()
     assert not [line for line in healthy.splitlines() if aot_cache_failure(line)]
+
+
+async def test_a_two_device_engine_is_gated_on_both_and_the_evidence_names_the_short_one(
+        tmp_path: Path) -> None:
+    """Issue 19: a tensor-parallel engine's gate covers every device it uses and names the one that was short."""
+    arb, host, _ = make(tmp_path, profile={"gpu_memory_utilization": 0.5},
+                        engine={"env": {"CUDA_VISIBLE_DEVICES": "0,1"}, "args": {"tensor_parallel_size": 2}})
+    seen: list[Any] = []
+    arb.bus.subscribe("test", type("Rec", (), {"on_event": lambda self, e: seen.append(e)})())
+    host.short = [DeviceSnapshot(1, 140 * GIB, 60 * GIB, 80 * GIB, ((4242, 79 * GIB),))]  # GPU 1 has less
+    run = asyncio.create_task(arb.run())
+    child = await host.spawned.get()
+    await until(lambda: arb.lifecycle.state.value == "READY", "READY")
+    assert host.gate_devices == [[0, 1]]
+    assert child.argv[child.argv.index("--gpu-memory-utilization") + 1] == "0.41"  # (60 - 1) / 140 on GPU 1
+    await arb.bus.drain()
+    (adapted,) = [e for e in seen if e.name == "gpu.utilization_adapted"]
+    assert adapted.evidence.startswith("GPU 1:") and "pid 4242" in adapted.evidence
+    arb.lifecycle.request_stop("test")
+    assert await run == ExitCode.OK
