@@ -323,7 +323,7 @@ async def test_a_page_left_open_by_a_supervisor_that_died_is_resolved_by_the_nex
     first.on_event(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure=None))
     first.on_event(lowered())
     await first.close()  # the supervisor exits FATAL with two pages open
-    pages = json.loads((tmp_path / "pages.json").read_text())["open"]["pagerduty"]
+    (pages,) = json.loads((tmp_path / "pages.json").read_text())["open"].values()
     assert {v["event"] for v in pages.values()} == {"fatal", "profile_lowered"}
     assert (tmp_path / "pages.json").stat().st_mode & 0o777 == 0o600
     second = Alerts(AlertsConfig(), [(hook, make_channel(hook))], lambda _: None, state_dir=str(tmp_path),

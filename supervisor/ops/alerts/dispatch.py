@@ -56,6 +56,12 @@ class HookState:
         """This hook opens pages that must be resolved (PagerDuty)."""
         return self.hook.type == "pagerduty"
 
+    @property
+    def page_key(self) -> str:
+        """Which service account its pages live in, stable across restarts and config reorderings (two PagerDuty
+        hooks with different routing keys keep their pages apart)."""
+        return f"{self.hook.type}:{self.hook.endpoint}:{self.hook.routing_key_env}"
+
 
 class Alerts:
     def __init__(self, cfg: AlertsConfig, channels: list[tuple[HookConfig, Channel]],
@@ -90,7 +96,7 @@ class Alerts:
         """The pages waiting on these conditions are resolved, each with its own dedup_key, on the hook that
         opened it (also pages a supervisor before this one opened: they are kept in the state dir)."""
         for h in self.hooks:
-            for key, page in self.pages.closing(h.hook.name, conditions):
+            for key, page in self.pages.closing(h.page_key, conditions):
                 alert = Alert(f"{page.get('event', 'page')}_resolved", "info", self.host,
                               f"resolved: {page.get('event', 'the condition')} is over ({', '.join(conditions)})",
                               self.wall(), key, resolves=True)
@@ -111,7 +117,7 @@ class Alerts:
             if self._enqueue(h, alert):
                 h.recent.append(now)
                 if h.pages and alert.clears_on is not None:
-                    self.pages.opened(h.hook.name, alert.dedup_key, alert.clears_on, alert.event, alert.at)
+                    self.pages.opened(h.page_key, alert.dedup_key, alert.clears_on, alert.event, alert.at)
 
     def _enqueue(self, h: HookState, alert: Alert) -> bool:
         lane = h.urgent if alert.severity == "critical" else h.queue
