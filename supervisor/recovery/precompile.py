@@ -156,7 +156,7 @@ class Precompiler:
         t0 = self.host.monotonic()
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
         try:
-            child = self._precompile_child = await self.host.spawn(argv, env)
+            child = self._precompile_child = await self._spawn(argv, env)
         except OSError as exc:
             self._failed.add(key)
             self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
@@ -184,6 +184,17 @@ class Precompiler:
             self._failed.add(key)
         self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=ok, took_s=took,
                                      error=None if ok else f"{why}; last lines: {' | '.join(lines)}"))
+
+    async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
+        """Spawn the throwaway; cancelled meanwhile (the engine died), the process that did start is stopped
+        before the cancellation goes on: a throwaway nobody holds would keep its share of the GPU."""
+        spawning = asyncio.ensure_future(self.host.spawn(argv, env))
+        try:
+            return await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self.host.terminate_tree(await spawning, 5.0, 5.0)
+            raise
 
     def _record(self, child: Child) -> None:
         """Like the engine's: a supervisor SIGKILLed while this runs is followed by one that stops it."""
