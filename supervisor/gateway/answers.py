@@ -15,10 +15,28 @@ from supervisor.host import Host
 HELD_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+class OncePerSecond:
+    """At most one report per key and second: a storm (429s, failed accepts) must not flood the log or the stream.
+    ``due(key)`` is how many happened since the last report when one is due now, else None."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (last report, happened since)
+
+    def due(self, key: str) -> int | None:
+        now = self.clock()
+        last, since = self._last.get(key, (-math.inf, 0))
+        if now - last < 1.0:
+            self._last[key] = (last, since + 1)
+            return None
+        self._last[key] = (now, 0)
+        return since + 1
+
+
 class Answers:
     def __init__(self, counters: dict[str, int], host: Host, publish: Callable[[Event], None]) -> None:
         self.counters, self.host, self.publish = counters, host, publish
-        self._last: dict[str, tuple[float, int]] = {}  # code -> (last record, rejections since)
+        self._reports = OncePerSecond(host.monotonic)  # by rejection code
         self.held = [0] * (len(HELD_BUCKETS) + 1)  # requests held, by the first bucket their time fits (+Inf last)
         self.held_sum = 0.0
 
@@ -54,12 +72,6 @@ class Answers:
         self._record(rid, r)
 
     def _record(self, rid: str, r: Rejection) -> None:
-        """One event per code and second at most: a 429 storm must not flood the log or the stream."""
-        now = self.host.monotonic()
-        last, since = self._last.get(r.code, (-math.inf, 0))
-        if now - last < 1.0:
-            self._last[r.code] = (last, since + 1)
-            return
-        self._last[r.code] = (now, 0)
-        self.publish(RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid,
-                                     count=since + 1))
+        n = self._reports.due(r.code)
+        if n is not None:
+            self.publish(RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid, count=n))

@@ -5,16 +5,15 @@ many are open, so each accepted connection is wrapped: beyond ``max_connections`
 at once and closed; a connection that has not sent a whole request head within ``header_timeout_s``
 of its first byte (or of its accept) is answered 408 and closed. Idle keep-alive connections are
 aiohttp's own ``keepalive_timeout`` (``idle_timeout_s``); a trickled body is the handler's
-``body_timeout_s``. Running out of file descriptors is asyncio's: the accept fails, is logged and
-retried a second later; nothing here raises.
+``body_timeout_s``. Running out of file descriptors at accept is counted, reported at most once a
+second and retried after ``ACCEPT_RETRY_S`` (the accept loop is ours: asyncio's floods the log); nothing
+here raises.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import math
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from aiohttp import web
 from aiohttp.web_runner import BaseRunner, BaseSite
 
 from supervisor.config import GatewayConfig
+from supervisor.gateway.answers import OncePerSecond
 
 
 def _raw(status: str, code: str, message: str, extra: str = "") -> bytes:
@@ -48,10 +48,13 @@ class Limits:
 
 @dataclass
 class ConnectionCounts:
-    open: int = 0
     refused: int = 0
     header_timeouts: int = 0
-    seen: set[GuardedConnection] = field(default_factory=set)
+    seen: set[GuardedConnection] = field(default_factory=set)  # the connections open now
+
+    @property
+    def open(self) -> int:
+        return len(self.seen)
 
 
 class GuardedConnection(asyncio.Protocol):
@@ -76,16 +79,13 @@ class GuardedConnection(asyncio.Protocol):
             transport.close()
             return
         counts.seen.add(self)
-        counts.open = len(counts.seen)
         self.inner = self.guard.factory()
         self.inner.connection_made(transport)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        counts = self.guard.counts
-        counts.seen.discard(self)
-        counts.open = len(counts.seen)
+        self.guard.counts.seen.discard(self)
         if self.inner is not None:
             self.inner.connection_lost(exc)
 
@@ -220,10 +220,6 @@ class Acceptor:
         self.task.cancel()
         self.sock.close()
 
-    async def wait_closed(self) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-
 
 class PublicPort:
     """The listening side of the gateway: aiohttp's runner, the connection guard and the accept loop.
@@ -241,9 +237,9 @@ class PublicPort:
                                     keepalive_timeout=g.idle_timeout_s)
         self.limits = Limits(g.max_connections, g.header_timeout_s)
         self.guard = ConnectionGuard(self._handler, self.limits, refused)
-        self.accept_failed, self.clock = accept_failed, clock
+        self.accept_failed = accept_failed
         self.accept_failures = 0
-        self._record: tuple[float, int] = (-math.inf, 0)  # (last report, failures since it)
+        self._reports = OncePerSecond(clock)
 
     def _handler(self) -> Any:
         """aiohttp's protocol for one connection (its server exists once the runner is set up)."""
@@ -269,10 +265,6 @@ class PublicPort:
     def _failed(self, exc: OSError) -> None:
         """Out of descriptors (or memory) at accept: the loop waits and tries again; reported once a second."""
         self.accept_failures += 1
-        last, since = self._record
-        now = self.clock()
-        if now - last < 1.0:
-            self._record = (last, since + 1)
-            return
-        self._record = (now, 0)
-        self.accept_failed(str(exc), since + 1)
+        n = self._reports.due("accept")
+        if n is not None:
+            self.accept_failed(str(exc), n)
