@@ -115,6 +115,13 @@ class EngineConfig:
             return str(value)
         return self.environment(base).get("VLLM_API_KEY") or None
 
+    def ranks(self) -> int:
+        """The engine's ranks: ``tensor_parallel_size`` x ``pipeline_parallel_size`` in [engine.args]."""
+        def size(key: str) -> int:
+            v = self.args.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 1
+        return size("tensor_parallel_size") * size("pipeline_parallel_size")
+
     def devices(self, base: Mapping[str, str] | None = None) -> list[int | str] | None:
         """The devices the engine will see: [engine.env]'s CUDA_VISIBLE_DEVICES, else the supervisor's own."""
         return visible_devices(self.environment(base))

@@ -55,8 +55,7 @@ def build_argv(engine: EngineConfig, profile: Profile, distributed_timeout_s: fl
     prefix = list(engine.argv_prefix)
     model = [engine.model] if takes_model_positionally(prefix) else ["--model", engine.model]
     args = dict(engine.args)
-    ranks = _int(args.get("tensor_parallel_size")) * _int(args.get("pipeline_parallel_size"))
-    if ranks > 1 and distributed_timeout_s and "distributed_timeout_seconds" not in args:
+    if engine.ranks() > 1 and distributed_timeout_s and "distributed_timeout_seconds" not in args:
         args["distributed_timeout_seconds"] = max(1, int(distributed_timeout_s))
     return [
         *prefix,
@@ -67,9 +66,6 @@ def build_argv(engine: EngineConfig, profile: Profile, distributed_timeout_s: fl
         *arg_flags(args),
     ]
 
-
-def _int(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def masked(argv: Sequence[str], secret_values: Sequence[str]) -> list[str]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from supervisor.config import is_local_path
+
 
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically, mode 0600 whatever the umask."""
@@ -25,7 +27,7 @@ def weights_on_disk(model: str) -> int | None:
     """Bytes of the weights vLLM would load from a local model directory (safetensors when there are any,
     else .bin / .pt); None when the model is not a local directory with weights."""
     path = Path(model).expanduser()
-    if not model.startswith(("/", ".", "~")) or not path.is_dir():  # a hub id, not a path
+    if not is_local_path(model) or not path.is_dir():
         return None
     for patterns in (("*.safetensors",), ("*.bin", "*.pt")):
         size = sum(f.stat().st_size for pat in patterns for f in path.glob(pat))

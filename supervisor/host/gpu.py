@@ -199,12 +199,14 @@ async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: floa
     if not nvml.available:
         return []
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
     release = Release(loop.time())
-    while True:
-        short = short_of(await asyncio.to_thread(nvml.snapshot, devices), fraction, headroom)
-        now = loop.time()
-        release.note(short, now)
-        if not short or now >= deadline or release.steady(now):
-            return short
-        await asyncio.sleep(poll_s)
+    short: list[DeviceSnapshot] = []
+
+    def still(snaps: list[DeviceSnapshot]) -> bool:
+        nonlocal short
+        short = short_of(snaps, fraction, headroom)
+        release.note(short, loop.time())
+        return bool(short) and not release.steady(loop.time())
+
+    await _poll(nvml, devices, still, timeout_s, poll_s)
+    return short

@@ -31,7 +31,6 @@ from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, PrecompileCrashed, PrecompileStarted, RungPrecompiled
 from supervisor.host import Host, files, leftovers
-from supervisor.host.files import weights_on_disk
 from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
@@ -108,8 +107,7 @@ class Precompiler:
         if not snaps:
             self.why = "auto: no GPU, so a throwaway competes only for CPU, niced and while the engine is idle"
             return True
-        tp = self.cfg.engine.args.get("tensor_parallel_size")
-        ok, self.why = room_for_throwaway(snaps, self.cfg.engine.model, rung, tp if isinstance(tp, int) else 1)
+        ok, self.why = room_for_throwaway(snaps, self.cfg.engine.model, rung, self.cfg.engine.ranks())
         return ok
 
     async def maybe_precompile(self, profile: Profile, version: str | None, idle_for_s: float,
@@ -271,7 +269,7 @@ def room_for_throwaway(snaps: Sequence[DeviceSnapshot], model: str, rung: Profil
     of the weights, the rung's prefill peak and a little KV cache (the throwaway takes half: vLLM's start
     check wants utilization x total free). A tensor-parallel engine's throwaway has as many ranks, each with
     1/N of the weights and of the prefill: that must fit on every device (the smallest free one decides)."""
-    weights = weights_on_disk(model)
+    weights = files.weights_on_disk(model)
     if weights is None:
         return False, "auto: the model is not a local directory with weights, so their size is unknown"
     weights //= max(1, ranks)

@@ -130,9 +130,10 @@ def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_
     """Issue 17: "auto" was off on every GPU host, so a new rung compiled on the recovery's critical path."""
     import json
 
+    from supervisor.host.files import weights_on_disk
     from supervisor.host.gpu import DeviceSnapshot
     from supervisor.profile import Profile
-    from supervisor.recovery.precompile import room_for_throwaway, weights_on_disk
+    from supervisor.recovery.precompile import room_for_throwaway
 
     model = tmp_path / "glm9b"
     model.mkdir()
