@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
 
 import structlog
 
@@ -24,6 +26,7 @@ from supervisor.gateway.routes import COUNTED
 
 INLINE_BYTES = 256 * 1024  # a body this small parses in well under a millisecond: on the loop
 PARSERS = 2
+T = TypeVar("T")
 log = structlog.get_logger("supervisor.gateway")
 
 
@@ -33,17 +36,22 @@ class BodyParser:
 
     async def parse(self, route: str, body: bytes) -> Parsed | Rejection:
         """Parse, type-check and hash ``body`` for ``route`` (a model route: routes.model_route)."""
-        if len(body) < INLINE_BYTES:
-            return parse(route, body)
+        return await self.run(len(body), parse, route, body)
+
+    async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, on the loop for a body under INLINE_BYTES, else in the pool (``fn`` must be a module-level
+        function of a module the workers can import, its arguments picklable)."""
+        if size < INLINE_BYTES:
+            return fn(*args)
         if self._pool is None:
             self._pool = ProcessPoolExecutor(PARSERS, mp_context=multiprocessing.get_context("spawn"))
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, parse, route, body)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except BrokenProcessPool as exc:
             self._pool = None
             log.warning("gateway.parser_pool_broken", error=str(exc), hint="this body is parsed on the event loop; "
                         "the next big one starts a new pool")
-            return parse(route, body)
+            return fn(*args)
 
     def close(self) -> None:
         if self._pool is not None:

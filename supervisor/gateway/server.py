@@ -242,7 +242,7 @@ class Gateway:
             if refused is not None:
                 return self.answers.reject(rid, refused)
         try:
-            return await self._through(request, flight, parsed, body)
+            return await self._through(request, route, flight, parsed, body)
         except Refused as r:
             retry = self.g.retry_after_s if r.status == 429 else max(self.g.retry_after_s, self.view().restart_eta_s)
             return self.answers.reject(rid, Rejection(r.status, r.code, r.message, "server_error", retry))
@@ -252,10 +252,9 @@ class Gateway:
         finally:
             self.gate.forget(flight)
 
-    async def _through(self, request: web.Request, flight: Flight, parsed: Parsed | None,
+    async def _through(self, request: web.Request, route: str | None, flight: Flight, parsed: Parsed | None,
                        body: bytes) -> web.StreamResponse:
         url = self.client.base_url + str(request.rel_url)
-        route = routes.model_route(request.path) if request.method == "POST" else None
         while True:
             await self._admit(flight)
             if flight.quarantined:
@@ -311,13 +310,10 @@ class Gateway:
         """A stream the engine died under, after text reached the client: continued on the next engine as the
         same stream (streams.py), or ended with an error event where that cannot be faithful."""
         url = self.client.base_url + str(request.rel_url)
-        try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
-            doc = None
-        why_not = streams.not_continuable(cut.state.route, doc) or ("tool calls" if cut.state.tool_calls else None)
-        cut.state.usage_wanted = isinstance(doc, dict) and bool((doc.get("stream_options") or {}).get("include_usage"))
         while True:
+            # Built from the client's body: in the parser pool when it is big (the loop runs supervision).
+            more = await self.parser.run(len(body), streams.continue_request, body, cut.state)
+            cut.state.usage_wanted, why_not = more.usage_wanted, more.why_not
             died = await self.gate.engine_left(flight, DEATH_WAIT_S)
             self.gate.leave(flight)
             if why_not or not died or flight.replays >= self.g.max_replays:
@@ -334,12 +330,11 @@ class Gateway:
                 self.counters["streams_broken"] += 1
                 self.counters["forwarded"] += 1
                 return await proxy.end_cut(cut, f"the inference engine failed during this response: {r.message}")
-            assert isinstance(doc, dict)
+            assert more.body is not None
             self.counters["streams_continued"] += 1
             self.publish(StreamContinued(at=self.host.wall(), request_id=flight.rid, resumed=cut.state.resumed + 1,
                                          tokens_sent=cut.state.tokens, why=cut.why))
-            out = await proxy.resume(self.session, url, request, json.dumps(streams.continuation(doc, cut.state))
-                                     .encode(), flight.rid, cut)
+            out = await proxy.resume(self.session, url, request, more.body, flight.rid, cut)
             if not isinstance(out, proxy.Cut):
                 self.gate.leave(flight)
                 self.counters["client_disconnected" if out.client_gone else "forwarded"] += 1

@@ -137,6 +137,30 @@ def _piece(choice: dict[str, Any]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """What a cut stream's request allows: the body that continues it, or why it cannot be continued."""
+
+    body: bytes | None
+    why_not: str | None
+    usage_wanted: bool  # the client asked for stream_options.include_usage
+
+
+def continue_request(body: bytes, state: StreamState) -> Continuation:
+    """From the client's original ``body``: the request that continues ``state`` on a new engine (pure; the
+    gateway runs it in its parser pool for a big body, like every parse of a client's body)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        doc = None
+    usage = isinstance(doc, dict) and bool((doc.get("stream_options") or {}).get("include_usage"))
+    why = not_continuable(state.route, doc) or ("tool calls" if state.tool_calls else None)
+    if why is not None:
+        return Continuation(None, why, usage)
+    assert isinstance(doc, dict)
+    return Continuation(json.dumps(continuation(doc, state)).encode(), None, usage)
+
+
 def continuation(doc: dict[str, Any], state: StreamState) -> dict[str, Any]:
     """The request that continues ``state`` on a new engine."""
     out = dict(doc)
