@@ -175,11 +175,9 @@ def _status(args: argparse.Namespace) -> int:
             return ExitCode.BAD_SUPERVISOR_CONFIG
         listen, state_dir = listen or cfg.admin.listen, cfg.state.dir
     listen = listen or config_mod.AdminConfig().listen
-    try:
-        with urllib.request.urlopen(f"http://{listen}/status", timeout=5) as r:
-            doc: dict[str, Any] = json.load(r)
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"vllm-supervisor: no supervisor answers on {listen}: {exc}", file=sys.stderr)
+    doc, error = _ask(listen)
+    if doc is None:
+        print(f"vllm-supervisor: no supervisor answers on {listen}: {error}", file=sys.stderr)
         if state_dir is not None:
             print(oncall.render_offline(state_dir))
         return 1
@@ -190,13 +188,14 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask(listen: str) -> dict[str, Any] | None:
+def _ask(listen: str) -> tuple[dict[str, Any] | None, str]:
+    """A running supervisor's /status at ``listen``, or None and why not."""
     try:
         with urllib.request.urlopen(f"http://{listen}/status", timeout=5) as r:
             doc: dict[str, Any] = json.load(r)
-            return doc
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
+            return doc, ""
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, str(exc)
 
 
 def _status_all(config_dir: str, as_json: bool) -> int:
@@ -214,7 +213,7 @@ def _status_all(config_dir: str, as_json: bool) -> int:
         except config_mod.ConfigError as exc:
             rows[path.stem] = {"config": str(path), "error": str(exc).splitlines()[0]}
             continue
-        rows[path.stem] = {"config": str(path), "admin": cfg.admin.listen, "status": _ask(cfg.admin.listen),
+        rows[path.stem] = {"config": str(path), "admin": cfg.admin.listen, "status": _ask(cfg.admin.listen)[0],
                            "state_dir": cfg.state.dir}
     if as_json:
         print(json.dumps(rows, indent=2))

@@ -301,8 +301,15 @@ async def test_a_fatal_goes_ahead_of_a_hook_busy_retrying_and_what_is_dropped_at
     for ev in [failed(), sc("STOPPING", "BACKOFF", delay_s=1.0)] * 3:  # a crash loop: warnings, then errors
         alerts.on_event(ev)
     alerts.on_event(Fatal(at=1.0, reason="restart budget spent", exit_code=4, failure=None))
-    await asyncio.sleep(0.5)
-    assert "fatal" in [r.json()["event"] for r in good.requests]  # not behind the hung hook's queue
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0  # the hung hook's timeout is 30 s: the fatal must not wait for it
+    while "fatal" not in [r.json()["event"] for r in good.requests] and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert "fatal" in [r.json()["event"] for r in good.requests]
+    # The hung hook is stuck on the first warning; its critical lane still tried the fatal at once.
+    while not any(b"*fatal*" in r.body for r in hang.requests) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert any(b"*fatal*" in r.body for r in hang.requests), [r.body[:80] for r in hang.requests]
     with capture_logs() as logs:
         await alerts.close()
     dropped = [e for e in logs if e["event"] == "alert.outcome" and e["outcome"] == "dropped"]
