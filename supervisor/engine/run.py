@@ -221,7 +221,7 @@ class EngineRun:
                                    argv=tuple(launch.masked(argv, self.secrets)), standby=self.from_standby))
         try:
             leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
-                child.sid, self.host.create_time(child.pid), os.getpid()))
+                child.sid, self.host.birth(child.pid), os.getpid()))
         except (OSError, psutil.Error) as exc:
             log.warning("state.engine_record_failed", error=str(exc))
         assert child.proc.stdout is not None and child.proc.stderr is not None

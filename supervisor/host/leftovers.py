@@ -12,11 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from supervisor.config import Config
 from supervisor.event_stream import Event, GpuNotReleased, LeftoverEngineStopped
 from supervisor.host import Host
 from supervisor.host.files import write_private
 from supervisor.host.gpu import GpuLost
+from supervisor.host.proctree import Birth
 
 FILENAME = "engine.json"
 PRECOMPILE = "precompile.json"
@@ -25,20 +28,25 @@ PRECOMPILE = "precompile.json"
 @dataclass(frozen=True)
 class EngineRecord:
     sid: int
-    create_time: float
+    born: Birth  # the session leader's
     supervisor_pid: int
 
 
 def write(state_dir: str | Path, rec: EngineRecord, name: str = FILENAME) -> None:
     d = Path(state_dir)
     d.mkdir(parents=True, exist_ok=True)
-    write_private(d / name, json.dumps(rec.__dict__))
+    write_private(d / name, json.dumps({"sid": rec.sid, "boot_id": rec.born.boot_id,
+                                        "since_boot_s": rec.born.since_boot_s, "supervisor_pid": rec.supervisor_pid}))
 
 
 def read(state_dir: str | Path, name: str = FILENAME) -> EngineRecord | None:
     try:
         raw = json.loads((Path(state_dir) / name).read_text())
-        return EngineRecord(int(raw["sid"]), float(raw["create_time"]), int(raw["supervisor_pid"]))
+        if "since_boot_s" in raw:
+            born = Birth(str(raw["boot_id"]), float(raw["since_boot_s"]))
+        else:  # written by a supervisor before 2026-12: a wall-clock create time
+            born = Birth("", float(raw["create_time"]) - psutil.boot_time())
+        return EngineRecord(int(raw["sid"]), born, int(raw["supervisor_pid"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -65,7 +73,7 @@ async def _stop_left(cfg: Config, host: Host, publish: Callable[[Event], None], 
     if rec is None or rec.supervisor_pid == os.getpid():
         return
     e = cfg.engine
-    pids = await host.stop_leftover(rec.sid, rec.create_time, e.failed_stop_timeout_s, e.kill_timeout_s)
+    pids = await host.stop_leftover(rec.sid, rec.born, e.failed_stop_timeout_s, e.kill_timeout_s)
     if pids:
         publish(LeftoverEngineStopped(at=host.wall(), pids=tuple(pids), sid=rec.sid,
                                       what="precompile" if name == PRECOMPILE else "engine"))

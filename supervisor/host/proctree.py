@@ -26,6 +26,42 @@ log = structlog.get_logger("supervisor.host.proctree")
 STREAM_LIMIT = 4 * 1024 * 1024
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+# Two reads of one process's birth agree to the clock tick; a recycled PID cannot be born within a second
+# of the process it replaces (that one was alive then), and a record of an older supervisor (a wall-clock
+# create time, which moves with the clock) is off by at most about that.
+BIRTH_SLACK_S = 1.0
+
+
+@dataclass(frozen=True)
+class Birth:
+    """When a process was born, as seconds since this boot: unlike psutil's wall-clock create time
+    (boot time read from /proc/stat each call, which moves with clock steps), two supervisors read the same
+    value, so a record written by one identifies the session for the next."""
+
+    boot_id: str
+    since_boot_s: float
+
+
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def since_boot_s(pid: int) -> float:
+    """/proc/PID/stat's start time (field 22, clock ticks since boot); psutil offers it only as wall time."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def birth(pid: int) -> Birth:
+    return Birth(boot_id(), since_boot_s(pid))
+
+
 @dataclass
 class Child:
     """One spawned engine: the API server process and the session it leads."""
@@ -159,21 +195,27 @@ class StopReport:
 
 
 async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
-                       born_after: float = 0.0) -> tuple[list[int], list[int], list[int]]:
+                       born: Birth | None = None) -> tuple[list[int], list[int], list[int]]:
     """SIGTERM every process of session ``sid``, wait ``grace_s``, SIGKILL the rest, sweep again.
 
-    Returns (pids seen, pids that needed SIGKILL, survivors). ``born_after`` (a create time)
-    keeps a recycled session id from taking down processes that are not ours.
+    Returns (pids seen, pids that needed SIGKILL, survivors). ``born`` (the session leader's birth, when the
+    session is known only from a record) keeps a recycled session id from taking down processes that are not
+    ours: after a reboot nothing of it is left; a live leader born at another time leads another session;
+    no member can be older than its leader.
     """
+    if born is not None and born.boot_id and boot_id() and born.boot_id != boot_id():
+        return [], [], []
 
     def members() -> list[psutil.Process]:
         out = []
         for p in session_members(sid):
-            with contextlib.suppress(psutil.Error):
-                if p.create_time() >= born_after:
+            with contextlib.suppress(OSError, ValueError):
+                if born is None or since_boot_s(p.pid) >= born.since_boot_s - BIRTH_SLACK_S:
                     out.append(p)
         return out
 
+    if born is not None and _recycled(sid, born):
+        return [], [], []
     first = members()
     seen = {p.pid for p in first}
     killed: list[int] = []
@@ -195,6 +237,14 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
     if survivors:
         log.error("engine.survivors", pids=survivors, hint="processes ignored SIGKILL (D state?)")
     return sorted(seen), killed, survivors
+
+
+def _recycled(sid: int, born: Birth) -> bool:
+    try:
+        leader = since_boot_s(sid)
+    except (OSError, ValueError):
+        return False  # the leader is gone; its orphans may not be
+    return abs(leader - born.since_boot_s) > BIRTH_SLACK_S
 
 
 async def terminate_tree(child: Child, grace_s: float, kill_wait_s: float) -> StopReport:

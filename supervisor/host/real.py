@@ -10,11 +10,9 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-import psutil
-
 from supervisor.host import gpu, proctree
 from supervisor.host.gpu import Device, DeviceSnapshot, Nvml
-from supervisor.host.proctree import Child, StopReport
+from supervisor.host.proctree import Birth, Child, StopReport
 
 
 def py_spy() -> str | None:
@@ -44,11 +42,11 @@ class RealHost:
     async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
         return await proctree.terminate_tree(child, grace_s, kill_wait_s)
 
-    def create_time(self, pid: int) -> float:
-        return float(psutil.Process(pid).create_time())
+    def birth(self, pid: int) -> Birth:
+        return proctree.birth(pid)
 
-    async def stop_leftover(self, sid: int, born_after: float, grace_s: float, kill_wait_s: float) -> list[int]:
-        seen, _, _ = await proctree.stop_session(sid, grace_s, kill_wait_s, born_after=born_after)
+    async def stop_leftover(self, sid: int, born: Birth, grace_s: float, kill_wait_s: float) -> list[int]:
+        seen, _, _ = await proctree.stop_session(sid, grace_s, kill_wait_s, born=born)
         return seen
 
     def tree_pids(self, child: Child) -> set[int]:

@@ -198,7 +198,7 @@ class Precompiler:
         """Like the engine's: a supervisor SIGKILLed while this runs is followed by one that stops it."""
         try:
             leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
-                child.sid, self.host.create_time(child.pid), os.getpid()), leftovers.PRECOMPILE)
+                child.sid, self.host.birth(child.pid), os.getpid()), leftovers.PRECOMPILE)
         except (OSError, psutil.Error) as exc:
             log.warning("state.precompile_record_failed", error=str(exc))
 

@@ -63,6 +63,51 @@ async def test_orphans_of_a_sigkilled_leader_are_swept() -> None:
         _cleanup(child.sid)
 
 
+async def test_a_recorded_session_is_stopped_by_its_birth_whatever_the_wall_clock_says(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """CI flake of 2026-12-01: psutil's create time adds the boot time read from /proc/stat at each call, and that
+    moves with the clock; the next supervisor's reading of the same process differed, and the leftover was kept."""
+    from supervisor.host import leftovers
+
+    child, grandchild = await spawn_tree()
+    try:
+        leftovers.write(tmp_path, leftovers.EngineRecord(child.sid, proctree.birth(child.pid), 1))
+        rec = leftovers.read(tmp_path)
+        assert rec is not None
+        booted = psutil.boot_time()
+        monkeypatch.setattr("psutil._pslinux.boot_time", lambda: booted - 1.5)  # /proc/stat's btime reads lower now
+        seen, _, survivors = await proctree.stop_session(rec.sid, 0.3, 5, born=rec.born)
+        assert {child.pid, grandchild} <= set(seen) and survivors == []
+    finally:
+        _cleanup(child.sid)
+
+
+async def test_a_recycled_session_id_or_another_boots_record_stops_nothing() -> None:
+    child, grandchild = await spawn_tree()
+    try:
+        born = proctree.birth(child.pid)
+        older = proctree.Birth(born.boot_id, born.since_boot_s - 60)  # the record's leader is not this one
+        assert await proctree.stop_session(child.sid, 0.3, 5, born=older) == ([], [], [])
+        rebooted = proctree.Birth("another-boot", born.since_boot_s)
+        assert await proctree.stop_session(child.sid, 0.3, 5, born=rebooted) == ([], [], [])
+        assert psutil.pid_exists(grandchild) and psutil.pid_exists(child.pid)
+        seen, _, _ = await proctree.stop_session(child.sid, 0.3, 5, born=born)
+        assert {child.pid, grandchild} <= set(seen)
+    finally:
+        _cleanup(child.sid)
+
+
+def test_a_record_written_before_births_were_kept_still_names_its_session(tmp_path: Path) -> None:
+    from supervisor.host import leftovers
+
+    me = psutil.Process()
+    (tmp_path / "engine.json").write_text(json.dumps(
+        {"sid": os.getsid(0), "create_time": me.create_time(), "supervisor_pid": 1}))
+    rec = leftovers.read(tmp_path)
+    assert rec is not None and rec.sid == os.getsid(0)
+    assert abs(rec.born.since_boot_s - proctree.since_boot_s(me.pid)) < proctree.BIRTH_SLACK_S
+
+
 def _cleanup(sid: int) -> None:
     for p in proctree.session_members(sid):
         p.kill()

@@ -13,7 +13,7 @@ from supervisor.config import parse
 from supervisor.daemon import Daemon
 from supervisor.engine_states import ExitCode
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
-from supervisor.host.proctree import StopReport
+from supervisor.host.proctree import Birth, StopReport
 from supervisor.host.vllm_http import EngineError, Progress
 from supervisor.ops.notify import Notifier
 from tests.helpers.processes import FIXTURES
@@ -97,10 +97,10 @@ class FakeHost:
         child.proc.exit(-15)
         return StopReport((child.pid,), (), (), child.proc.returncode)
 
-    def create_time(self, pid: int) -> float:
-        return 1.0
+    def birth(self, pid: int) -> Birth:
+        return Birth("boot", 1.0)
 
-    async def stop_leftover(self, sid: int, born_after: float, grace_s: float, kill_wait_s: float) -> list[int]:
+    async def stop_leftover(self, sid: int, born: Birth, grace_s: float, kill_wait_s: float) -> list[int]:
         self.leftover_stops.append(sid)
         return [sid]
 
@@ -357,7 +357,7 @@ async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path
 async def test_an_engine_left_by_a_dead_supervisor_is_stopped_before_the_first_start(tmp_path: Path) -> None:
     from supervisor.host import leftovers
 
-    leftovers.write(tmp_path / "state", leftovers.EngineRecord(sid=4242, create_time=1.0, supervisor_pid=1))
+    leftovers.write(tmp_path / "state", leftovers.EngineRecord(sid=4242, born=Birth("boot", 1.0), supervisor_pid=1))
     arb, host, _ = make(tmp_path)
     run = asyncio.create_task(arb.run())
     await host.spawned.get()
