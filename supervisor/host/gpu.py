@@ -13,7 +13,8 @@ a ``device_fatal`` verdict with this evidence; any other NVML error means "no GP
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,6 +49,7 @@ class Nvml:
     def __init__(self, module: Any = None) -> None:
         self._nvml: Any = None
         self._warned = False
+        self.seen: dict[int, tuple[float, int]] = {}  # device index -> (monotonic time, free bytes) last read
         try:
             nv: Any = module
             if nv is None:
@@ -68,7 +70,7 @@ class Nvml:
         if self._nvml is None:
             return []
         try:
-            return self._snapshot(devices)
+            snaps = self._snapshot(devices)
         except GpuLost:
             raise
         except Exception as exc:  # noqa: BLE001 - NVMLError and anything a broken driver raises
@@ -79,6 +81,9 @@ class Nvml:
                 log.warning("gpu.nvml_error", error=f"{type(exc).__name__}: {exc}",
                             hint="GPU memory checks are skipped while NVML fails")
             return []
+        now = time.monotonic()
+        self.seen.update({s.index: (now, s.free) for s in snaps})
+        return snaps
 
     def _snapshot(self, devices: Sequence[Device] | None) -> list[DeviceSnapshot]:
         nv = self._nvml
@@ -174,13 +179,22 @@ STEADY_S = 1.0
 
 
 class Release:
-    """Whether the free memory of the short devices still grows (an exiting process letting go)."""
+    """Whether the free memory of the short devices still grows (an exiting process letting go).
 
-    def __init__(self, now: float) -> None:
-        self.best: dict[int, int] = {}
+    ``earlier`` is what the supervisor last read of each device (``Nvml.seen``): the stop's release wait
+    reads the card as the old engine goes, so by the time the restart's backoff is over, a card that has not
+    grown since is known steady, and the start need not watch it for another STEADY_S."""
+
+    def __init__(self, now: float, earlier: Mapping[int, tuple[float, int]] | None = None) -> None:
+        self.since = {i: t for i, (t, _) in (earlier or {}).items()}
+        self.best: dict[int, int] = {i: free for i, (_, free) in (earlier or {}).items()}
         self.grew_at = now
+        self._first = True
 
     def note(self, short: Sequence[DeviceSnapshot], now: float) -> None:
+        if self._first:
+            self._first = False
+            self.grew_at = max((self.since.get(s.index, now) for s in short), default=now)
         for s in short:
             if s.free >= self.best.get(s.index, s.free) + RELEASE_STEP:
                 self.grew_at = now
@@ -199,7 +213,7 @@ async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: floa
     if not nvml.available:
         return []
     loop = asyncio.get_running_loop()
-    release = Release(loop.time())
+    release = Release(loop.time(), dict(nvml.seen))
     short: list[DeviceSnapshot] = []
 
     def still(snaps: list[DeviceSnapshot]) -> bool:

@@ -93,8 +93,9 @@ class ScriptedNvml:
 
     available = True
 
-    def __init__(self, frees: list[int]) -> None:
+    def __init__(self, frees: list[int], seen: dict[int, tuple[float, int]] | None = None) -> None:
         self.frees, self.calls = frees, 0
+        self.seen = seen or {}
 
     def snapshot(self, devices: Any = None) -> list[Any]:
         from supervisor.host.gpu import DeviceSnapshot
@@ -123,6 +124,38 @@ async def test_the_start_gate_waits_only_while_memory_is_being_released(monkeypa
     # A release that is too slow still ends at the timeout, short.
     slow = ScriptedNvml([(30 + i) * GIB for i in range(1000)])
     assert await wait_free(slow, None, 0.9, 0, timeout_s=0.3, poll_s=0.02)  # type: ignore[arg-type]
+
+
+async def test_a_card_already_seen_steady_before_the_restart_is_not_watched_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU was read as the old engine stopped; the backoff since was as long as the steady window: a card
+    that has not grown since starts at once (on the H200, 1 s of each recovery beside another process)."""
+    import time
+
+    from supervisor.host import gpu
+
+    monkeypatch.setattr(gpu, "STEADY_S", 0.5)
+    now = time.monotonic()
+    seen_long_enough = ScriptedNvml([40 * GIB], seen={0: (now - 0.6, 40 * GIB)})
+    t0 = time.monotonic()
+    short = await wait_free(seen_long_enough, None, 0.5, 0, timeout_s=60.0, poll_s=0.02)  # type: ignore[arg-type]
+    assert short and seen_long_enough.calls == 1 and time.monotonic() - t0 < 0.2
+    # Read only just now: the rest of the window is watched.
+    just_seen = ScriptedNvml([40 * GIB], seen={0: (time.monotonic() - 0.1, 40 * GIB)})
+    t0 = time.monotonic()
+    assert await wait_free(just_seen, None, 0.5, 0, timeout_s=60.0, poll_s=0.02)  # type: ignore[arg-type]
+    assert 0.3 < time.monotonic() - t0 < 1.5
+    # Grown by a GiB since it was read (a release under way): the whole window from now.
+    grown = ScriptedNvml([40 * GIB], seen={0: (time.monotonic() - 5.0, 39 * GIB)})
+    t0 = time.monotonic()
+    assert await wait_free(grown, None, 0.5, 0, timeout_s=60.0, poll_s=0.02)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 >= 0.5
+
+
+def test_the_nvml_adapter_remembers_what_it_last_read_of_each_device() -> None:
+    nv = Nvml(FakeNvml())
+    snaps = nv.snapshot()
+    assert snaps and {i: free for i, (_, free) in nv.seen.items()} == {s.index: s.free for s in snaps}
 
 
 def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_holds_a_throwaway(
