@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,36 @@ def test_every_config_key_is_documented_with_its_default() -> None:
     missing = [f"{section}.{f.name}" for section, cls in tables for f in dataclasses.fields(cls)
                if f"`{TOML_KEYS.get(f.name, f.name)}`" not in doc and f"`{section}.{f.name}`" not in doc]
     assert missing == []
+
+
+def test_every_default_interface_md_states_is_the_code_s_default() -> None:
+    """A default written in the docs' tables (a TOML literal in backquotes) is the one the code has."""
+    import dataclasses
+    import re
+    import tomllib
+
+    from supervisor.config import _SECTIONS, TOML_KEYS
+
+    doc = (Path(__file__).parents[2] / "docs" / "interface.md").read_text()
+    stated: dict[tuple[str, str], Any] = {}
+    section = ""
+    for line in doc.splitlines():
+        if m := re.match(r"^#+ .*`\[([\w.]+)\]`", line):
+            section = m.group(1)
+        elif (m := re.match(r"^\| `(\w+)` \| `([^`]*)` \|", line)) and section in _SECTIONS:
+            with contextlib.suppress(tomllib.TOMLDecodeError):
+                stated[(section, m.group(1))] = tomllib.loads(f"v = {m.group(2)}")["v"]
+    wrong, checked = [], 0
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            key = (section, TOML_KEYS.get(f.name, f.name))
+            if key not in stated:
+                continue
+            code = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            checked += 1
+            if (list(code) if isinstance(code, tuple) else code) != stated[key]:
+                wrong.append(f"{key[0]}.{key[1]}: docs {stated[key]!r}, code {code!r}")
+    assert checked > 60 and wrong == []
 
 
 def test_every_shipped_example_is_a_valid_config() -> None:
