@@ -1,8 +1,9 @@
 """Forwarding one request to the engine and its answer back, with aiohttp on both sides.
 
 A non-streaming answer is read whole before the client sees anything, and a stream's events are
-held until one carries text: until then nothing of substance has reached the client, so a request
-the engine lost on its way down can be sent again to the next engine (``Unsent``). Once a stream
+held until one carries text, reasoning or a tool call: until then nothing of substance has reached
+the client, so a request the engine lost on its way down can be sent again to the next engine
+(``Unsent``). Once a stream
 is under way, an engine that dies under it leaves it open (``Cut``) for the gateway to continue on
 the next engine (``resume``, see streams.py), or, where that cannot be faithful, ends it with an
 OpenAI-style error event and [DONE].
@@ -155,8 +156,9 @@ async def _end(resp: Forwarded, message: str) -> Forwarded:
 
 
 async def _until_content(up: aiohttp.ClientResponse, state: StreamState) -> list[bytes] | Unsent:
-    """The stream's events up to its first one with text: until then nothing of substance reached the client,
-    and a request the engine lost on the way can be sent again (role chunks and empty text do not count)."""
+    """The stream's events up to its first one with substance (text, reasoning, a tool call): until then nothing
+    reached the client, and a request the engine lost on the way can be sent again (role chunks and empty text
+    do not count)."""
     held: list[bytes] = []
     while not state.content:
         chunk = await up.content.readany()

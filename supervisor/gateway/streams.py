@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONTINUABLE_ROUTES = ("completions", "chat")
+REASONING = ("reasoning", "reasoning_content")  # a chat delta's reasoning text, in vLLM's newer and older names
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
           "structured_outputs", "response_format", "json_schema")
 
@@ -54,11 +55,15 @@ class StreamState:
     created: int | None = None
     text: list[str] = field(default_factory=list)
     tokens: int = 0  # content chunks received: vLLM sends one per generated token
-    content: bool = False  # a chunk with text has reached the client (before that, the stream is "unsent")
+    # A chunk with text, reasoning or a tool call has reached the client (before that, the stream is "unsent"):
+    # a reasoning model streams its reasoning for minutes before its first content token, and a tool call may
+    # come with no content at all; held, neither would reach the client before it ended.
+    content: bool = False
     finished: bool = False  # a finish_reason was seen
     done: bool = False  # [DONE] was seen
     usage_wanted: bool = False  # the client asked for stream_options.include_usage
     tool_calls: bool = False
+    reasoning: bool = False  # a delta of the model's reasoning (vLLM's `reasoning`, formerly `reasoning_content`)
     resumed: int = 0  # continuations so far
     tokens_before_resume: int = 0  # tokens generated before the current continuation began
     pending: bytes = b""  # an event not yet complete
@@ -87,8 +92,11 @@ class StreamState:
                 self.text.append(piece)
                 self.content = self.content or bool(piece)
             delta = choice.get("delta")
-            if isinstance(delta, dict) and delta.get("tool_calls"):
-                self.tool_calls = True
+            if isinstance(delta, dict):
+                if delta.get("tool_calls"):
+                    self.tool_calls = self.content = True
+                if any(isinstance(delta.get(k), str) and delta[k] for k in REASONING):
+                    self.reasoning = self.content = True
             if choice.get("finish_reason"):
                 self.finished = True
 
@@ -154,7 +162,8 @@ def continue_request(body: bytes, state: StreamState) -> Continuation:
     except (ValueError, RecursionError):
         doc = None
     usage = isinstance(doc, dict) and bool((doc.get("stream_options") or {}).get("include_usage"))
-    why = not_continuable(state.route, doc) or ("tool calls" if state.tool_calls else None)
+    why = not_continuable(state.route, doc) or ("tool calls" if state.tool_calls else None) \
+        or ("reasoning output: the next engine cannot be handed the reasoning so far" if state.reasoning else None)
     if why is not None:
         return Continuation(None, why, usage)
     assert isinstance(doc, dict)

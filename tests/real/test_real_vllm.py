@@ -343,28 +343,56 @@ def test_gateway_clients_see_no_error_through_a_real_oom(sup: Sup) -> None:
     assert st["gateway"]["503"] == 0 and st["gateway"]["quarantined"] == 0
 
 
-def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: Sup) -> None:
-    """Issue 17: a stream cut after tokens reached the client goes on on the next engine as one stream."""
+def running_requests(sup: Sup) -> float:
+    """vLLM's own count of the requests it is generating now."""
+    with urllib.request.urlopen(sup.engine_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
+    """One stream of 1,500 greedy tokens through the gateway, its engine's worker SIGKILLed once the client has
+    text and vLLM is still generating it; the client's events, or None when vLLM had already made the whole
+    stream by the time the client got its first text (then nothing can be cut, and nothing was killed)."""
     assert sup.gateway is not None
-    before = sup.status()
-    assert before is not None
     conn = http.client.HTTPConnection(sup.gateway.removeprefix("http://"), timeout=START_S)
     conn.request("POST", "/v1/completions", json.dumps({
         "model": "tiny-llama", "prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
+        "temperature": 0, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
     events: list[Any] = []
-    killed = False
+    decided, killed = False, False
     for line in resp:
         if not line.startswith(b"data:"):
             continue
         body = line[5:].strip()
         events.append("[DONE]" if body == b"[DONE]" else json.loads(body))
-        if len(events) == 10 and not killed:
-            os.kill(tree(sup)["worker"].pid, signal.SIGKILL)  # mid-generation: 10 tokens are the client's
-            killed = True
+        if len(events) >= 10 and not decided:
+            decided = True
+            assert any(e["choices"][0]["text"] for e in events[:10]), events  # text came: the stream is the client's
+            if running_requests(sup) >= 1:
+                os.kill(tree(sup)["worker"].pid, signal.SIGKILL)  # mid-generation: 10 tokens are the client's
+                killed = True
     conn.close()
+    return events if killed else None
+
+
+def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: Sup) -> None:
+    """Issue 17: a stream cut after tokens reached the client goes on on the next engine as one stream."""
+    before = sup.status()
+    assert before is not None
+    # Greedy: sampled, the random tiny model sometimes makes hundreds of tokens of empty text first, which the
+    # gateway rightly holds (nothing of substance has reached the client); greedy, its first text is token 9.
+    # Some runs here and in CI got their first text only once vLLM had made the whole stream (its API server
+    # sent nothing until then; why was not found): the kill then cut nothing. That premise is checked, not assumed.
+    sup.wait_for(lambda s: bool((s["next_start"]["standby"] or {}).get("imported_s")), START_S, "the standby")
+    for _ in range(4):
+        events = stream_killed_mid_generation(sup)
+        if events is not None:
+            break
+    assert events is not None, "in 4 streams, vLLM had always made the whole stream before the client had text"
     chunks = [e for e in events if isinstance(e, dict)]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert not [e for e in chunks if "error" in e], [e for e in chunks if "error" in e]
