@@ -218,9 +218,9 @@ async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: floa
 
     def still(snaps: list[DeviceSnapshot]) -> bool:
         nonlocal short
-        short = short_of(snaps, fraction, headroom)
-        release.note(short, loop.time())
-        return bool(short) and not release.steady(loop.time())
+        short, now = short_of(snaps, fraction, headroom), loop.time()
+        release.note(short, now)
+        return bool(short) and not release.steady(now)
 
     await _poll(nvml, devices, still, timeout_s, poll_s)
     return short

@@ -203,7 +203,8 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
     ours: after a reboot nothing of it is left; a live leader born at another time leads another session;
     no member can be older than its leader.
     """
-    if born is not None and born.boot_id and boot_id() and born.boot_id != boot_id():
+    this_boot = boot_id()
+    if born is not None and born.boot_id and this_boot and born.boot_id != this_boot:
         return [], [], []
 
     def members() -> list[psutil.Process]:

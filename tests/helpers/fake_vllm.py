@@ -110,7 +110,8 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     # would otherwise inherit the API server's asyncio handler, which only writes to a wakeup fd nobody reads.
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGTERM and ignores_term(args) else _exit_on_signal)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # FAKE_VLLM_THROWAWAY_IGNORES_TERM: ignored from the start
+            signal.signal(sig, _exit_on_signal)
     setup_logging("EngineCore")
     log = logging.getLogger("vllm.v1.engine.core")
     sock = socket.socket(fileno=fd)
@@ -434,10 +435,6 @@ class Server:
         return web.Response(text=text, content_type="text/plain")
 
 
-def ignores_term(args: argparse.Namespace) -> bool:
-    return args.load_format == "dummy" and os.environ.get("FAKE_VLLM_THROWAWAY_IGNORES_TERM") == "1"
-
-
 async def api_server_main(args: argparse.Namespace) -> int:
     setup_logging("APIServer")
     srv = Server(args)
@@ -464,7 +461,7 @@ async def api_server_main(args: argparse.Namespace) -> int:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     loop = asyncio.get_running_loop()
-    if not ignores_term(args):
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
         loop.add_signal_handler(signal.SIGTERM, srv.stop.set)
     if os.environ.get("FAKE_VLLM_PLATFORM_ENV"):
         importlib.import_module("vllm.platforms").current_platform.check_and_update_config(args)

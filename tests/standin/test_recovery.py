@@ -174,10 +174,14 @@ def no_throwaway_within(seconds: float) -> bool:
     return not throwaways()
 
 
-def throwaways() -> list[list[str]]:
+def throwaway_processes() -> list[psutil.Process]:
     """The precompile's throwaway engines running now (the stand-in with dummy weights)."""
-    return [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+    return [p for p in psutil.process_iter(["cmdline"])
             if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
+
+
+def throwaways() -> list[list[str]]:
+    return [p.info["cmdline"] for p in throwaway_processes()]
 
 
 @precompiling
@@ -232,9 +236,8 @@ def test_a_throwaway_slow_to_stop_is_gone_before_the_next_start(supervise: Calla
         assert no_throwaway_within(1.0)  # SIGKILLed after its grace, before the next engine started
         sup.wait_ready(30, restarts=1)
     finally:  # a throwaway left running ignores SIGTERM and is in no session the fixture stops
-        for p in psutil.process_iter(["cmdline"]):
-            if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or []):
-                p.kill()
+        for p in throwaway_processes():
+            p.kill()
 
 
 @precompiling
