@@ -246,14 +246,14 @@ def test_a_throwaway_slow_to_stop_is_gone_before_the_next_start(supervise: Calla
 @precompiling
 def test_a_failed_precompile_quotes_its_last_lines_with_secrets_masked(supervise: Callable[..., Sup]) -> None:
     key = "sk-precompile-secret-1"
-    # The throwaway prints its args at once but answers /health only after 4 s: it times out after 2.5 s
+    # The throwaway prints its args at once but answers /health only after 4 s: it times out after 3.5 s
     # (long enough for the args line on a loaded machine), quoting that line.
     sup = supervise({"engine": {"args": {"api_key": key}, "env": {"FAKE_VLLM_START_DELAY": "4"}},
-                     "recovery": {"precompile": "on", "precompile_idle_s": 0.2, "precompile_timeout_s": 2.5}})
+                     "recovery": {"precompile": "on", "precompile_idle_s": 0.2, "precompile_timeout_s": 3.5}})
     sup.wait_ready(30)
     sup.wait_for(lambda _: bool(sup.events("engine.rung_precompiled")), 30, "the precompile's end")
     ev = sup.events("engine.rung_precompiled")[0]
-    assert ev["ok"] is False and "no /health 200 within 2.5s" in ev["error"], ev
+    assert ev["ok"] is False and "no /health 200 within 3.5s" in ev["error"], ev
     assert "'api_key': '***'" in ev["error"], ev  # vLLM's args line, quoted with the key masked
     assert key not in sup.log_path.read_text()
 
