@@ -38,7 +38,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 # The stand-in tier mostly waits on real processes: three workers (xdist) overlap the waits on 2 cores.
-PARALLEL  ?= -n 3 --dist loadgroup
+PARALLEL  ?= -n 3
 
 test-unit: install
 	$(VENV)/bin/pytest tests/unit

@@ -162,29 +162,37 @@ def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
     launcher.cleanup()
 
 
-# Throwaway engines are found by a scan of every process: these tests run one at a time (one xdist group).
-precompiling = pytest.mark.xdist_group("precompile")
-
-
-def no_throwaway_within(seconds: float) -> bool:
-    """No throwaway process left within ``seconds`` (one SIGKILLed a moment ago may still be leaving /proc)."""
+def no_throwaway_within(sup: Sup, seconds: float) -> bool:
+    """No throwaway process of ``sup``'s left within ``seconds`` (one SIGKILLed a moment ago may still be leaving
+    /proc)."""
     deadline = time.monotonic() + seconds
-    while throwaways() and time.monotonic() < deadline:
+    while throwaways(sup) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not throwaways()
+    return not throwaways(sup)
 
 
-def throwaway_processes() -> list[psutil.Process]:
-    """The precompile's throwaway engines running now (the stand-in with dummy weights)."""
-    return [p for p in psutil.process_iter(["cmdline"])
-            if "dummy" in (p.info["cmdline"] or []) and str(FAKE_VLLM) in (p.info["cmdline"] or [])]
+def throwaway_processes(sup: Sup) -> list[psutil.Process]:
+    """The throwaway engines (the stand-in with dummy weights) that ``sup``'s precompile started, running now.
+    Only its own: the tests run beside each other (xdist), and another test's throwaway is none of this one's
+    business (a machine-wide scan, with its cleanup SIGKILLing what it found, made three of these tests fail in
+    CI on 2026-12-02)."""
+    mine = []
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info["cmdline"] or []
+        if "dummy" not in argv or str(FAKE_VLLM) not in argv:
+            continue
+        try:
+            if p.environ().get("VLLM_SUPERVISOR_PID") == str(sup.proc.pid):
+                mine.append(p)
+        except psutil.Error:
+            continue
+    return mine
 
 
-def throwaways() -> list[list[str]]:
-    return [p.info["cmdline"] for p in throwaway_processes()]
+def throwaways(sup: Sup) -> list[list[str]]:
+    return [p.info["cmdline"] for p in throwaway_processes(sup)]
 
 
-@precompiling
 def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
         supervise: Callable[..., Sup]) -> None:
     sup = supervise({"recovery": {"precompile": "on", "precompile_idle_s": 0.5}})
@@ -201,27 +209,24 @@ def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
     logged = [json.loads(line) for line in sup.log_path.read_text().splitlines()
               if '"precompile.started"' in line]
     assert logged and f":{logged[0]['port']}" not in sup.engine_url
-    assert throwaways() == []
+    assert throwaways(sup) == []
 
 
-@precompiling
 def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(supervise: Callable[..., Sup]) -> None:
     sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "4", "FAKE_VLLM_OOM_TOKENS": "5000"}},
                      "recovery": {"precompile": "on", "precompile_idle_s": 0.2}})
     sup.wait_ready(30)
     # "precompiling" turns true when the task is made, before its process is spawned: wait for the process and
-    # its engine core. (Killed within its first 50 ms, a throwaway was twice seen alive 1 s into the next start
-    # in CI; not explained yet: see the closing note of 2026-12-02.)
-    sup.wait_for(lambda s: s["next_start"]["precompiling"] and len(throwaways()) >= 2, 30,
+    # its engine core.
+    sup.wait_for(lambda s: s["next_start"]["precompiling"] and len(throwaways(sup)) >= 2, 30,
                  "a throwaway engine and its engine core")
     assert send_long_prompt(sup) == 500  # the engine dies while the throwaway is still starting (4 s)
     sup.wait_for(lambda s: s["state"] == "STARTING", 30, "the restart")
-    assert no_throwaway_within(1.0)  # gone before the next engine started
+    assert no_throwaway_within(sup, 1.0)  # gone before the next engine started
     sup.wait_ready(30, restarts=1)
     assert not [e for e in sup.events("engine.rung_precompiled") if e["ok"]]
 
 
-@precompiling
 def test_a_throwaway_slow_to_stop_is_gone_before_the_next_start(supervise: Callable[..., Sup]) -> None:
     """A CI flake of 2026-12-02: the engine's end cancelled the precompile, the next start's wait for it cancelled
     it again, and that second cancel landed in its cleanup: the throwaway, ignoring SIGTERM, was never SIGKILLed
@@ -232,18 +237,17 @@ def test_a_throwaway_slow_to_stop_is_gone_before_the_next_start(supervise: Calla
     try:
         sup.wait_ready(30)
         # Both of its processes up: past its imports, so SIGTERM is ignored (an interpreter still starting dies).
-        sup.wait_for(lambda s: s["next_start"]["precompiling"] and len(throwaways()) >= 2, 30,
+        sup.wait_for(lambda s: s["next_start"]["precompiling"] and len(throwaways(sup)) >= 2, 30,
                      "a throwaway engine and its engine core")
         assert send_long_prompt(sup) == 500
         sup.wait_for(lambda s: s["state"] == "STARTING", 30, "the restart")
-        assert no_throwaway_within(1.0)  # SIGKILLed after its grace, before the next engine started
+        assert no_throwaway_within(sup, 1.0)  # SIGKILLed after its grace, before the next engine started
         sup.wait_ready(30, restarts=1)
     finally:  # a throwaway left running ignores SIGTERM and is in no session the fixture stops
-        for p in throwaway_processes():
+        for p in throwaway_processes(sup):
             p.kill()
 
 
-@precompiling
 def test_a_failed_precompile_quotes_its_last_lines_with_secrets_masked(supervise: Callable[..., Sup]) -> None:
     key = "sk-precompile-secret-1"
     # The throwaway prints its args at once but answers /health only after 4 s: it times out after 3.5 s
@@ -258,7 +262,6 @@ def test_a_failed_precompile_quotes_its_last_lines_with_secrets_masked(supervise
     assert key not in sup.log_path.read_text()
 
 
-@precompiling
 def test_a_throwaway_engine_left_by_a_sigkilled_supervisor_is_stopped_by_the_next_one(
         supervise: Callable[..., Sup]) -> None:
     """Issue 16, item 13: a precompile throwaway outlived a SIGKILLed supervisor; the next one did not stop it
@@ -267,11 +270,11 @@ def test_a_throwaway_engine_left_by_a_sigkilled_supervisor_is_stopped_by_the_nex
                  "recovery": {"precompile": "on", "precompile_idle_s": 0.2, "precompile_timeout_s": 60.0}}
     sup = supervise(overrides)
     sup.wait_ready(30)
-    sup.wait_for(lambda s: s["next_start"]["precompiling"] and bool(throwaways()), 30, "a throwaway engine running")
+    sup.wait_for(lambda s: s["next_start"]["precompiling"] and bool(throwaways(sup)), 30, "a throwaway engine running")
     assert (sup.state_dir / "precompile.json").exists()
     sup.proc.kill()
     sup.proc.wait()
-    assert throwaways()  # it outlives the supervisor: its own session
+    assert throwaways(sup)  # it outlives the supervisor: its own session
     again = supervise({**overrides, "state": {"dir": str(sup.state_dir)}})
     again.wait_ready(30)
     stopped = {e["what"] for e in again.events("engine.leftover_stopped")}
