@@ -379,20 +379,37 @@ def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
     return events if killed else None
 
 
+def whole_from_one_engine(events: list[Any]) -> bool:
+    """The stream is complete and clean: [DONE] once, no error event, all 1,500 tokens."""
+    chunks = [e for e in events if isinstance(e, dict)]
+    usage = [e["usage"] for e in chunks if e.get("usage")]
+    return (events[-1] == "[DONE]" and not [e for e in chunks if "error" in e]
+            and [u["completion_tokens"] for u in usage] == [1500])
+
+
 def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: Sup) -> None:
     """Issue 17: a stream cut after tokens reached the client goes on on the next engine as one stream."""
     before = sup.status()
     assert before is not None
     # Greedy: sampled, the random tiny model sometimes makes hundreds of tokens of empty text first, which the
     # gateway rightly holds (nothing of substance has reached the client); greedy, its first text is token 9.
-    # Some runs here and in CI got their first text only once vLLM had made the whole stream (its API server
-    # sent nothing until then; why was not found): the kill then cut nothing. That premise is checked, not assumed.
-    sup.wait_for(lambda s: bool((s["next_start"]["standby"] or {}).get("imported_s")), START_S, "the standby")
+    # Here vLLM's API server at times sends a whole stream only once it has made all of it (measured on its own
+    # port under the supervisor, not with a bare vLLM; why was not found), and /metrics may still count the
+    # request running then (CI, 2026-12-02): a kill then cuts nothing. So the premise is checked before the kill
+    # and after it (a clean whole stream with no continuation: try again once the engine is back).
+    restarts = before["restarts"]
     for _ in range(4):
+        sup.wait_for(lambda s: bool((s["next_start"]["standby"] or {}).get("imported_s")), START_S, "the standby")
+        continued = len(sup.events("gateway.stream_continued"))
         events = stream_killed_mid_generation(sup)
-        if events is not None:
+        if events is None:
+            continue
+        restarts += 1
+        if len(sup.events("gateway.stream_continued")) > continued or not whole_from_one_engine(events):
             break
-    assert events is not None, "in 4 streams, vLLM had always made the whole stream before the client had text"
+        sup.wait_ready(START_S, restarts=restarts)  # the kill came after vLLM had made the whole stream
+        events = None
+    assert events is not None, "in 4 streams, vLLM had always made the whole stream before the kill"
     chunks = [e for e in events if isinstance(e, dict)]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert not [e for e in chunks if "error" in e], [e for e in chunks if "error" in e]
@@ -401,7 +418,7 @@ def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: S
     assert usage["completion_tokens"] == 1500, usage  # counted once: the tokens before the death and after it
     # One chunk a token, except where vLLM merged the tokens of a client that read slowly into one chunk.
     assert 1400 <= len([c for e in chunks for c in e["choices"]]) <= 1500
-    st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
+    st = sup.wait_ready(START_S, restarts=restarts)
     assert st["gateway"]["streams_continued"] >= 1 and st["gateway"]["streams_broken"] == 0
     assert sup.events("gateway.stream_continued")[-1]["tokens_sent"] >= 10
 
