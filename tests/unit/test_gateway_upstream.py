@@ -1,0 +1,100 @@
+"""The gateway's connections to the engine (proxy.send): a pooled keep-alive connection the engine closed is not
+the client's failure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from supervisor.gateway import proxy
+from supervisor.gateway.streams import StreamState
+
+ANSWER = json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": "ok"}]}).encode()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bool:
+    head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+    if not head:
+        return False
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+    return True
+
+
+class Engine:
+    """An engine whose keep-alive runs out the way uvicorn's does on a busy host: each connection answers its
+    first request and keeps the connection open, then closes it when the next request arrives on it, unanswered."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.dropped = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if await read_request(reader):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
+                await writer.drain()
+                self.answered += 1
+            if await read_request(reader):
+                self.dropped += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def through_gateway(url: str, requests: int) -> list[int]:
+    """The statuses ``requests`` clients get, one after another, from a gateway relaying to ``url``."""
+    async with proxy.new_session() as session:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            out = await proxy.forward(session, url, request, await request.read(), "gw-1", StreamState("completions"),
+                                      cuttable=True)
+            if isinstance(out, proxy.Unsent):
+                return out.response("gw-1")
+            assert isinstance(out, web.StreamResponse)
+            return out
+
+        front = web.Application()
+        front.router.add_post("/v1/completions", handler)
+        async with TestServer(front) as gw, aiohttp.ClientSession() as client:
+            statuses = []
+            for _ in range(requests):
+                async with client.post(gw.make_url("/v1/completions"), json={"prompt": "hi"}) as resp:
+                    await resp.read()
+                    statuses.append(resp.status)
+            return statuses
+
+
+async def test_a_pooled_connection_the_engine_closed_is_retried_on_a_new_one() -> None:
+    engine = Engine()
+    server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        statuses = await through_gateway(f"http://127.0.0.1:{port}/v1/completions", 4)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert statuses == [200, 200, 200, 200]  # the old relay answered 502 from the second request on
+    assert engine.dropped >= 1 and engine.answered == 4
+
+
+async def test_an_engine_that_refuses_connections_is_not_retried() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once it is closed
+    t0 = time.monotonic()
+    async with proxy.new_session() as session:
+        with pytest.raises(aiohttp.ClientConnectorError) as refused:
+            await proxy.send(session, "POST", f"http://127.0.0.1:{port}/v1/completions", b"{}",
+                             proxy.passed({}, "gw-1"))
+    assert not proxy.stale_connection(refused.value)
+    assert time.monotonic() - t0 < 1.0
