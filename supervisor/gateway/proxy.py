@@ -3,10 +3,9 @@
 A non-streaming answer is read whole before the client sees anything, and a stream's events are
 held until one carries text, reasoning or a tool call: until then nothing of substance has reached
 the client, so a request the engine lost on its way down can be sent again to the next engine
-(``Unsent``). Once a stream
-is under way, an engine that dies under it leaves it open (``Cut``) for the gateway to continue on
-the next engine (``resume``, see streams.py), or, where that cannot be faithful, ends it with an
-OpenAI-style error event and [DONE].
+(``Unsent``). Once a stream is under way, an engine that dies under it leaves it open (``Cut``) for
+the gateway to continue on the next engine (``resume``, see streams.py), or, where that cannot be
+faithful, ends it with an OpenAI-style error event and [DONE].
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ class Precompiler:
 
 def _cancel_once(task: asyncio.Task[None]) -> None:
     """Cancel ``task`` unless it is done or already being cancelled: a second cancel would land in its cleanup
-    (stopping the throwaway's processes) and leave them running into the next start (a CI flake, 2026-12-02)."""
+    (stopping the throwaway's processes) and leave a throwaway slow to stop running into the next start."""
     if not task.done() and not task.cancelling():
         task.cancel()
 

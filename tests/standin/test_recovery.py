@@ -174,7 +174,7 @@ def no_throwaway_within(sup: Sup, seconds: float) -> bool:
 def throwaway_processes(sup: Sup) -> list[psutil.Process]:
     """The throwaway engines (the stand-in with dummy weights) that ``sup``'s precompile started, running now.
     Only its own: the tests run beside each other (xdist), and another test's throwaway is none of this one's
-    business (a machine-wide scan, with its cleanup SIGKILLing what it found, made three of these tests fail in
+    business (a machine-wide scan, with one test's cleanup SIGKILLing what it found, made these tests fail in
     CI on 2026-12-02)."""
     mine = []
     for p in psutil.process_iter(["cmdline"]):
@@ -230,9 +230,10 @@ def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(
 
 
 def test_a_throwaway_slow_to_stop_is_gone_before_the_next_start(supervise: Callable[..., Sup]) -> None:
-    """A CI flake of 2026-12-02: the engine's end cancelled the precompile, the next start's wait for it cancelled
-    it again, and that second cancel landed in its cleanup: the throwaway, ignoring SIGTERM, was never SIGKILLed
-    and ran on beside the next engine. Here it ignores SIGTERM, so its stop takes the whole 5 s grace."""
+    """Found while chasing a CI flake (whose cause turned out to be another test's cleanup): the engine's end
+    cancelled the precompile, the next start's wait for it cancelled it again, and that second cancel landed in
+    its cleanup: a throwaway ignoring SIGTERM was never SIGKILLed and ran on beside the next engine. Here it
+    ignores SIGTERM, so its stop takes the whole 5 s grace."""
     sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "4", "FAKE_VLLM_OOM_TOKENS": "5000",
                                         "FAKE_VLLM_THROWAWAY_IGNORES_TERM": "1"}},
                      "recovery": {"precompile": "on", "precompile_idle_s": 0.2}})
