@@ -10,7 +10,8 @@ PART=crash  (a) the gateway in front with its memory rules off (as in the field)
             from READY on; once the precompile of the next rung ended, another process takes all but 16 MiB
             and stays; the long prompt through the gateway dies of a real CUDA OOM. Client failures, the long
             prompt's answer, death -> READY against the warm-cache cold start.
-PART=recovery (b) no gateway: the long prompt straight to vLLM; the other process leaves once the death is seen.
+PART=recovery (b) the gateway at its defaults but no clients: the long prompt straight to vLLM's port; the other
+            process leaves once the death is seen.
 PART=shed   (c) the gateway at its defaults, 16 clients; the other process leaves 16 MiB, then 300 MiB: the long
             prompt's answers, and the same prompt once the card is free.
 Every prompt is counted first with the engine's /tokenize; a part stops at once, saying why, when the prompt
@@ -138,7 +139,8 @@ def prepared(log: Path) -> None:
               or time.monotonic() - t > PRECOMPILE_WAIT_S, "the precompile")
     done = events_in(log, "engine.rung_precompiled")
     note(f"after {time.monotonic() - t:.0f}s: precompiles {[(e['profile'], e['ok'], e['took_s']) for e in done]}; "
-         f"precompile {st and st['next_start'].get('precompile')}; standby {st and st['next_start']['standby']}")
+         f"precompile {st and st['next_start'].get('precompile')}; standby {st and st['next_start']['standby']}; "
+         f"spare {st and st['next_start'].get('spare')}")
 
 
 def main() -> int:
@@ -148,7 +150,8 @@ def main() -> int:
     fresh = not os.environ.get("CACHE")
     state = Path(f"/tmp/sup-state-{part}")
     gateway = {"crash": f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n',
-               "shed": f'[gateway]\nlisten = "{GW}"\n', "recovery": ""}[part]
+               "shed": f'[gateway]\nlisten = "{GW}"\n', "recovery": f'[gateway]\nlisten = "{GW}"\n'}[part]
+    with_clients = part != "recovery"  # (b) measures the recovery alone; its prompt goes to vLLM's own port
     cfg = Path(f"/tmp/sup-{part}.toml")
     cfg.write_text(toml(state, cache, gateway))
     log = OUT / f"supervisor-{part}.log"
@@ -168,7 +171,7 @@ def main() -> int:
         st = ready(sup, log, "READY from the warm cache")
         cold = float(st["timings"]["start_to_ready_s"])
         note(f"{part}: warm-cache cold start {cold:.1f}s; phases {st['timings']['phases']}")
-        if gateway:
+        if with_clients:
             clients.start()
         prepared(log)
         n = counted(LONG, "m", MAX_LEN)
@@ -176,14 +179,14 @@ def main() -> int:
         if part == "shed":
             return shed(clients, n)
         hog = start_hog()
-        url = f"http://{GW}/v1/completions" if gateway else f"http://127.0.0.1:{PORT}/v1/completions"
+        url = f"http://{GW}/v1/completions" if with_clients else f"http://127.0.0.1:{PORT}/v1/completions"
         t_sent = time.monotonic()
         answer: dict[str, Any] = {}
         sender = threading.Thread(target=lambda: answer.update(
             zip(("code", "body", "headers"), http(url, {"model": "m", "prompt": LONG, "max_tokens": 4}, 900),
                 strict=True)), daemon=True)
         sender.start()
-        if not gateway:
+        if not with_clients:
             sender.join()
         died_or_stop(answer.get("code", 0), answer.get("body"))
         if part == "recovery":
@@ -199,7 +202,7 @@ def main() -> int:
         phases = [("warm cold start", st_phases(log, 0)), ("recovery", st["timings"]["phases"])]
         for name in dict.fromkeys(k for _, p in phases for k in p):
             note(f"  {name:<26}" + "".join(f"{p.get(name, 0.0):12.2f}" for _, p in phases))
-        if gateway:
+        if with_clients:
             sender.join(900)
             note(f"the long prompt through the gateway: HTTP {answer.get('code')} after "
                  f"{time.monotonic() - t_sent:.1f}s: {str(answer.get('body'))[:200]}")
@@ -208,7 +211,7 @@ def main() -> int:
         note(f"STOPPED: {why}")
         return 1
     finally:
-        if gateway:
+        if with_clients:
             note(clients.finish())
             last = status()
             note(f"gateway: {last and last.get('gateway')}")
@@ -217,7 +220,8 @@ def main() -> int:
         if sup is not None and sup.poll() is None:
             stop_supervisor(sup)
         for name in ("gpu.utilization_adapted", "gpu.not_enough_free", "engine.failed", "engine.profile_lowered",
-                     "engine.profile_changed", "gateway.stream_continued", "engine.rung_precompiled"):
+                     "engine.profile_changed", "gateway.stream_continued", "engine.rung_precompiled",
+                     "spare.asleep", "spare.woken", "spare.dropped", "engine.spawned"):
             for e in events_in(log, name)[:6]:
                 note(json.dumps(e)[:400])
         (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")

@@ -321,6 +321,11 @@ class RecoveryConfig:
     precompile: str = "auto"
     precompile_idle_s: float = 30.0  # after this long READY with nothing at the engine
     precompile_timeout_s: float = 600.0
+    # Keep the next rung's precompile throwaway as a whole engine, asleep (vLLM's sleep mode: weights in host
+    # memory, ~2 GiB left on the card), and wake it instead of starting one when the engine fails into that
+    # rung (recovery/spare.py). "auto": on a GPU host with the gateway in front, when the card holds it beside
+    # the engine and the host's memory holds its weights.
+    spare: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -645,6 +650,7 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         need("kv_cache_high", 0 <= obj.kv_cache_high <= 1, "must be a fraction in [0, 1] (0 switches the rule off)")
     elif isinstance(obj, RecoveryConfig):
         need("precompile", obj.precompile in PRECOMPILE_MODES, "must be one of auto, on, off")
+        need("spare", obj.spare in PRECOMPILE_MODES, "must be one of auto, on, off")
         for key in ("precompile_idle_s", "precompile_timeout_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
     elif isinstance(obj, LogConfig):
@@ -708,6 +714,10 @@ def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
     if engine is not None and admin is not None and admin.metrics_listen \
             and admin.metrics_host_port[1] in (engine.port, admin.host_port[1]):
         out.append(("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))
+    recovery = built.get("recovery")
+    if recovery is not None and recovery.spare == "on" and gateway is None:
+        out.append(("recovery.spare", '"on" needs a [gateway] table: a spare engine listens on a port of its own, '
+                    'which only the gateway follows (clients talking to engine.port directly would lose it)'))
     return out
 
 

@@ -70,6 +70,7 @@ class Ready:
     warmup_prompts: tuple[int, ...]
     engine_version: str | None = None
     from_standby: bool = False
+    from_spare: bool = False  # a spare engine was woken: nothing was built
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.timings, "phases": dict(self.phases)}
@@ -155,6 +156,7 @@ class EngineSpawned(Event):
     start: int
     argv: tuple[str, ...]  # secrets already masked
     standby: bool = False  # an interpreter that had imported vLLM already became this engine
+    spare: bool = False  # a spare engine, woken, became this engine (nothing was spawned)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -552,6 +554,44 @@ class PrecompileCrashed(Event):
     level = "warning"
     profile: Profile
     error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareAsleep(Event):
+    """The next rung's engine is built and asleep: the start that wants that rung wakes it (recovery/spare.py)."""
+
+    name = "spare.asleep"
+    pid: int
+    port: int
+    profile: Profile
+    took_s: float  # spawn -> asleep
+    sleep_s: float
+    held_awake_mib: int  # what its processes held on the card awake, and asleep (NVML)
+    held_asleep_mib: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareWoken(Event):
+    name = "spare.woken"
+    pid: int
+    port: int
+    profile: Profile
+    took_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareDropped(Event):
+    """The spare was stopped: it no longer serves the next start, or it failed (``fault``)."""
+
+    name = "spare.dropped"
+    pid: int
+    profile: Profile
+    reason: str
+    fault: bool = False
+    hint: str = "the next start at that rung is cold (the standby and the compile cache still help)"
+
+    def log_level(self) -> str:
+        return "warning" if self.fault else "info"
 
 
 def _jsonable(v: Any) -> Any:

@@ -243,7 +243,7 @@ class Lifecycle:
             "failures_in_a_row": self.policy.in_a_row,
             "last_failure": self.last_failure,
             "engine_pid": run_status["engine_pid"],
-            "engine_url": self.cfg.engine.base_url,
+            "engine_url": engine_url(self),
             "start": self.starts,
             "phase": run_status["phase"],
             "startup": run_status["startup"],
@@ -436,6 +436,11 @@ async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], Non
         publish(IncidentWriteFailed(at=host.wall(), error=str(exc)))
         return None
     return str(path)
+
+
+def engine_url(life: Lifecycle) -> str:
+    """Where the current engine listens: engine.port, or the port of a spare that became the engine."""
+    return life.run.client.base_url if life.run is not None else life.cfg.engine.base_url
 
 
 def floor_trial(decision: Decision, ladder: LadderConfig) -> Decision:

@@ -56,6 +56,7 @@ from supervisor.profile import Profile
 R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
+SPARE_WAKE_BOUND_S = 140.0  # recovery/spare.py: its /wake_up (WAKE_TIMEOUT_S) and the /health after it
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,14 @@ class Timeline:
     started: float
     spawned: float | None = None
     healthy: float | None = None
+    ready: float | None = None
+
+    def timings(self) -> dict[str, float]:
+        if self.healthy is None or self.ready is None:
+            return {}
+        return {"start_to_healthy_s": round(self.healthy - self.started, 3),
+                "warmup_s": round(self.ready - self.healthy, 3),
+                "start_to_ready_s": round(self.ready - self.started, 3)}
 
 
 @dataclass(frozen=True)
@@ -108,11 +117,24 @@ class Prepared(Protocol):
     async def activate(self, argv: Sequence[str], env: Mapping[str, str], fork: bool) -> Child: ...
 
 
+class Woken(Protocol):
+    """A whole engine that was kept asleep and is awake now (recovery's spare): it becomes this start's engine."""
+
+    profile: Profile
+    url: str
+    work: Path
+    argv: tuple[str, ...]
+    version: str | None
+
+    async def hand_over(self) -> Child: ...
+
+
 class StandbySource(Protocol):
-    """Where a start takes its standby from, at the moment it spawns (recovery)."""
+    """Where a start takes its standby (at the moment it spawns) or its spare (at its gates) from: recovery."""
 
     def take(self) -> Prepared | None: ...
     def lost(self, standby: Any, error: str) -> None: ...
+    async def spare_for(self, profile: Profile) -> Woken | None: ...
 
 
 class EngineRun:
@@ -135,10 +157,10 @@ class EngineRun:
         self.child: Child | None = None
         self.standby = standby  # asked for an interpreter that becomes the engine instead of a cold spawn
         self.from_standby = False
+        self.spare: Woken | None = None  # woken at the gates: the start adopts it instead of spawning
         self.monitor: Monitor | None = None  # from the spawn on
         self.t = Timeline(host.monotonic())
         self.deadline = self.t.started  # by when the current step must be over (the watchdog's measure)
-        self._timings: dict[str, float] = {}
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ---- triggers ---------------------------------------------------------------------------
@@ -195,6 +217,13 @@ class EngineRun:
         """The model and the GPU memory, before anything is spawned: None to go on, an adapted profile to start
         at (this run takes it; the lifecycle records it), or the trigger that ends the start."""
         e = self.cfg.engine
+        if self.standby is not None:
+            self._expect(e.stop_timeout_s + e.kill_timeout_s + SPARE_WAKE_BOUND_S)  # a spare stopped, or woken
+            spare = await self._race(self.standby.spare_for(self.profile))
+            if isinstance(spare, Trigger):
+                return spare
+            if spare is not None:
+                return self._adopting(spare)
         self._expect(e.model_wait_s + self.cfg.gpu.free_wait_s + 30.0)
         gated = await self._race(gates.every_gate(self.cfg, self.host, self.publish, self.profile))
         if isinstance(gated, tuple):
@@ -203,8 +232,20 @@ class EngineRun:
             self.profile = gated.profile
         return gated
 
+    def _adopting(self, spare: Woken) -> Adapted | None:
+        """This start takes the woken spare: its profile (the utilization it started at), its port, its events."""
+        self.spare = spare
+        self.client.base_url = spare.url
+        self.server = ipc.EventServer(spare.work / "events.sock", self.seen.on_event)
+        self.seen.engine_version = spare.version
+        if spare.profile == self.profile:
+            return None
+        self.profile = spare.profile
+        return Adapted(spare.profile, "a spare engine built beside the last one became this engine, at the "
+                                      "gpu_memory_utilization that fitted beside it")
+
     async def start(self) -> Trigger | Healthy:
-        """Spawn, and wait for /health 200."""
+        """Spawn (or adopt the woken spare), and wait for /health 200."""
         e = self.cfg.engine
         argv = launch.build_argv(e, self.profile, self.cfg.health.hang_timeout_s)
         sock = self.run_dir / "events.sock"
@@ -212,13 +253,14 @@ class EngineRun:
         await self.server.start()
         env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())
         try:
-            self.child = await self._spawn(argv, env)
+            self.child = await self.spare.hand_over() if self.spare is not None else await self._spawn(argv, env)
         except OSError as exc:
             evidence = f"could not start the engine command {argv[0]!r}: {exc}"
             return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(FailureKind.CONFIG_ERROR, evidence))
         child = self.child
-        self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number,
-                                   argv=tuple(launch.masked(argv, self.secrets)), standby=self.from_standby))
+        shown = self.spare.argv if self.spare is not None else tuple(launch.masked(argv, self.secrets))
+        self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number, argv=shown,
+                                   standby=self.from_standby, spare=self.spare is not None))
         try:
             leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
                 child.sid, self.host.birth(child.pid), os.getpid()))
@@ -281,14 +323,12 @@ class EngineRun:
             return self.trigger(TriggerKind.WARMUP_FAILED, str(exc))
         if warmed is not None:
             return warmed
-        t_ready = self.host.monotonic()
         t = self.t
+        t.ready = self.host.monotonic()
         assert t.healthy is not None
-        self._timings = {"start_to_healthy_s": round(t.healthy - t.started, 3),
-                         "warmup_s": round(t_ready - t.healthy, 3),
-                         "start_to_ready_s": round(t_ready - t.started, 3)}
-        phases = startup.phases(t.started, t.spawned, self.seen.steps, t.healthy, t_ready)
-        return Ready(self._timings, phases, tuple(sizes), self.seen.engine_version, self.from_standby)
+        phases = startup.phases(t.started, t.spawned, self.seen.steps, t.healthy, t.ready)
+        return Ready(t.timings(), phases, tuple(sizes), self.seen.engine_version, self.from_standby,
+                     self.spare is not None)
 
     async def _warm(self, w: WarmupConfig, sizes: list[int]) -> None:
         await warmup.run(self.client, sizes, w)
@@ -343,17 +383,12 @@ class EngineRun:
             failure = trigger.failure or classify(
                 events=list(self.seen.events), lines=self.seen.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
                 trigger=trigger.evidence, hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)
-        return Verdict(trigger, failure, phase, rc, report, stacks, self._evidence())
-
-    def stop_bound(self, planned: bool) -> float:
-        e = self.cfg.engine
-        grace = e.stop_timeout_s if planned else e.failed_stop_timeout_s
-        return grace + e.kill_timeout_s + DRAIN_S + self.cfg.gpu.release_timeout_s + 10.0
+        return Verdict(trigger, failure, phase, rc, report, stacks, evidence_of(self))
 
     async def stop(self, planned: bool) -> StopReport | None:
         """Kill the whole tree, drain the pipes, wait for GPU memory to be released."""
         self.seen.ending = True
-        self._expect(self.stop_bound(planned))
+        self._expect(stop_bound(self.cfg, planned))
         child = self.child
         report = None
         if child is not None:
@@ -403,12 +438,19 @@ class EngineRun:
         self.server.close()
         await self.client.close()
 
-    def _evidence(self) -> dict[str, Any]:
-        """What went into the verdict, for the incident bundle (secrets masked by the writer)."""
-        events, lines = list(self.seen.events), self.seen.tail.snapshot()
-        return {"requests_in_batch": batch(lines, events), "engine_version": self.seen.engine_version,
-                "events": events[-100:], "log_tail": lines[-400:], "timings": self._timings,
-                "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
-                             "vllm": self.seen.engine_version},
-                "argv": launch.masked(launch.build_argv(self.cfg.engine, self.profile, self.cfg.health.hang_timeout_s),
-                                      self.secrets)}
+
+def evidence_of(run: EngineRun) -> dict[str, Any]:
+    """What went into the verdict, for the incident bundle (secrets masked by the writer)."""
+    events, lines = list(run.seen.events), run.seen.tail.snapshot()
+    return {"requests_in_batch": batch(lines, events), "engine_version": run.seen.engine_version,
+            "events": events[-100:], "log_tail": lines[-400:], "timings": run.t.timings(),
+            "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
+                         "vllm": run.seen.engine_version},
+            "argv": list(run.spare.argv) if run.spare is not None else launch.masked(
+                launch.build_argv(run.cfg.engine, run.profile, run.cfg.health.hang_timeout_s), run.secrets)}
+
+
+def stop_bound(cfg: Config, planned: bool) -> float:
+    e = cfg.engine
+    grace = e.stop_timeout_s if planned else e.failed_stop_timeout_s
+    return grace + e.kill_timeout_s + DRAIN_S + cfg.gpu.release_timeout_s + 10.0

@@ -70,6 +70,7 @@ class EngineView:
     restart_eta_s: float = 30.0
     slowest_start_s: float | None = None  # start -> READY, the slowest this host has measured (state.json)
     restarting: bool = False  # the supervisor is bringing the engine back (a restart it began is under way)
+    url: str | None = None  # where the engine listens now (a spare that became the engine has its own port)
 
 
 class Gateway:
@@ -153,6 +154,8 @@ class Gateway:
     # ---- the event stream ------------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         if isinstance(event, StateChanged):
+            # Before the gate opens: a spare that became the engine listens on a port of its own.
+            self.client.base_url = self.view().url or self.cfg.engine.base_url
             self.gate.on_state(event.old, event.new)
             if event.ready is not None:
                 self.proven_tokens = max(event.ready.warmup_prompts, default=0)
@@ -254,7 +257,6 @@ class Gateway:
 
     async def _through(self, request: web.Request, route: str | None, flight: Flight, parsed: Parsed | None,
                        body: bytes) -> web.StreamResponse:
-        url = self.client.base_url + str(request.rel_url)
         while True:
             await self._admit(flight)
             if flight.quarantined:
@@ -270,6 +272,7 @@ class Gateway:
                     self.gate.leave(flight)
                     return self.answers.reject(flight.rid, refused)
             state = StreamState(route or "")
+            url = self.client.base_url + str(request.rel_url)  # after the admission: a restart may move the engine
             out = await proxy.forward(self.session, url, request, body, flight.rid, state,
                                       cuttable=route in streams.CONTINUABLE_ROUTES)
             if isinstance(out, proxy.Cut):
@@ -309,7 +312,6 @@ class Gateway:
     async def _continue(self, request: web.Request, flight: Flight, body: bytes, cut: proxy.Cut) -> web.StreamResponse:
         """A stream the engine died under, after text reached the client: continued on the next engine as the
         same stream (streams.py), or ended with an error event where that cannot be faithful."""
-        url = self.client.base_url + str(request.rel_url)
         while True:
             # Built from the client's body: in the parser pool when it is big (the loop runs supervision).
             more = await self.parser.run(len(body), streams.continue_request, body, cut.state)
@@ -334,6 +336,7 @@ class Gateway:
             self.counters["streams_continued"] += 1
             self.publish(StreamContinued(at=self.host.wall(), request_id=flight.rid, resumed=cut.state.resumed + 1,
                                          tokens_sent=cut.state.tokens, why=cut.why))
+            url = self.client.base_url + str(request.rel_url)
             out = await proxy.resume(self.session, url, request, more.body, flight.rid, cut)
             if not isinstance(out, proxy.Cut):
                 self.gate.leave(flight)

@@ -23,6 +23,8 @@ from supervisor.host.proctree import Birth
 
 FILENAME = "engine.json"
 PRECOMPILE = "precompile.json"
+SPARE = "spare.json"  # recovery/spare.py: a throwaway kept asleep, apart from the precompile that may follow it
+WHAT = {FILENAME: "engine", PRECOMPILE: "precompile", SPARE: "spare"}
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,13 @@ def clear(state_dir: str | Path, name: str = FILENAME) -> None:
 def stop_bound_s(cfg: Config) -> float:
     """How long ``stop_engine_left`` may take (the watchdog's measure)."""
     e = cfg.engine
-    return 2 * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) + 10.0  # two records
+    return len(WHAT) * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) + 10.0
 
 
 async def stop_engine_left(cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
     """An engine (or a throwaway precompile engine) left by a supervisor that died holds a port and the GPU:
     stop it, and wait for the GPU."""
-    for name in (FILENAME, PRECOMPILE):
+    for name in WHAT:
         await _stop_left(cfg, host, publish, name)
 
 
@@ -76,7 +78,7 @@ async def _stop_left(cfg: Config, host: Host, publish: Callable[[Event], None], 
     pids = await host.stop_leftover(rec.sid, rec.born, e.failed_stop_timeout_s, e.kill_timeout_s)
     if pids:
         publish(LeftoverEngineStopped(at=host.wall(), pids=tuple(pids), sid=rec.sid,
-                                      what="precompile" if name == PRECOMPILE else "engine"))
+                                      what=WHAT[name]))
         try:
             held = await host.wait_gpu_released(pids, cfg.gpu.release_timeout_s)
         except GpuLost:

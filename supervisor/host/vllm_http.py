@@ -166,6 +166,19 @@ class EngineClient:
         body: dict[str, Any] = await self._json("POST", "/v1/completions", payload, timeout, headers)
         return body
 
+    async def command(self, path: str, timeout: float) -> None:
+        """POST one of vLLM's dev-mode routes (``/sleep?level=1``, ``/wake_up``), which answer 200 with no body
+        once done; raises EngineError otherwise."""
+        try:
+            async with await send(self._s(), "POST", self.base_url + path,
+                                  timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status != 200:
+                    raise EngineStatusError(f"POST {path} returned {r.status}: {(await r.text())[:300]}", r.status)
+        except TimeoutError:
+            raise EngineTimeout(f"POST {path} gave no answer within {timeout:g}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineError(f"POST {path} failed: {exc}") from None
+
     async def _json(self, method: str, path: str, payload: Any, timeout: float,
                     headers: dict[str, str] | None = None) -> Any:
         try:

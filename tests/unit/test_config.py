@@ -297,3 +297,14 @@ def test_an_engine_of_several_ranks_gets_a_bounded_distributed_timeout_from_heal
     own = argv({"tensor_parallel_size": 2, "distributed_timeout_seconds": 600})
     assert own.count("--distributed-timeout-seconds") == 1 and own[own.index("--distributed-timeout-seconds") + 1] \
         == "600"
+
+
+def test_a_spare_asked_for_without_a_gateway_is_a_config_error_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse({**MINIMAL, "recovery": {"spare": "on"}})
+    assert "recovery.spare" in str(err.value) and "[gateway]" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse({**MINIMAL, "recovery": {"spare": "yes"}})
+    assert "recovery.spare" in str(err.value)
+    assert parse({**MINIMAL, "recovery": {"spare": "on"}, "gateway": {}}).recovery.spare == "on"
+    assert parse(MINIMAL).recovery.spare == "auto"

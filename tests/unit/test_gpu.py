@@ -192,3 +192,40 @@ def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_
     assert room_for_throwaway(two, str(model), rung, ranks=2)[0]  # 9 GiB a rank fits in half of 30
     assert not room_for_throwaway([DeviceSnapshot(0, 140 * GIB, 20 * GIB, 120 * GIB, ()), two[1]], str(model),
                                   rung, ranks=2)[0]
+
+
+def test_spare_auto_needs_the_weights_in_host_memory_and_a_second_engine_beside_the_first(tmp_path: Any) -> None:
+    """The rule "auto" keeps a spare by (recovery/spare.py room_for_spare), and what a spare needs to wake."""
+    import json
+
+    from supervisor.host.gpu import DeviceSnapshot
+    from supervisor.profile import Profile
+    from supervisor.recovery.spare import Spare, room_for_spare
+
+    model = tmp_path / "glm9b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 4096,
+                                                   "intermediate_size": 13696, "num_attention_heads": 32,
+                                                   "num_key_value_heads": 2, "torch_dtype": "bfloat16"}))
+    with open(model / "model-00001.safetensors", "wb") as f:
+        f.truncate(18 * GIB)
+    rung = Profile(max_num_batched_tokens=6144, gpu_memory_utilization=0.5)
+    beside = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())]  # the engine at 0.5 holds the other half
+    util, why = room_for_spare(beside, str(model), rung, 1, GIB, 0.3, 100 * GIB)
+    assert util == 0.48 and "holds a spare" in why  # what fits beside it, 1 GiB of headroom kept
+    assert room_for_spare(beside, str(model), rung.with_(gpu_memory_utilization=0.3), 1, GIB, 0.2, 100 * GIB)[0] \
+        == 0.3  # never above the rung's own
+    util, why = room_for_spare(beside, str(model), rung, 1, GIB, 0.3, 19 * GIB)
+    assert util is None and "18.0 GiB of weights" in why  # asleep, the weights live in host memory
+    crowded = [DeviceSnapshot(0, 140 * GIB, 30 * GIB, 110 * GIB, ())]
+    util, why = room_for_spare(crowded, str(model), rung, 1, GIB, 0.3, 100 * GIB)
+    assert util is None and "at least 0.3" in why
+    assert room_for_spare(beside, "org/hub-model", rung, 1, GIB, 0.3, 100 * GIB)[0] is None
+
+    spare = Spare(child=None, profile=rung.with_(gpu_memory_utilization=0.48), url="http://127.0.0.1:1", work=tmp_path,
+                  tail=None, drains=[], client=None, awake={0: 66 * GIB}, asleep={0: 2 * GIB})  # type: ignore[arg-type]
+    assert spare.serves(rung) and not spare.serves(rung.with_(gpu_memory_utilization=0.4))
+    assert not spare.serves(rung.with_(max_num_batched_tokens=8192))
+    assert spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())], GIB) is None
+    short = spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 60 * GIB, 80 * GIB, ())], GIB)
+    assert short is not None and "needs 64.00 GiB back" in short

@@ -132,6 +132,7 @@ class FakeClient:
     """Answers like a healthy engine: 200s, progress, and completions."""
 
     def __init__(self) -> None:
+        self.base_url = "http://127.0.0.1:18000"
         self.model: str | None = None
         self.completions = 0
         self.healthy = True

@@ -1,0 +1,291 @@
+"""``[recovery] spare``: the next rung's engine, built while the engine serves and kept asleep.
+
+What is left of a recovery once the imports and the compile are done ahead (the standby, the
+precompile) is vLLM building an engine: at the seed's scale 18 of a 20 s restart (docs/recovery.md
+§5). A spare skips it. The precompile's throwaway for the rung the next runtime OOM would pick is
+started with the real weights, ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (the routes
+``/sleep`` and ``/wake_up``, which the gateway never forwards), and once it answers /health it is put
+to sleep at level 1: its weights are copied to host memory and its KV cache dropped, its CUDA graphs,
+compiled code and processes kept; ~2 GiB stays on the card. When the engine fails into that rung the
+next start wakes the spare (about half a second on the H200) and adopts it as the engine.
+
+A spare listens on a port of its own: only the gateway follows it. It is stopped, never kept
+"just in case", when the engine's next rung moves elsewhere, when a start wants another rung, when
+the card has not the memory it needs to wake, or when it dies; the start is then cold, as without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import structlog
+
+from supervisor.config import Config
+from supervisor.decide.classify import fraction_that_fits
+from supervisor.engine.logtail import LogTail
+from supervisor.event_stream import Event, SpareAsleep, SpareDropped, SpareWoken
+from supervisor.host import Host, files, leftovers
+from supervisor.host.gpu import DeviceSnapshot, GpuLost
+from supervisor.host.proctree import Child
+from supervisor.host.vllm_http import EngineClient, EngineError
+from supervisor.profile import Knob, Profile
+from supervisor.recovery.sizing import THROWAWAY_SPARE, activation_of
+
+log = structlog.get_logger("supervisor.recovery.spare")
+
+GIB = 2**30
+SPARE_FLAG = "--enable-sleep-mode"
+SPARE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /sleep and /wake_up only in its dev mode
+SLEEP_TIMEOUT_S = 300.0  # the 9B shape's 17.6 GiB of weights took 18 s to copy out on the H200
+WAKE_TIMEOUT_S = 120.0
+
+
+class SpareFailed(Exception):
+    """The spare could not be put to sleep or woken."""
+
+
+@dataclass
+class Spare:
+    """A whole engine asleep at ``profile`` (the utilization it could start at beside the engine)."""
+
+    child: Child
+    profile: Profile
+    url: str
+    work: Path  # its hook, logging config and events socket path: kept while it lives
+    tail: LogTail
+    drains: list[asyncio.Task[None]]
+    client: EngineClient
+    argv: tuple[str, ...] = ()  # secrets masked
+    version: str | None = None  # the vLLM that built it (the serving engine's: the same install)
+    awake: dict[int, int] = field(default_factory=dict)  # device -> bytes its processes held awake (NVML)
+    asleep: dict[int, int] = field(default_factory=dict)  # ... and asleep
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def alive(self) -> bool:
+        return self.child.proc.returncode is None
+
+    def serves(self, profile: Profile) -> bool:
+        """It can be the engine at ``profile``: the same rung (the compile key: every knob but the
+        utilization), at a utilization no higher than the profile's."""
+        mine = self.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.0
+        theirs = profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 1.0
+        return self.profile.compile_key() == profile.compile_key() and mine <= theirs
+
+    def short_to_wake(self, snaps: Sequence[DeviceSnapshot], headroom: int) -> str | None:
+        """Why the card cannot take the spare back now (what it gave up asleep, plus the headroom), or None."""
+        for s in snaps:
+            need = max(0, self.awake.get(s.index, 0) - self.asleep.get(s.index, 0))
+            if s.free < need + headroom:
+                return (f"GPU {s.index}: {s.free / GIB:.2f} GiB free, the spare needs {need / GIB:.2f} GiB "
+                        f"back to wake (+ {headroom / GIB:.2f} GiB headroom)")
+        return None
+
+    async def fall_asleep(self) -> None:
+        try:
+            await self.client.command("/sleep?level=1", SLEEP_TIMEOUT_S)
+        except EngineError as exc:
+            raise SpareFailed(f"/sleep failed: {exc}") from None
+
+    async def wake(self) -> None:
+        try:
+            await self.client.command("/wake_up", WAKE_TIMEOUT_S)
+        except EngineError as exc:
+            raise SpareFailed(f"/wake_up failed: {exc}") from None
+        if await self.client.health(timeout=10.0) != 200:
+            raise SpareFailed("no /health 200 after /wake_up")
+
+    async def hand_over(self) -> Child:
+        """Stop reading its pipes and its client: the run that adopts it reads them from here on."""
+        for d in self.drains:
+            d.cancel()
+        for d in self.drains:
+            with contextlib.suppress(asyncio.CancelledError):
+                await d
+        await self.client.close()
+        return self.child
+
+
+def held_by(snaps: Iterable[DeviceSnapshot], pids: set[int]) -> dict[int, int]:
+    """Bytes ``pids`` hold on each device (NVML's per-process accounting)."""
+    return {s.index: sum(b for pid, b in s.processes if pid in pids) for s in snaps}
+
+
+class SpareKeeper:
+    """Holds at most one spare: decides whether one is wanted, keeps it asleep, hands it to a start, or stops it."""
+
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
+        self.cfg, self.host, self.publish = cfg, host, publish
+        self.spare: Spare | None = None
+        self.refused: set[str] = set()  # rungs whose spare failed to start or sleep: precompiled plainly instead
+        self.why = "not asked yet: no rung has been precompiled"
+
+    def configure(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def wanted(self, snaps: Sequence[DeviceSnapshot], rung: Profile) -> float | None:
+        """Whether the throwaway for ``rung`` is kept as a spare: the utilization it starts at (the rung's when
+        no GPU is seen), or None; ``self.why`` says why, for /status."""
+        mode, util = self.cfg.recovery.spare, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+        if rung.compile_key() in self.refused:
+            self.why = "the spare for this rung failed to start or to sleep in this run: it is precompiled instead"
+            return None
+        if mode != "auto":
+            self.why = f'[recovery] spare = "{mode}"'
+            return (fits_beside(snaps, util, self.cfg.gpu.start_headroom_bytes) if snaps else util) \
+                if mode == "on" else None
+        if self.cfg.gateway is None:
+            self.why = "auto: no [gateway]: a spare listens on a port of its own, which only the gateway follows"
+            return None
+        if not snaps:
+            self.why = "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
+            return None
+        e = self.cfg.engine
+        found, self.why = room_for_spare(snaps, e.model, rung, e.ranks(), self.cfg.gpu.start_headroom_bytes,
+                                         self.cfg.ladder.gpu_memory_utilization_floor,
+                                         psutil.virtual_memory().available)
+        return found
+
+    async def keep(self, spare: Spare, spawned_at: float) -> bool:
+        """Put a throwaway that answers /health to sleep and keep it; False (and an event) when that fails, and
+        the caller stops it as any throwaway."""
+        pids = self.host.tree_pids(spare.child)
+        t0 = self.host.monotonic()
+        try:
+            spare.awake = held_by(await self._snapshot(), pids)
+            await spare.fall_asleep()
+            spare.asleep = held_by(await self._snapshot(), pids)
+        except (SpareFailed, GpuLost) as exc:
+            self.refused.add(spare.profile.compile_key())
+            self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile,
+                                      reason=str(exc), fault=True))
+            return False
+        now = self.host.monotonic()
+        try:
+            leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
+                spare.child.sid, self.host.birth(spare.pid), os.getpid()), leftovers.SPARE)
+        except (OSError, psutil.Error) as exc:
+            log.warning("state.spare_record_failed", error=str(exc))
+        self.spare = spare
+        self.why = "asleep"
+        self.publish(SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
+                                 took_s=round(now - spawned_at, 3), sleep_s=round(now - t0, 3),
+                                 held_awake_mib=sum(spare.awake.values()) // 2**20,
+                                 held_asleep_mib=sum(spare.asleep.values()) // 2**20))
+        return True
+
+    async def take(self, profile: Profile) -> Spare | None:
+        """For a start at ``profile``: the spare, awake and no longer ours to stop, or None (a spare that cannot
+        serve this start is stopped first)."""
+        spare = self.spare
+        if spare is None:
+            return None
+        if not spare.alive():
+            await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep", fault=True)
+            return None
+        if not spare.serves(profile):
+            await self.drop(f"this start wants another rung ({profile.compile_key()})")
+            return None
+        try:
+            short = spare.short_to_wake(await self._snapshot(), self.cfg.gpu.start_headroom_bytes)
+        except GpuLost as exc:
+            short = str(exc)
+        if short:
+            await self.drop(short, fault=True)
+            return None
+        t0 = self.host.monotonic()
+        try:
+            await spare.wake()
+        except SpareFailed as exc:
+            await self.drop(str(exc), fault=True)
+            return None
+        except asyncio.CancelledError:
+            await self.drop("the start was ended while the spare woke", fault=True)
+            raise
+        self.spare = None
+        leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
+        self.publish(SpareWoken(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
+                                took_s=round(self.host.monotonic() - t0, 3)))
+        return spare
+
+    async def check(self, next_rung: Profile | None) -> None:
+        """While the engine serves: a spare that died, or that no longer is the rung a failure would pick, goes."""
+        spare = self.spare
+        if spare is None:
+            return
+        if not spare.alive():
+            await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep", fault=True)
+        elif next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
+            await self.drop("the engine's next rung is another one now")
+
+    async def drop(self, reason: str, fault: bool = False) -> None:
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        self.why = f"dropped: {reason}"
+        await spare.hand_over()
+        e = self.cfg.engine
+        await self.host.terminate_tree(spare.child, e.stop_timeout_s, e.kill_timeout_s)
+        leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
+        shutil.rmtree(spare.work, ignore_errors=True)
+        self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile, reason=reason,
+                                  fault=fault))
+
+    async def _snapshot(self) -> list[DeviceSnapshot]:
+        return await self.host.gpu_snapshot(self.cfg.engine.devices())
+
+    def pids(self) -> set[int]:
+        return set(self.spare.child.known_pids) if self.spare is not None else set()
+
+    def status(self) -> dict[str, Any]:
+        s = self.spare
+        if s is None:
+            return {"state": None, "why": self.why}
+        return {"state": "asleep", "pid": s.pid, "port": s.port, "profile": s.profile.knobs(),
+                "held_asleep_mib": sum(s.asleep.values()) // 2**20, "why": self.why}
+
+    async def close(self) -> None:
+        await self.drop("the supervisor stops")
+
+
+def fits_beside(snaps: Sequence[DeviceSnapshot], util: float, headroom: int) -> float:
+    """The utilization a second engine can start at beside what runs (vLLM's start check wants it free)."""
+    s = min(snaps, key=lambda d: d.free / d.total)
+    return min(util, fraction_that_fits(max(0, s.free - headroom), s.total))
+
+
+def room_for_spare(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile, ranks: int, headroom: int,
+                   floor: float, ram_available: int) -> tuple[float | None, str]:
+    """On a GPU, "auto" keeps a spare when its weights fit in the host's available memory (where they sleep)
+    and the card holds, beside the engine, a second engine at a utilization no lower than the ladder's floor:
+    its weights, the rung's prefill peak, its CUDA graphs and a KV cache."""
+    weights = files.weights_on_disk(model)
+    if weights is None:
+        return None, "auto: the model is not a local directory with weights, so their size is unknown"
+    if ram_available < weights + 2 * GIB:
+        return None, (f"auto: the host has {ram_available / GIB:.1f} GiB of memory available; a spare asleep "
+                      f"keeps its {weights / GIB:.1f} GiB of weights there")
+    util = fits_beside(snaps, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9, headroom)
+    total = min(s.total for s in snaps)
+    need = (weights + activation_of(model, rung)) // max(1, ranks) + THROWAWAY_SPARE
+    if util < floor or util * total < need:
+        return None, (f"auto: a spare beside the engine could start at gpu_memory_utilization {util:g} "
+                      f"({util * total / GIB:.1f} GiB); it needs at least {floor:g} and about {need / GIB:.1f} GiB "
+                      f"before its KV cache")
+    return util, (f"auto: the card holds a spare beside the engine at gpu_memory_utilization {util:g} "
+                  f"(about {need / GIB:.1f} GiB before its KV cache); its {weights / GIB:.1f} GiB of weights "
+                  f"sleep in the host's {ram_available / GIB:.1f} GiB available")

@@ -1,0 +1,132 @@
+"""The spare: the next rung's engine built while the engine serves, kept asleep, and woken by the next start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from supervisor.ops import control
+from tests.helpers.processes import STANDIN_BASE, Launcher, Sup, deep_merge, gone, http_json, send_long_prompt
+
+LONG = "word " * 30000
+COLD_S = 3.0  # the stand-in's start delay: a cold start takes at least this long, a woken spare none of it
+SPARE: dict[str, Any] = {
+    "engine": {"env": {"FAKE_VLLM_START_DELAY": str(COLD_S), "FAKE_VLLM_OOM_TOKENS": "5000"}},
+    "recovery": {"spare": "on", "precompile_idle_s": 0.2},
+    "gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2},
+}
+
+
+@pytest.fixture
+def supervise(tmp_path: Path) -> Iterator[Callable[..., Sup]]:
+    launcher = Launcher(tmp_path, deep_merge(STANDIN_BASE, SPARE), strict_stops=True)
+    yield launcher.start
+    launcher.cleanup()
+
+
+def asleep(sup: Sup, timeout: float = 60) -> dict[str, Any]:
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", timeout, "a spare asleep")
+    spare: dict[str, Any] = st["next_start"]["spare"]
+    return spare
+
+
+def complete(url: str, prompt: str = "hello there") -> int:
+    code, _ = http_json(url + "/v1/completions", {"model": "fake-model", "prompt": prompt, "max_tokens": 3})
+    return code
+
+
+def test_a_runtime_oom_wakes_the_spare_instead_of_starting_an_engine(supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    first = sup.wait_ready(30)
+    assert first["timings"]["start_to_ready_s"] >= COLD_S
+    spare = asleep(sup)
+    assert spare["profile"]["max_num_batched_tokens"] == 6144  # the rung a runtime OOM steps down to
+    proc = psutil.Process(spare["pid"])
+    argv = proc.cmdline()
+    assert "--enable-sleep-mode" in argv and "dummy" not in argv  # the real weights, in sleep mode
+    assert proc.nice() == psutil.Process().nice()  # not niced: it becomes the engine
+    spare_url = f"http://127.0.0.1:{spare['port']}"
+    assert complete(spare_url) == 500  # asleep: no weights to serve with
+    assert sup.gateway is not None and complete(sup.gateway) == 200
+
+    assert send_long_prompt(sup) == 500  # the engine dies of a (stand-in) runtime OOM
+    # Requests that reach the gateway while the engine is out are held, and go to the spare's port once it is the
+    # engine (on the H200 they were sent to the dead engine's port and answered 502 before this was fixed).
+    with ThreadPoolExecutor(4) as pool:
+        held = list(pool.map(complete, [sup.gateway] * 4))
+    assert held == [200] * 4
+    st = sup.wait_ready(30, restarts=1)
+    assert st["last_failure"]["kind"] == "runtime_oom"
+    assert st["engine_pid"] == spare["pid"] and st["engine_url"] == spare_url
+    assert st["profile"]["max_num_batched_tokens"] == 6144
+    spawned = sup.events("engine.spawned")
+    assert [e["spare"] for e in spawned] == [False, True] and spawned[1]["pid"] == spare["pid"]
+    woken = sup.events("spare.woken")
+    assert len(woken) == 1 and woken[0]["pid"] == spare["pid"]
+    # Nothing was built: the wake and the warm-up, not the stand-in's start delay.
+    assert st["timings"]["start_to_ready_s"] < COLD_S / 2, st["timings"]
+    recovered = sup.events("engine.recovered")[-1]["recovered_after_s"]
+    assert recovered < COLD_S, recovered
+    # The gateway follows the engine to the spare's port; the supervisor's probes and canary do too.
+    assert complete(sup.gateway) == 200
+    assert complete(spare_url) == 200
+    assert sup.status()["state"] == "READY"  # type: ignore[index]
+
+    # The woken engine is ours like any: its death is classified from its own log lines (its pipes handed over)
+    # and its API server's typed events reach this start's event socket.
+    assert complete(spare_url, LONG) == 500  # 6144 is still over the stand-in's 5000
+    st = sup.wait_ready(30, restarts=2)
+    assert st["last_failure"]["kind"] == "runtime_oom", st["last_failure"]
+    incident = json.loads(Path(st["last_failure"]["incident"]).read_text())
+    assert incident["argv"] == spawned[1]["argv"]
+    assert any("CUDA out of memory" in line for line in incident["log_tail"])
+    assert any(e.get("pid") == spare["pid"] for e in incident["events"]), incident["events"][-5:]
+
+
+def test_a_spare_that_cannot_serve_the_start_is_stopped_and_the_start_is_cold(
+        supervise: Callable[..., Sup]) -> None:
+    """The operator's restart keeps the profile (8192): the spare (6144) is another rung, so it is stopped
+    before the start, which spawns as without a spare; the next READY makes a new one."""
+    sup = supervise()
+    sup.wait_ready(30)
+    first = asleep(sup)
+    assert control.send(control.path_in(sup.state_dir), "restart")["ok"] is True
+    st = sup.wait_for(lambda s: s["state"] == "READY" and s["start"] == 2, 30, "the restart")
+    assert st["engine_pid"] != first["pid"] and st["profile"]["max_num_batched_tokens"] == 8192
+    dropped = sup.events("spare.dropped")
+    assert dropped and dropped[0]["pid"] == first["pid"] and "another rung" in dropped[0]["reason"]
+    assert dropped[0]["fault"] is False
+    assert gone(first["pid"])
+    second = asleep(sup)
+    assert second["pid"] != first["pid"]
+
+    # A spare that dies asleep is noticed and replaced, and a stop takes the spare down with the engine.
+    os.kill(second["pid"], signal.SIGKILL)
+    sup.wait_for(lambda s: len(sup.events("spare.dropped")) == 2, 30, "the dead spare dropped")
+    assert sup.events("spare.dropped")[1]["fault"] is True
+    third = asleep(sup)
+    assert sup.proc.send_signal(signal.SIGTERM) is None and sup.wait_exit(30) == 0
+    assert gone(third["pid"])
+
+
+def test_a_spare_left_by_a_sigkilled_supervisor_is_stopped_by_the_next_one(
+        supervise: Callable[..., Sup]) -> None:
+    sup = supervise()
+    sup.wait_ready(30)
+    spare = asleep(sup)
+    sup.proc.kill()
+    sup.proc.wait()
+    assert psutil.pid_exists(spare["pid"])
+    following = supervise({"state": {"dir": str(sup.state_dir)}})
+    following.wait_ready(30)
+    left = following.events("engine.leftover_stopped")
+    assert any(e["what"] == "spare" and spare["pid"] in e["pids"] for e in left), left
+    assert gone(spare["pid"])
