@@ -161,20 +161,13 @@ def test_the_nvml_adapter_remembers_what_it_last_read_of_each_device() -> None:
 def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_holds_a_throwaway(
         tmp_path: Any) -> None:
     """Issue 17: "auto" was off on every GPU host, so a new rung compiled on the recovery's critical path."""
-    import json
 
     from supervisor.host.files import weights_on_disk
     from supervisor.host.gpu import DeviceSnapshot
     from supervisor.profile import Profile
     from supervisor.recovery.precompile import room_for_throwaway
 
-    model = tmp_path / "glm9b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 4096,
-                                                   "intermediate_size": 13696, "num_attention_heads": 32,
-                                                   "num_key_value_heads": 2, "torch_dtype": "bfloat16"}))
-    with open(model / "model-00001.safetensors", "wb") as f:
-        f.truncate(18 * GIB)  # sparse: its size is what vLLM would load
+    model = glm9b_dir(tmp_path)
     with open(model / "pytorch_model.bin", "wb") as f:
         f.truncate(18 * GIB)  # a second copy in another format: vLLM loads one of them
     assert weights_on_disk(str(model)) == 18 * GIB
@@ -196,19 +189,12 @@ def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_
 
 def test_spare_auto_needs_the_weights_in_host_memory_and_a_second_engine_beside_the_first(tmp_path: Any) -> None:
     """The rule "auto" keeps a spare by (recovery/spare.py room_for_spare), and what a spare needs to wake."""
-    import json
 
     from supervisor.host.gpu import DeviceSnapshot
     from supervisor.profile import Profile
     from supervisor.recovery.spare import Spare, room_for_spare
 
-    model = tmp_path / "glm9b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 4096,
-                                                   "intermediate_size": 13696, "num_attention_heads": 32,
-                                                   "num_key_value_heads": 2, "torch_dtype": "bfloat16"}))
-    with open(model / "model-00001.safetensors", "wb") as f:
-        f.truncate(18 * GIB)
+    model = glm9b_dir(tmp_path)
     rung = Profile(max_num_batched_tokens=6144, gpu_memory_utilization=0.5)
     beside = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())]  # the engine at 0.5 holds the other half
     util, why = room_for_spare(beside, str(model), rung, 1, GIB, 0.3, 100 * GIB)
@@ -222,10 +208,25 @@ def test_spare_auto_needs_the_weights_in_host_memory_and_a_second_engine_beside_
     assert util is None and "at least 0.3" in why
     assert room_for_spare(beside, "org/hub-model", rung, 1, GIB, 0.3, 100 * GIB)[0] is None
 
-    spare = Spare(child=None, profile=rung.with_(gpu_memory_utilization=0.48), url="http://127.0.0.1:1", work=tmp_path,
-                  tail=None, drains=[], client=None, awake={0: 66 * GIB}, asleep={0: 2 * GIB})  # type: ignore[arg-type]
+    unused: Any = None  # no process behind it: only its rung and its memory are asked
+    spare = Spare(child=unused, profile=rung.with_(gpu_memory_utilization=0.48), url="http://127.0.0.1:1",
+                  work=tmp_path, tail=unused, drains=[], client=unused, awake={0: 66 * GIB}, asleep={0: 2 * GIB})
     assert spare.serves(rung) and not spare.serves(rung.with_(gpu_memory_utilization=0.4))
     assert not spare.serves(rung.with_(max_num_batched_tokens=8192))
     assert spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())], GIB) is None
     short = spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 60 * GIB, 80 * GIB, ())], GIB)
     assert short is not None and "needs 64.00 GiB back" in short
+
+
+def glm9b_dir(tmp_path: Any) -> Any:
+    """A local model directory of the GLM-4-9B shape: its config.json and 18 GiB of (sparse) safetensors."""
+    import json
+
+    model = tmp_path / "glm9b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 4096,
+                                                   "intermediate_size": 13696, "num_attention_heads": 32,
+                                                   "num_key_value_heads": 2, "torch_dtype": "bfloat16"}))
+    with open(model / "model-00001.safetensors", "wb") as f:
+        f.truncate(18 * GIB)  # sparse: its size is what vLLM would load
+    return model
