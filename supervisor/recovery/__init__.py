@@ -37,7 +37,6 @@ class Recovery:
         self.host = host
         self.pool = StandbyPool(cfg, host, publish)
         self.keeper = SpareKeeper(cfg, host, publish)
-        self.next_rungs = next_rungs
         self.precompiler = Precompiler(cfg, host, publish, next_rungs, self.keeper)
         self._serving: tuple[Profile, str | None] | None = None  # the READY engine's profile and vLLM version
         self._idle_since: float | None = None
@@ -97,8 +96,6 @@ class Recovery:
                 profile, version = self._serving
                 now = self.host.monotonic()
                 idle_for = now - self._idle_since if self._idle_since is not None else 0.0
-                targets = [p for p in self.next_rungs(profile) if p.compile_key() != profile.compile_key()]
-                await self.keeper.check(targets[0] if targets else None)
                 await self.precompiler.maybe_precompile(profile, version, idle_for, now - self._ready_since)
 
     def pids(self) -> set[int]:

@@ -114,7 +114,10 @@ class Precompiler:
         """Once the engine was idle long enough (on a GPU host: READY long enough), compile the next rung the
         policy would pick, one at a time. On a GPU host the throwaway's compile is CPU work on many cores, niced,
         and its GPU memory is bounded to half of what is free, so it does not wait for a lull that busy
-        servers never have: the seed's crash came under steady traffic."""
+        servers never have: the seed's crash came under steady traffic. A spare whose rung is no longer the first
+        of these (or that died asleep) is dropped first."""
+        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        await self.keeper.check(targets[0] if targets else None)
         if self._precompile is not None and not self._precompile.done():
             return
         if self.gpu_host is None:
@@ -124,7 +127,6 @@ class Precompiler:
                 self.gpu_host = True
         if (ready_for_s if self.gpu_host else idle_for_s) < self.cfg.recovery.precompile_idle_s:
             return
-        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
         spare = await self._spare_for(targets[0]) if targets else None
         if spare is not None:  # a spare compiles its rung too, compiled already or not
             self._precompile = asyncio.create_task(self._guarded(spare, version, True), name="recovery:spare")
@@ -138,7 +140,7 @@ class Precompiler:
         spare is wanted and none is kept yet."""
         if self.keeper.spare is not None or first.compile_key() in self._failed:
             return None
-        util = self.keeper.wanted(await self._snapshot(), first)
+        util = await self.keeper.wanted(first)
         return None if util is None else first.with_(gpu_memory_utilization=util)
 
     async def _guarded(self, rung: Profile, version: str | None, spare: bool = False) -> None:
@@ -193,12 +195,11 @@ class Precompiler:
             if not kept:
                 await client.close()
                 await self.host.terminate_tree(child, 5.0, 5.0)
-            leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)  # a kept spare has a record of its own
-            self._precompile_child = None
-            if not kept:
                 for d in drains:
                     d.cancel()
                 shutil.rmtree(work, ignore_errors=True)
+            leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)  # a kept spare has a record of its own
+            self._precompile_child = None
         took = round(self.host.monotonic() - t0, 3)
         if not ok and spare:
             self.keeper.refused.add(key)  # the rung is precompiled plainly next time, not given up

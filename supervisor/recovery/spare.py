@@ -137,20 +137,28 @@ class SpareKeeper:
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
 
-    def wanted(self, snaps: Sequence[DeviceSnapshot], rung: Profile) -> float | None:
+    async def wanted(self, rung: Profile) -> float | None:
         """Whether the throwaway for ``rung`` is kept as a spare: the utilization it starts at (the rung's when
-        no GPU is seen), or None; ``self.why`` says why, for /status."""
+        no GPU is seen), or None; ``self.why`` says why, for /status. NVML is asked only when the mode and the
+        gateway leave it to the card."""
         mode, util = self.cfg.recovery.spare, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
         if rung.compile_key() in self.refused:
             self.why = "the spare for this rung failed to start or to sleep in this run: it is precompiled instead"
             return None
-        if mode != "auto":
-            self.why = f'[recovery] spare = "{mode}"'
-            return (fits_beside(snaps, util, self.cfg.gpu.start_headroom_bytes) if snaps else util) \
-                if mode == "on" else None
-        if self.cfg.gateway is None:
+        if mode == "off":
+            self.why = '[recovery] spare = "off"'
+            return None
+        if mode == "auto" and self.cfg.gateway is None:
             self.why = "auto: no [gateway]: a spare listens on a port of its own, which only the gateway follows"
             return None
+        try:
+            snaps = await self._snapshot()
+        except GpuLost as exc:
+            self.why = f"the GPU is lost: {exc}"
+            return None
+        if mode == "on":
+            self.why = '[recovery] spare = "on"'
+            return fits_beside(snaps, util, self.cfg.gpu.start_headroom_bytes) if snaps else util
         if not snaps:
             self.why = "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
             return None
@@ -192,10 +200,7 @@ class SpareKeeper:
         """For a start at ``profile``: the spare, awake and no longer ours to stop, or None (a spare that cannot
         serve this start is stopped first)."""
         spare = self.spare
-        if spare is None:
-            return None
-        if not spare.alive():
-            await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep", fault=True)
+        if spare is None or await self._dropped_dead(spare):
             return None
         if not spare.serves(profile):
             await self.drop(f"this start wants another rung ({profile.compile_key()})")
@@ -225,12 +230,17 @@ class SpareKeeper:
     async def check(self, next_rung: Profile | None) -> None:
         """While the engine serves: a spare that died, or that no longer is the rung a failure would pick, goes."""
         spare = self.spare
-        if spare is None:
+        if spare is None or await self._dropped_dead(spare):
             return
-        if not spare.alive():
-            await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep", fault=True)
-        elif next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
+        if next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
             await self.drop("the engine's next rung is another one now")
+
+    async def _dropped_dead(self, spare: Spare) -> bool:
+        """A spare whose API server exited while asleep is dropped (its engine core with it); True if it was."""
+        if spare.alive():
+            return False
+        await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep", fault=True)
+        return True
 
     async def drop(self, reason: str, fault: bool = False) -> None:
         spare, self.spare = self.spare, None
