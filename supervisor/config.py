@@ -285,6 +285,9 @@ class GatewayConfig:
     idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
     max_connections: int = 1024  # open client connections; beyond, a new one gets 503 and is closed
     max_replays: int = 3  # re-issues of one request across engine deaths
+    # After a death, the suspect goes alone to the next engine once it has served this long without it: its death
+    # then is the suspect's doing, not an engine that dies whatever it serves (gateway/gate.py).
+    solo_after_s: float = 2.0
     drain_timeout_s: float = 30.0  # SIGTERM and planned restarts: in-flight requests get this long to finish
     retry_after_s: float = 2.0  # the Retry-After of a 429
     quarantine_ttl_s: float = 86400.0
@@ -643,7 +646,7 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
         for key in ("max_held", "max_body_bytes", "max_connections"):
             need(key, getattr(obj, key) >= 1, "must be >= 1")
-        for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size"):
+        for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size", "solo_after_s"):
             need(key, getattr(obj, key) >= 0, "must be >= 0")
         for key in ("min_free_mib", "foreign_growth_mib", "prompt_logprobs_max_gib"):
             need(key, getattr(obj, key) >= 0, "must be >= 0 (0 switches the rule off)")

@@ -102,8 +102,9 @@ class Daemon:
             self.metrics.gateway_from(self.gateway.status, OUTCOMES, EVENTS)
         # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control socket.
         self.admin = AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render),
-                                 *cfg.admin.host_port)
-        self.metrics_only = AdminServer(metrics_app(self.metrics.render), *cfg.admin.metrics_host_port) \
+                                 *cfg.admin.host_port, host.monotonic)
+        self.metrics_only = AdminServer(metrics_app(self.metrics.render), *cfg.admin.metrics_host_port,
+                                        host.monotonic) \
             if cfg.admin.metrics_listen else None
         self.control = ControlServer(control.path_in(cfg.state.dir), self.control_command)
         self._background: set[asyncio.Task[Any]] = set()

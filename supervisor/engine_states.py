@@ -131,6 +131,16 @@ class Failure:
         return out
 
 
+@dataclass(frozen=True)
+class Blame:
+    """What the gateway found about a death: one request alone was proven to cause it (it spends no restart
+    budget, and is not read as the engine's memory signature), and the next engine should start at the lowest
+    rung (a request that killed two engines is tried there alone)."""
+
+    proven: bool = False
+    floor: bool = False
+
+
 class ExitCode(enum.IntEnum):
     """Exit statuses of `vllm-supervisor run`; documented in docs/interface.md."""
 

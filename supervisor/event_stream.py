@@ -214,6 +214,9 @@ class FailureClassified(Event):
     # that killed it twice is tried alone at the lowest rung before it is quarantined (docs/interface.md).
     at_floor: bool = True
     chunk: int | None = None
+    # The gateway proved one request alone caused it: no restart budget spent (the request is quarantined at its
+    # second such death).
+    caused_by_request: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,15 @@ from supervisor.config import Config, LadderConfig
 from supervisor.decide.policy import Decision, Policy, floor_of
 from supervisor.engine import launch
 from supervisor.engine.run import EngineRun, Healthy, StandbySource, Trigger, Verdict
-from supervisor.engine_states import EngineState, ExitCode, Failure, FailureKind, TriggerKind, check_transition
+from supervisor.engine_states import (
+    Blame,
+    EngineState,
+    ExitCode,
+    Failure,
+    FailureKind,
+    TriggerKind,
+    check_transition,
+)
 from supervisor.event_stream import (
     EngineIdle,
     Event,
@@ -55,10 +63,12 @@ S = EngineState
 
 
 class Front(Protocol):
-    """What the lifecycle asks of the gateway: drain before a planned stop, whether clients are at the engine."""
+    """What the lifecycle asks of the gateway: drain before a planned stop, who caused a death, whether clients are
+    at the engine."""
 
     async def drain(self, why: str) -> None: ...
-    async def wants_floor(self) -> bool: ...
+    async def blame(self, kind: FailureKind, suspect_request: str | None, at_floor: bool,
+                    chunk: int | None) -> Blame: ...
     def busy(self) -> bool: ...
     def shutdown(self) -> None: ...
 
@@ -375,9 +385,12 @@ class Lifecycle:
         self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
         verdict = await self.heartbeat.wait(run.conclude(trigger), run.deadline_at)
         assert verdict.failure is not None
-        decision = self.policy.on_failure(verdict.failure, self.profile, self.host.monotonic())
-        failure = decision.failure
         before = self.profile
+        at_floor = floor_of(before, self.cfg.ladder) == before
+        blame = Blame() if self.front is None else \
+            await self.front.blame(verdict.failure.kind, verdict.failure.suspect_request, at_floor, before.chunk())
+        decision = judge(self.policy, verdict.failure, before, self.host.monotonic(), blame, self.cfg.ladder)
+        failure = decision.failure
         path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before, decision.profile,
                                     decision.reason, detected_after)
         self.kept.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
@@ -387,9 +400,7 @@ class Lifecycle:
                                        trigger=trigger.kind, phase=verdict.phase, returncode=verdict.returncode,
                                        suspect_request=failure.suspect_request, failure=failure, incident=path,
                                        named_by_vllm=failure.suspect_request is not None,
-                                       at_floor=floor_of(before, self.cfg.ladder) == before, chunk=before.chunk()))
-        if decision.restart and failure.kind.memory and self.front is not None and await self.front.wants_floor():
-            decision = floor_trial(decision, self.cfg.ladder)
+                                       at_floor=at_floor, chunk=before.chunk(), caused_by_request=blame.proven))
         if not decision.restart:
             self.change_state(S.FATAL, reason=decision.reason, exit_code=int(decision.exit_code))  # STOPPING -> FATAL
             self.publish(Fatal(at=self.host.wall(), reason=decision.reason, exit_code=int(decision.exit_code),
@@ -441,6 +452,17 @@ async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], Non
 def engine_url(life: Lifecycle) -> str:
     """Where the current engine listens: engine.port, or the port of a spare that became the engine."""
     return life.run.client.base_url if life.run is not None else life.cfg.engine.base_url
+
+
+def judge(policy: Policy, raw: Failure, profile: Profile, now: float, blame: Blame, ladder: LadderConfig) -> Decision:
+    """The policy's decision after ``raw``, with what the gateway found (``blame``)."""
+    # A death one request alone was proven to cause is that request's (the gateway quarantines it), never read
+    # as the engine's memory signature.
+    failure = raw if blame.proven else policy.explain(raw, profile)
+    decision = policy.decide(failure, profile, now, proven=blame.proven)
+    if decision.restart and failure.kind.memory and blame.floor:
+        decision = floor_trial(decision, ladder)
+    return decision
 
 
 def floor_trial(decision: Decision, ladder: LadderConfig) -> Decision:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,25 @@ CHAT_TOKENS_FIXED = 256
 # vLLM computes prompt logprobs from float32 logits over the whole vocabulary, one prefill chunk at a time,
 # and keeps the logprobs beside them: about 8 bytes per (token, vocabulary entry).
 PROMPT_LOGPROBS_BYTES = 8
-NOT_FOR_THE_ENGINE = frozenset({"stream", "stream_options", "user"})
+# The quarantine's key (docs/interface.md): what vLLM will run, not the body's bytes. vLLM ignores fields it does
+# not know (a junk field makes no other request of it), and a sampling value changes numbers, not the code that
+# runs: a client nudging temperature 0.7 -> 0.71 must not make a quarantined request new. So the key holds the
+# route, the model, the prompt with its whitespace normalised, the fields below as sent (each selects what the
+# engine computes), and for sampling only which paths are on.
+ENGINE_FIELDS = ("n", "best_of", "use_beam_search", "echo", "logprobs", "top_logprobs", "prompt_logprobs",
+                 "logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+                 "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+                 "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                 "documents", "add_special_tokens", "truncate_prompt_tokens", "suffix", "logits_processors",
+                 "vllm_xargs", "kv_transfer_params", "prompt_embeds", "mm_processor_kwargs", "ignore_eos",
+                 "skip_special_tokens", "return_tokens_as_token_ids", "encoding_format", "dimensions",
+                 "reasoning_effort", "thinking_token_budget")
+SAMPLING_SWITCHES = {"temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 0,
+                     "frequency_penalty": 0, "repetition_penalty": 1}
+SKETCH_SIZE = 128  # bottom-k hashes of the prompt's 3-word shingles
+SKETCH_MIN_WORDS = 32  # shorter prompts are matched exactly only: a few words are a large share of them
+NEAR = 0.9  # estimated Jaccard similarity at which a prompt is a variant of a quarantined one
 
 
 @dataclass(frozen=True)
@@ -52,8 +71,10 @@ class Parsed:
     messages: int  # chat messages (0 for a plain prompt)
     token_ids: int  # prompt tokens given as ids: counted exactly
     prompt_logprobs: int | None
-    digest: str  # of the content (route, model, prompt or messages): identical retries share it
+    digest: str  # the quarantine's key: what vLLM will run (ENGINE_FIELDS); identical retries share it
     tokenize_body: dict[str, Any] = field(default_factory=dict)  # what /tokenize needs to count it exactly
+    shape: str = ""  # the key without the prompt: variants of a quarantined prompt are looked for among these
+    sketch: tuple[int, ...] = ()  # of the prompt's words (SKETCH_SIZE), for variants; empty for short prompts
 
     @property
     def upper_bound(self) -> int:
@@ -87,47 +108,124 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     if route == "chat":
         got = _messages(body.get("messages"))
     else:
-        key = "input" if route == "embeddings" else "prompt"
-        got = _prompt(body.get(key), key)
+        field_name = "input" if route == "embeddings" else "prompt"
+        got = _prompt(body.get(field_name), field_name)
     if isinstance(got, Rejection):
         return got
     texts, ids, n_messages = got
-    # The quarantine's key: everything in the request that can change what the engine does (sampling,
-    # logit_bias, structured output, tools, ...), not the prompt alone; only what never reaches its
-    # computation is left out.
     try:
-        digest = _engine_digest(route, body)
+        key = engine_key(route, body)
+        if route == "chat" and body.get("tools") is not None:
+            # Chat templates render the tool schemas into the prompt: they count against every token gate.
+            texts.append(json.dumps(body["tools"], ensure_ascii=False))
     except (RecursionError, ValueError):
         return bad_request("the request body is nested too deeply to hash; send a flatter JSON object",
                            "invalid_json")
     tokenize: dict[str, Any] = {"model": model} if model else {}
     if route == "chat":
         tokenize["messages"] = body["messages"]
+        for extra in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+            if extra in body:
+                tokenize[extra] = body[extra]
     elif ids == 0:
         tokenize["prompt"] = "".join(texts)
     return Parsed(route, bool(stream), sum(len(t.encode()) for t in texts), n_messages, ids, prompt_logprobs,
-                  digest, tokenize)
+                  key.digest, tokenize, key.shape, key.sketch)
 
 
 def parse_opaque(route: str, raw: bytes) -> Parsed:
     """A model route whose prompt this gateway does not read (responses, pooling, score, audio, ...): held,
-    shed and quarantined like the others, by a hash of what the engine gets; its length is the engine's to
+    shed and quarantined like the others, by the key of what the engine gets; its length is the engine's to
     judge. Never refused here: vLLM answers a malformed body itself."""
     try:
         body = json.loads(raw)
         stream = isinstance(body, dict) and body.get("stream") is True
-        digest = _engine_digest(route, body)
+        key = engine_key(route, body)
     except (UnicodeDecodeError, ValueError, RecursionError):  # multipart audio, or not JSON at all
-        stream, digest = False, hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()[:32]
-    return Parsed(route, stream, 0, 0, 0, None, digest, {})
+        digest = hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()[:32]
+        return Parsed(route, False, 0, 0, 0, None, digest, {}, digest)
+    return Parsed(route, stream, 0, 0, 0, None, key.digest, {}, key.shape, key.sketch)
 
 
-def _engine_digest(route: str, body: Any) -> str:
-    """The quarantine's key of a parsed body: the route and everything in it that reaches the engine.
-    Raises RecursionError or ValueError on a body too deep to serialise."""
-    part = {k: v for k, v in body.items() if k not in NOT_FOR_THE_ENGINE} if isinstance(body, dict) else body
-    material = json.dumps([route, part], sort_keys=True, ensure_ascii=False, default=str).encode()
-    return hashlib.sha256(material).hexdigest()[:32]
+@dataclass(frozen=True)
+class EngineKey:
+    """The quarantine's key of a body (``digest``), the same without its prompt (``shape``), the prompt's sketch."""
+
+    digest: str
+    shape: str
+    sketch: tuple[int, ...]
+
+
+def engine_key(route: str, body: Any) -> EngineKey:
+    """What vLLM will run for ``body`` on ``route`` (see ENGINE_FIELDS). Raises RecursionError or ValueError on a
+    body too deep to serialise."""
+    if not isinstance(body, dict):
+        digest = _hash(["v2", route, body])
+        return EngineKey(digest, digest, ())
+    features = {k: body[k] for k in ENGINE_FIELDS if k in body}
+    switches = {k: body[k] != off for k, off in SAMPLING_SWITCHES.items() if _number(body.get(k))}
+    shape = _hash(["v2", route, body.get("model"), features, switches])
+    prompt, words = _prompt_of(body)
+    return EngineKey(_hash([shape, prompt]), shape, sketch(words))
+
+
+def _hash(material: Any) -> str:
+    text = json.dumps(material, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _prompt_of(body: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The prompt as the engine gets it, whitespace normalised, and its words (or token ids) for the sketch."""
+    words: list[str] = []
+
+    def norm(text: str) -> str:
+        split = text.split()
+        words.extend(split)
+        return " ".join(split)
+
+    def content(c: Any) -> Any:
+        if isinstance(c, str):
+            return norm(c)
+        if isinstance(c, list):
+            return [norm(p["text"]) if isinstance(p, dict) and isinstance(p.get("text"), str) else p for p in c]
+        return c
+
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        out = []
+        for m in messages:
+            if isinstance(m, dict):
+                out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content(m.get("content"))})
+            else:
+                out.append(m)
+        return out, words
+    prompt = body.get("prompt", body.get("input"))
+    if isinstance(prompt, str):
+        return norm(prompt), words
+    if isinstance(prompt, list):
+        out_p = [norm(p) if isinstance(p, str) else p for p in prompt]
+        if not words:
+            words = [str(i) for i in prompt if isinstance(i, int)]
+        return out_p, words
+    return prompt, words
+
+
+def sketch(words: Sequence[str]) -> tuple[int, ...]:
+    """The SKETCH_SIZE smallest hashes of the 3-word shingles of ``words``: two prompts' sketches estimate how
+    much of them is the same (a variant with a few words removed shares nearly all its shingles)."""
+    if len(words) < SKETCH_MIN_WORDS:
+        return ()
+    hashes = {zlib.crc32(f"{a}\0{b}\0{c}".encode()) for a, b, c in zip(words, words[1:], words[2:], strict=False)}
+    return tuple(sorted(hashes)[:SKETCH_SIZE])
+
+
+def similarity(a: Sequence[int], b: Sequence[int]) -> float:
+    """The Jaccard similarity of two prompts' shingles, estimated from their sketches (bottom-k)."""
+    if not a or not b:
+        return 0.0
+    sa, sb = set(a), set(b)
+    union = sorted(sa | sb)[:SKETCH_SIZE]
+    return sum(1 for h in union if h in sa and h in sb) / len(union)
 
 
 def _where(exc: Exception) -> str:
@@ -170,6 +268,12 @@ def _messages(value: Any) -> tuple[list[str], int, int] | Rejection:
         elif content is not None:
             return bad_request(f"'messages[{i}].content' must be a string or a list of parts, got "
                                f"{type(content).__name__}", "invalid_type")
+        if m.get("tool_calls") is not None:  # rendered into the prompt by chat templates, arguments and all
+            try:
+                texts.append(json.dumps(m["tool_calls"], ensure_ascii=False))
+            except (RecursionError, ValueError):
+                return bad_request(f"'messages[{i}].tool_calls' is nested too deeply; send a flatter object",
+                                   "invalid_json")
     return texts, 0, len(value)
 
 
@@ -260,14 +364,26 @@ def shed(p: Pressure | None, tokens: int | None, proven: int, retry_after_s: flo
 class Quarantine:
     """Content hashes of requests that killed the engine again, each until it expires."""
 
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)  # hash -> {until, tokens, reason}
+    # key -> {until, tokens, reason, and (newer entries) kind, shape, sketch}
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def add(self, digest: str, until: float, tokens: int | None, reason: str) -> None:
-        self.entries[digest] = {"until": until, "tokens": tokens, "reason": reason}
+    def add(self, digest: str, until: float, tokens: int | None, reason: str, kind: str = "", shape: str = "",
+            sketch: Sequence[int] = ()) -> None:
+        self.entries[digest] = {"until": until, "tokens": tokens, "reason": reason, "kind": kind, "shape": shape,
+                                "sketch": list(sketch)}
 
-    def holds(self, digest: str, now: float) -> dict[str, Any] | None:
+    def holds(self, digest: str, now: float, shape: str = "", sketch: Sequence[int] = ()) -> dict[str, Any] | None:
+        """The entry that refuses this request: its own key, or a quarantined prompt it is a variant of (the same
+        key without the prompt, and NEAR or more of the prompt's shingles the same)."""
         entry = self.entries.get(digest)
-        return entry if entry is not None and entry["until"] > now else None
+        if entry is not None:
+            return entry if entry["until"] > now else None
+        if not sketch or not shape:
+            return None
+        for e in self.entries.values():
+            if e["until"] > now and e.get("shape") == shape and similarity(sketch, e.get("sketch") or ()) >= NEAR:
+                return e
+        return None
 
     def prune(self, now: float) -> bool:
         stale = [d for d, e in self.entries.items() if e["until"] <= now]
@@ -287,9 +403,11 @@ class Quarantine:
         """Shorter than the shortest quarantined prompt: the length learned from crash evidence.
 
         Only prompts longer than ``served`` (the longest this engine ran, its warm-up's included) count: one
-        that was no longer did not die of its length, and lowers nothing for anyone else."""
+        that was no longer did not die of its length, and lowers nothing for anyone else. Nor does one that
+        killed the engine without running out of memory (a segfault, "engine dead"): its length is not what
+        killed it."""
         lengths = [int(e["tokens"]) for e in self.entries.values()
-                   if e["until"] > now and e.get("tokens") and int(e["tokens"]) > served]
+                   if e["until"] > now and e.get("tokens") and int(e["tokens"]) > served and _of_length(e)]
         return min(lengths) - 1 if lengths else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -305,11 +423,20 @@ class Quarantine:
         dropped: list[str] = []
         for k, v in raw.items():
             if isinstance(v, dict) and _number(v.get("until")) and (v.get("tokens") is None or _count(v["tokens"])) \
-                    and isinstance(v.get("reason", ""), str):
-                ok[str(k)] = {"until": float(v["until"]), "tokens": v.get("tokens"), "reason": v.get("reason", "")}
+                    and all(isinstance(v.get(f, ""), str) for f in ("reason", "kind", "shape")) \
+                    and isinstance(v.get("sketch", []), list) and all(_count(h) for h in v.get("sketch", [])):
+                ok[str(k)] = {"until": float(v["until"]), "tokens": v.get("tokens"), "reason": v.get("reason", ""),
+                              "kind": v.get("kind", ""), "shape": v.get("shape", ""),
+                              "sketch": v.get("sketch", [])[:SKETCH_SIZE]}
             else:
                 dropped.append(str(k))
         return cls(ok), dropped
+
+
+def _of_length(entry: Mapping[str, Any]) -> bool:
+    """A quarantined prompt whose length may be what killed the engine: a memory failure (entries written before
+    the kind was kept count too)."""
+    return entry.get("kind", "") in ("", "runtime_oom", "startup_memory")
 
 
 def _number(v: Any) -> bool:

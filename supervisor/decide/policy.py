@@ -7,6 +7,10 @@ up (FATAL, non-zero exit) so that systemd's own Restart=/StartLimit* decide what
 Memory knobs fall fast (one rung per OOM, in ``[ladder] order``) and climb slowly (one rung per
 stable period, last lowered first); a rung that failed ``max_rung_failures`` times is never tried
 again. A failure caused by another process's memory is not held against the rung.
+A death that one request was proven to cause (it was alone at an engine that had served without it:
+the gateway's evidence) spends no restart budget and does not count toward a crash loop: the budget
+is for loops the supervisor cannot explain, and the gateway quarantines such a request at its second
+strike, so a client cannot spend it.
 """
 
 from __future__ import annotations
@@ -153,11 +157,16 @@ class Policy:
     device_fatals: int = 0
     _last_unexplained: tuple[str, int | str] | None = None
 
-    def on_failure(self, failure: Failure, profile: Profile, now: float) -> Decision:
-        """Decide the next step after ``failure`` of an engine running ``profile`` at time ``now``."""
-        failure = self._explain(failure, profile)
+    def on_failure(self, failure: Failure, profile: Profile, now: float, proven: bool = False) -> Decision:
+        """Decide the next step after ``failure`` of an engine running ``profile`` at time ``now``; ``proven``:
+        one request alone was proven to cause it."""
+        return self.decide(self.explain(failure, profile), profile, now, proven)
+
+    def decide(self, failure: Failure, profile: Profile, now: float, proven: bool = False) -> Decision:
+        """``on_failure`` for a failure already through ``explain``."""
         kind = failure.kind
-        self.in_a_row += 1
+        if not proven:
+            self.in_a_row += 1
         if kind is FailureKind.CONFIG_ERROR:
             return Decision(False, profile, failure, reason="engine configuration error: fix the config, not retried",
                             exit_code=ExitCode.ENGINE_CONFIG_ERROR)
@@ -173,11 +182,17 @@ class Policy:
             if failure.rung_at_fault:
                 self.rung_failures[profile.key()] = self.rung_failures.get(profile.key(), 0) + 1
             lowered = self._lower_for(failure, profile)
+            if lowered is None and proven:
+                lowered = profile  # at the floors, and one request is to blame: it is quarantined, not the host
             if lowered is None:
                 return Decision(False, profile, failure, reason="memory failure with every knob at its floor",
                                 exit_code=ExitCode.NOTHING_LEFT_TO_LOWER)
             nxt, reason = lowered, f"{kind.value}: lowered {_fmt_diff(profile.diff(lowered))}"
 
+        if proven and kind.request_can_cause:
+            # BACKOFF's shortest step: the next engine is as needed as after any death, and nothing loops here.
+            return Decision(True, nxt, failure, self.restart.backoff_initial_s,
+                            f"{reason}; caused by one request alone at the engine: no restart budget spent")
         if self.in_a_row >= self.restart.max_consecutive_failures:
             return Decision(False, profile, failure, exit_code=ExitCode.RESTART_BUDGET_SPENT,
                             reason=f"{self.in_a_row} failures in a row without the engine becoming READY "
@@ -192,7 +207,7 @@ class Policy:
         self.consecutive += 1
         return Decision(True, nxt, failure, backoff_delay(self.consecutive, self.restart, self.rand), reason)
 
-    def _explain(self, failure: Failure, profile: Profile) -> Failure:
+    def explain(self, failure: Failure, profile: Profile) -> Failure:
         """An unexplained death that repeats at the same profile with the same request is memory.
 
         On real vLLM CPU an allocation with no margin left kills the worker with SIGSEGV instead of

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import platform
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -57,6 +58,9 @@ R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
 SPARE_WAKE_BOUND_S = 140.0  # recovery/spare.py: its /wake_up (WAKE_TIMEOUT_S) and the /health after it
+
+
+SPAWN_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 
 
 @dataclass(frozen=True)
@@ -256,7 +260,9 @@ class EngineRun:
             self.child = await self.spare.hand_over() if self.spare is not None else await self._spawn(argv, env)
         except OSError as exc:
             evidence = f"could not start the engine command {argv[0]!r}: {exc}"
-            return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(FailureKind.CONFIG_ERROR, evidence))
+            # Out of descriptors, processes or memory is the host's state now, not the command: retried.
+            kind = FailureKind.ENGINE_DEAD if exc.errno in SPAWN_RESOURCE_ERRNOS else FailureKind.CONFIG_ERROR
+            return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(kind, evidence))
         child = self.child
         shown = self.spare.argv if self.spare is not None else tuple(launch.masked(argv, self.secrets))
         self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number, argv=shown,

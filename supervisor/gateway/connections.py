@@ -44,6 +44,11 @@ HEAD_LATE = _raw("408 Request Timeout", "header_timeout", "the request head did 
 class Limits:
     max_connections: int
     header_timeout_s: float
+    idle_timeout_s: float = 75.0  # aiohttp's keepalive_timeout: applies at start
+
+    @classmethod
+    def of(cls, g: GatewayConfig) -> Limits:
+        return cls(g.max_connections, g.header_timeout_s, g.idle_timeout_s)
 
 
 @dataclass
@@ -227,15 +232,15 @@ class PublicPort:
     ``accept_failed(error, count)`` is told at most once a second while accepts fail, with how many failed.
     """
 
-    def __init__(self, app: web.Application, g: GatewayConfig, close_s: float,
+    def __init__(self, app: web.Application, limits: Limits, close_s: float,
                  refused: Callable[[int, str], None], accept_failed: Callable[[str, int], None],
                  clock: Callable[[], float]) -> None:
         # handler_cancellation: a client that disconnects cancels its handler, which closes the engine request.
         # shutdown_timeout: a client with a half-sent body holds the exit a few seconds, not aiohttp's 60.
         # keepalive_timeout: an idle kept-alive connection is closed (aiohttp's default is an hour).
         self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=close_s,
-                                    keepalive_timeout=g.idle_timeout_s)
-        self.limits = Limits(g.max_connections, g.header_timeout_s)
+                                    keepalive_timeout=limits.idle_timeout_s)
+        self.limits = limits
         self.guard = ConnectionGuard(self._handler, self.limits, refused)
         self.accept_failed = accept_failed
         self.accept_failures = 0

@@ -2,15 +2,20 @@
 
 Requests wait here while the engine is not READY (held), go through when it is, and are
 re-issued after a death when nothing of theirs reached the client yet. After a death that a
-request can cause, the suspect (named by vLLM's scheduler dump, else the largest prompt that
-was in flight) goes alone first.
+request can cause, the suspect (named by vLLM's scheduler dump, else the request that saw the
+most deaths, else the largest prompt that was in flight) goes alone to the next engine, once
+that engine has served ``solo_after_s`` without it (others go meanwhile): the control.
 
 A strike needs evidence: vLLM's own record named the request, or it was alone at the engine
-when an out-of-memory death came. Being the largest in a batch is a reason to send it alone,
-never a strike; an unexplained death (a signal, "engine dead") with nobody named strikes
-nobody, so an engine that dies after every start whatever it serves quarantines no one. Two
-strikes quarantine the request. Flights are tracked by the gateway's own identity, never by
-the client's X-Request-Id, which several requests may share.
+when it died: of an out-of-memory error, or of any death a request can cause (a segfault,
+"engine dead") once the engine had served its control period without it. Being the largest in
+a batch is a reason to send it alone, never a strike; an engine that dies during its control
+period, or with nothing in flight, dies whatever it serves: the suspect's strikes are void, so
+a crash loop quarantines no one. Two strikes quarantine the request; strikes are remembered by
+the quarantine's key, so a client that sends the request again inherits them. A death that a
+request alone was proven to cause spends no restart budget (``Blame.proven``): the budget is for
+loops the supervisor cannot explain. Flights are tracked by the gateway's own identity, never
+by the client's X-Request-Id, which several requests may share.
 
 The gate reads the supervisor's state changes from the event stream and never writes them.
 """
@@ -18,11 +23,13 @@ The gate reads the supervisor's state changes from the event stream and never wr
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from supervisor.decide import admission
-from supervisor.engine_states import EngineState, FailureKind
+from supervisor.engine_states import Blame, EngineState, FailureKind
 
 
 @dataclass(eq=False)
@@ -35,11 +42,25 @@ class Flight:
     tokens: int | None = None  # exact prompt tokens, when counted
     generation: int = 0  # the READY period it was sent in
     replays: int = 0
-    strikes: int = 0  # times it was the suspect of a death
+    strikes: int = 0  # times it was the suspect of a death, with evidence
+    deaths: int = 0  # engine deaths it was at the engine for
+    controlled: bool = False  # sent after its engine had served solo_after_s: a death then is evidence
     quarantined: bool = False
     floor_tried: bool = False  # it went (or goes) alone to an engine at the ladder's lowest rung
     gone: bool = False  # answered, refused, or its client left: it will not come back to the gate
     arrived: float = 0.0  # the host's monotonic clock at arrival
+    shape: str = ""  # the quarantine's key without the prompt, and the prompt's sketch (admission.engine_key)
+    sketch: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Blamed(Blame):
+    """What the gate made of a death, and the request it quarantines."""
+
+    quarantined: Flight | None = None
+
+
+STRUCK_KEPT = 4096  # quarantine keys whose strikes are remembered for a client that sends them again
 
 
 class Refused(Exception):
@@ -51,18 +72,22 @@ class Refused(Exception):
 
 
 class EngineGate:
-    def __init__(self, max_held: int, max_in_flight: int = 0) -> None:
+    def __init__(self, max_held: int, max_in_flight: int = 0, solo_after_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_held = max_held
         self.max_in_flight = max_in_flight
+        self.solo_after_s = solo_after_s
+        self.clock = clock
+        self.ready_at = 0.0
+        self.struck: OrderedDict[str, int] = OrderedDict()  # quarantine key -> strikes
         self.state = EngineState.STOPPED
         self.generation = 0
         self.open = False  # READY and not draining
         self.closing = False  # the supervisor is stopping: admit nothing more
         self.at_engine: dict[int, Flight] = {}  # by id(flight): clients may share an X-Request-Id
         self.waiting = 0
-        self.solo: Flight | None = None  # the suspect, replayed alone
+        self.suspects: list[Flight] = []  # each goes alone, in turn; none goes in a batch
         self._dead_batch: list[Flight] = []
-        self.floor_wanted = False  # the next engine should start at the lowest rung: a suspect is tried there
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -77,8 +102,11 @@ class EngineGate:
             left = deadline - loop.time()
             if left <= 0:
                 return False
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the cancellation of a client
+            # that left (CPython gh-86296), which then stayed counted as waiting and went to the engine.
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
             except TimeoutError:
                 return ready()
         return True
@@ -89,6 +117,9 @@ class EngineGate:
         if new is EngineState.READY:
             self.generation += 1
             self.open = not self.closing
+            self.ready_at = self.clock()
+            if self.suspects and self.solo_after_s > 0:
+                asyncio.get_running_loop().call_later(self.solo_after_s, self._notify)  # the control is over
         else:
             self.open = False
             # Unplanned: a planned stop drains first (READY -> DRAINING).
@@ -96,54 +127,91 @@ class EngineGate:
                 self._dead_batch = list(self.at_engine.values())
         self._notify()
 
-    def on_failure(self, kind: FailureKind, suspect_request: str | None, at_floor: bool = True) -> Flight | None:
-        """After a death: pick the suspect to replay alone; the flight to quarantine, if any.
+    @property
+    def solo(self) -> Flight | None:
+        """The suspect that goes alone next."""
+        return self.suspects[0] if self.suspects else None
+
+    def on_failure(self, kind: FailureKind, suspect_request: str | None, at_floor: bool = True) -> Blamed:
+        """After a death: pick the suspect to replay alone, strike it where the evidence allows.
 
         A memory failure's suspect with two strikes is tried once more, alone, at the ladder's lowest rung
-        (``floor_wanted``) unless the engine that died already ran there: a budget of 2048 may serve what
+        (``Blame.floor``) unless the engine that died already ran there: a budget of 2048 may serve what
         6144 could not."""
         # A request answered between the death and its classification is nobody's suspect: made the one to go
         # alone, it would never come back, and every other request would wait for it.
         dead, self._dead_batch = self._dead_batch, []
+        if not kind.request_can_cause:
+            return Blamed()
+        if not dead:  # nothing in flight: the engine dies whatever it serves, and no strike stands on that
+            self.struck.clear()
+            for f in self.suspects:
+                f.strikes = 0
+            return Blamed()
+        for f in dead:
+            f.deaths += 1
         batch = [f for f in dead if not f.gone]
-        if not kind.request_can_cause or not batch:
-            return None
-        sizes = {f.rid: f.size for f in batch}
-        named = admission.named_by(suspect_request, sizes)
+        if not batch:
+            return Blamed()
+        named = admission.named_by(suspect_request, {f.rid: f.size for f in batch})
         if named is not None:
             suspect = max((f for f in batch if f.rid == named), key=lambda f: f.size)
         else:
-            suspect = max(batch, key=lambda f: f.size)
+            suspect = max(batch, key=lambda f: (f.strikes, f.deaths, f.size))
         alone = len(dead) == 1 and dead[0] is suspect
-        if named is not None or (alone and kind is FailureKind.RUNTIME_OOM):
-            suspect.strikes += 1
-        if suspect.strikes >= 2 and kind.memory and not at_floor and not suspect.floor_tried:
-            suspect.floor_tried = self.floor_wanted = True
+        proven = alone and (kind is FailureKind.RUNTIME_OOM or suspect.controlled)
+        if named is not None or proven:
+            self._strike(suspect)
+        floor = suspect.strikes >= 2 and kind.memory and not at_floor and not suspect.floor_tried
+        if floor:
+            suspect.floor_tried = True
         elif suspect.strikes >= 2:
-            return self._quarantine(suspect)
-        self.solo = suspect
+            return Blamed(proven=proven, quarantined=self._quarantine(suspect))
+        # A request at two deaths, or struck once, never goes in a batch again: it would take the others with it.
+        for f in [suspect, *(f for f in batch if f.strikes or f.deaths >= 2)]:
+            if f not in self.suspects:
+                self.suspects.append(f)
         self._notify()
-        return None
+        return Blamed(proven=proven, floor=floor)
 
-    def take_floor_wish(self) -> bool:
-        """Whether the next engine should start at the lowest rung (asked once per failure)."""
-        wanted, self.floor_wanted = self.floor_wanted, False
-        return wanted
+    def strikes_of(self, key: str | None) -> int:
+        """Strikes remembered for a quarantine key: a request sent again is not a new one."""
+        return self.struck.get(key, 0) if key is not None else 0
+
+    def _strike(self, f: Flight) -> None:
+        f.strikes = max(f.strikes, self.strikes_of(f.digest)) + 1
+        if f.digest is not None:
+            self.struck[f.digest] = f.strikes
+            self.struck.move_to_end(f.digest)
+            while len(self.struck) > STRUCK_KEPT:
+                self.struck.popitem(last=False)
+
+    def _void(self, f: Flight) -> None:
+        f.strikes = 0
+        if f.digest is not None:
+            self.struck.pop(f.digest, None)
 
     def _quarantine(self, flight: Flight) -> Flight:
         flight.quarantined = True
-        if self.solo is flight:
-            self.solo = None
-        self._notify()
+        self._unsuspect(flight)
         return flight
+
+    def _unsuspect(self, flight: Flight) -> None:
+        if flight in self.suspects:
+            self.suspects.remove(flight)
+            self._notify()
 
     # ---- requests --------------------------------------------------------------------------------------
     def _may_go(self, f: Flight) -> bool:
         if not self.open:
             return False
-        if self.solo is not None:
-            return self.solo is f and not self.at_engine
-        return not self.max_in_flight or len(self.at_engine) < self.max_in_flight
+        room = not self.max_in_flight or len(self.at_engine) < self.max_in_flight
+        if self.suspects:
+            controlling = self.clock() - self.ready_at < self.solo_after_s
+            if f in self.suspects:
+                return f is self.suspects[0] and not controlling and not self.at_engine
+            return controlling and room  # others go while the engine serves its control period
+        return room
 
     async def admit(self, f: Flight, hold_s: float, keep_holding: Callable[[], bool] = lambda: False) -> bool:
         """Wait (at most ``hold_s``, longer while ``keep_holding()``) until ``f`` may go to the engine; True
@@ -177,6 +245,8 @@ class EngineGate:
 
     def _sent(self, f: Flight) -> None:
         f.generation = self.generation
+        f.strikes = max(f.strikes, self.strikes_of(f.digest))
+        f.controlled = self.clock() - self.ready_at >= self.solo_after_s
         self.at_engine[id(f)] = f
 
     async def engine_left(self, f: Flight, within_s: float) -> bool:
@@ -188,16 +258,15 @@ class EngineGate:
         if self.at_engine.get(id(f)) is f:
             del self.at_engine[id(f)]
         if self.solo is f and f.generation == self.generation and self.open:
-            self.solo = None  # it went through alone and the engine lived
+            self._unsuspect(f)  # it went through alone and the engine lived
+            self._void(f)
         self._notify()
 
     def forget(self, f: Flight) -> None:
         """The request is over for good (answered, refused, or its client left): it is nobody's suspect any more."""
         f.gone = True
         self.leave(f)
-        if self.solo is f:
-            self.solo = None
-            self._notify()
+        self._unsuspect(f)
 
     async def drained(self, timeout: float) -> int:
         """Stop sending to the engine and wait for what is there to finish; how many were still there."""

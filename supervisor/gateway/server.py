@@ -26,10 +26,10 @@ from aiohttp import web
 from supervisor.config import Config, GatewayConfig, is_local_path
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
+from supervisor.engine_states import Blame, FailureKind
 from supervisor.event_stream import (
     AcceptFailed,
     Event,
-    FailureClassified,
     GatewayDrained,
     RequestQuarantined,
     RequestReplayed,
@@ -80,7 +80,7 @@ class Gateway:
         self.cfg, self.g = cfg, cfg.gateway
         self.host, self.publish, self.view = host, publish, view
         self.side = side or SupervisorSide()
-        self.gate = EngineGate(self.g.max_held, self.g.max_in_flight)
+        self.gate = EngineGate(self.g.max_held, self.g.max_in_flight, self.g.solo_after_s, host.monotonic)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
         self.quarantine = quarantine_store.Kept.open(quarantine_store.path_in(cfg.state.dir), host.wall())
@@ -97,8 +97,8 @@ class Gateway:
         self.session = proxy.new_session()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.port = connections.PublicPort(app, self.g, CLOSE_S, self.answers.refused_raw, self._accept_failed,
-                                           host.monotonic)
+        self.port = connections.PublicPort(app, connections.Limits.of(self.g), CLOSE_S, self.answers.refused_raw,
+                                           self._accept_failed, host.monotonic)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -131,7 +131,8 @@ class Gateway:
     def reconfigure(self, g: GatewayConfig) -> None:
         """A reload: every [gateway] setting but ``listen`` applies to the next request and the next poll."""
         self.g = g
-        self.gate.max_held, self.gate.max_in_flight = g.max_held, g.max_in_flight
+        self.gate.max_held, self.gate.max_in_flight, self.gate.solo_after_s = g.max_held, g.max_in_flight, \
+            g.solo_after_s
         self.port.configure(g)
         self.watch.configure(g)
 
@@ -159,28 +160,29 @@ class Gateway:
             self.gate.on_state(event.old, event.new)
             if event.ready is not None:
                 self.proven_tokens = max(event.ready.warmup_prompts, default=0)
-        elif isinstance(event, FailureClassified):
-            flight = self.gate.on_failure(event.kind, event.suspect_request, event.at_floor)
-            if flight is not None and flight.digest is not None:
-                self._quarantine(flight, event)
 
-    async def wants_floor(self) -> bool:
-        """Asked by the lifecycle after a memory failure: should the next engine start at the lowest rung?"""
-        if self.side.caught_up is not None:
+    async def blame(self, kind: FailureKind, suspect_request: str | None, at_floor: bool, chunk: int | None) -> Blame:
+        """Asked by the lifecycle after a death, before its policy decides: who goes alone, who is quarantined,
+        whether one request alone was proven to cause it."""
+        if self.side.caught_up is not None:  # the READY -> STOPPING edge that names the dead batch is read first
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.side.caught_up(), 2.0)
-        return self.gate.take_floor_wish()
+        blame = self.gate.on_failure(kind, suspect_request, at_floor)
+        if blame.quarantined is not None and blame.quarantined.digest is not None:
+            self._quarantine(blame.quarantined, kind, at_floor, chunk)
+        return blame
 
-    def _quarantine(self, flight: Flight, event: FailureClassified) -> None:
+    def _quarantine(self, flight: Flight, kind: FailureKind, at_floor: bool, chunk: int | None) -> None:
         assert flight.digest is not None
         tokens = f"{flight.tokens} prompt tokens as counted by the engine's tokenizer" if flight.tokens is not None \
             else "its prompt length was not counted"
-        at = f"max_num_batched_tokens {event.chunk}" if event.chunk else "its settings then"
-        floor = ", the last time alone at the lowest rung of this server's ladder" if event.at_floor else ""
-        reason = (f"{event.kind.value} twice with this request named by vLLM or alone at the engine{floor} "
+        at = f"max_num_batched_tokens {chunk}" if chunk else "its settings then"
+        floor = ", the last time alone at the lowest rung of this server's ladder" if at_floor else ""
+        reason = (f"{kind.value} twice with this request named by vLLM or alone at the engine{floor} "
                   f"({at}); {tokens}")
         # Only a measured count may lower the prompt limit for others (Quarantine.safe_len).
-        self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.tokens, reason)
+        self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.tokens, reason,
+                            kind.value, flight.shape, flight.sketch)
         self.counters["quarantined"] += 1
         self.quarantine.save(self.host.wall())
         self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
@@ -234,11 +236,12 @@ class Gateway:
         if isinstance(parsed, Rejection):
             return self.answers.reject(rid, parsed)
         if parsed is not None:
-            entry = self.quarantine.holds(parsed.digest, self.host.wall())
+            entry = self.quarantine.holds(parsed.digest, self.host.wall(), parsed.shape, parsed.sketch)
             if entry is not None:
                 return self.answers.reject(rid, admission.quarantined(entry, parsed.digest))
         flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0,
-                        arrived=self.host.monotonic())
+                        arrived=self.host.monotonic(), shape=parsed.shape if parsed else "",
+                        sketch=parsed.sketch if parsed else ())
         if parsed is not None and self.pressure is not None and self.gate.open:
             tokens = await self.counter.tokens_if_long(parsed, flight, self.proven_tokens)
             refused = admission.shed(self.pressure, tokens, self.proven_tokens, self.g.retry_after_s)
@@ -259,9 +262,12 @@ class Gateway:
                        body: bytes) -> web.StreamResponse:
         while True:
             await self._admit(flight)
-            if flight.quarantined:
-                entry = self.quarantine.holds(flight.digest or "", self.host.wall()) or {}
-                return self.answers.reject(flight.rid, admission.quarantined(entry, flight.digest or ""))
+            # Quarantined while it waited: itself, or the same request (or a variant) sent by another client.
+            entry = self.quarantine.holds(flight.digest, self.host.wall(), flight.shape, flight.sketch) \
+                if flight.digest is not None else None
+            if flight.quarantined or entry is not None:
+                self.gate.leave(flight)
+                return self.answers.reject(flight.rid, admission.quarantined(entry or {}, flight.digest or ""))
             if flight.replays:
                 self.counters["replayed"] += 1
                 self.publish(RequestReplayed(at=self.host.wall(), request_id=flight.rid, replays=flight.replays,

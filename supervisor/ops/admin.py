@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from supervisor.gateway.connections import Limits, PublicPort
 
 
 def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool],
@@ -41,15 +44,27 @@ def metrics_app(metrics: Callable[[], bytes]) -> web.Application:
     return app
 
 
+# The admin and metrics listeners are documented for 0.0.0.0 (a central Prometheus): they get the public port's
+# acceptor (EMFILE retried quietly, not asyncio's traceback flood), a connection cap, a head deadline and a
+# short keep-alive. Sixty idle connections once filled the descriptor table here.
+ADMIN_LIMITS = Limits(max_connections=64, header_timeout_s=10.0, idle_timeout_s=15.0)
+CLOSE_S = 1.0
+log = structlog.get_logger("supervisor.admin")
+
+
 class AdminServer:
-    def __init__(self, app: web.Application, host: str, port: int) -> None:
-        self.runner = web.AppRunner(app, access_log=None)
-        self.host, self.port = host, port
+    def __init__(self, app: web.Application, host: str, port: int, clock: Callable[[], float]) -> None:
+        self.host, self.port_number = host, port
+        self.port = PublicPort(app, ADMIN_LIMITS, CLOSE_S, self._refused, self._accept_failed, clock)
 
     async def start(self) -> None:
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
-        await site.start()
+        await self.port.start(self.host, self.port_number)
 
     async def close(self) -> None:
-        await self.runner.cleanup()
+        await self.port.close()
+
+    def _refused(self, status: int, code: str) -> None:
+        log.info("admin.connection_refused", listen=f"{self.host}:{self.port_number}", status=status, code=code)
+
+    def _accept_failed(self, error: str, count: int) -> None:
+        log.warning("admin.accept_failed", listen=f"{self.host}:{self.port_number}", error=error, count=count)

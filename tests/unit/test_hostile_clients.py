@@ -42,35 +42,120 @@ def test_the_quarantine_key_covers_every_field_that_changes_what_the_engine_does
     """Defect 2: the hash covered the route, model and prompt only."""
     base = {"model": "m", "prompt": "Hello", "max_tokens": 4}
     digests = {parsed(b).digest for b in (base, {**base, "temperature": 0.0}, {**base, "logit_bias": {"7": 100}},
-                                          {**base, "guided_json": {"type": "object"}}, {**base, "max_tokens": 5})}
+                                          {**base, "guided_json": {"type": "object"}}, {**base, "n": 2})}
     assert len(digests) == 5
     # What never reaches the engine's computation does not make another request of it.
     assert parsed(base).digest == parsed({**base, "stream": True, "user": "u-1"}).digest
     assert parsed({"prompt": "x", "model": "m"}).digest == parsed({"model": "m", "prompt": "x"}).digest
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def die_with(gate: EngineGate, clock: Clock, flights: list[Flight], kind: FailureKind,
+                   served_s: float = 60.0) -> Any:
+    """An engine READY for ``served_s`` before ``flights`` are sent, which dies of ``kind`` under them."""
+    gate.on_state(S.WARMING, S.READY)
+    clock.t += served_s
+    for f in flights:
+        assert await gate.admit(f, 0.01) is False
+    gate.on_state(S.READY, S.STOPPING)
+    for f in flights:
+        gate.leave(f)
+    blame = gate.on_failure(kind, None)
+    gate.on_state(S.STOPPING, S.STARTING)
+    return blame
+
+
 def test_a_strike_needs_evidence_and_a_crash_loop_quarantines_nobody() -> None:
     """Defect 3: with an engine that dies after each start whatever it serves, the largest request was
-    sent alone, "died alone" and was quarantined."""
+    sent alone, "died alone" and was quarantined. It dies within its control period now: the suspect, held
+    for it, was never at the engine, and its strike is void."""
     async def go() -> None:
-        gate = EngineGate(max_held=10)
+        clock = Clock()
+        gate = EngineGate(max_held=10, solo_after_s=2.0, clock=clock)
         big = Flight("big", "d-big", 214)
-        for _ in range(4):  # SIGSEGV a few seconds after each start, nothing in vLLM's records names a request
+        first = await die_with(gate, clock, [big], FailureKind.SIGNAL)  # alone after 60 s of serving: a strike
+        assert big.strikes == 1 and first.proven and gate.solo is big
+        for _ in range(4):  # then SIGSEGV 0.3 s after each start, the suspect held for its control period
             gate.on_state(S.WARMING, S.READY)
-            await gate.admit(big, 1.0)
+            held = asyncio.create_task(gate.admit(big, 5.0))
+            await asyncio.sleep(0)
+            clock.t += 0.3
+            assert not held.done() and not gate.at_engine
             gate.on_state(S.READY, S.STOPPING)
-            gate.leave(big)
-            assert gate.on_failure(FailureKind.SIGNAL, None) is None
+            blame = gate.on_failure(FailureKind.SIGNAL, None)
+            assert not blame.proven and blame.quarantined is None
             gate.on_state(S.STOPPING, S.STARTING)
-        assert big.strikes == 0 and not big.quarantined
-        # An out-of-memory death with the request alone at the engine is evidence.
+            held.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await held
+        assert big.strikes == 0 and not big.quarantined and gate.waiting == 0
+        gate.forget(big)  # its client gave up
+        # An out-of-memory death with the request alone at the engine is evidence, control or not.
+        oom = Flight("oom", "d-oom", 214)
         for expect_quarantine in (False, True):
-            gate.on_state(S.WARMING, S.READY)
-            await gate.admit(big, 1.0)
-            gate.on_state(S.READY, S.STOPPING)
-            gate.leave(big)
-            assert (gate.on_failure(FailureKind.RUNTIME_OOM, None) is big) is expect_quarantine
-            gate.on_state(S.STOPPING, S.STARTING)
+            blame = await die_with(gate, clock, [oom], FailureKind.RUNTIME_OOM, served_s=2.0)
+            assert (blame.quarantined is oom) is expect_quarantine and blame.proven
+    asyncio.run(go())
+
+
+def test_a_segfaulting_request_alone_is_struck_twice_quarantined_and_its_deaths_are_proven() -> None:
+    """Issue 25's regression: a request that kills the engine with nothing in vLLM's records naming it (a
+    segfault) went alone to engine after engine and was never struck: 4 deaths a request, FATAL for two."""
+    async def go() -> None:
+        clock = Clock()
+        gate = EngineGate(max_held=10, solo_after_s=2.0, clock=clock)
+        poison, small = Flight("p", "d-poison", 300), Flight("s", "d-small", 900)
+        first = await die_with(gate, clock, [poison, small], FailureKind.ENGINE_DEAD)
+        assert not first.proven and poison.strikes == 0 and gate.solo is small  # the largest goes alone first
+        gate.on_state(S.WARMING, S.READY)
+        clock.t += 2.5
+        assert await gate.admit(small, 0.01) is False
+        gate.leave(small)  # it lived alone: not the poison
+        assert gate.solo is None
+        # The poison, sent again into a batch, dies again: it saw two deaths, the others one.
+        other = Flight("o", "d-other", 5000)
+        assert await gate.admit(poison, 0.01) is False and await gate.admit(other, 0.01) is False
+        gate.on_state(S.READY, S.STOPPING)
+        gate.leave(poison)
+        gate.leave(other)
+        assert gate.on_failure(FailureKind.ENGINE_DEAD, None).proven is False and gate.solo is poison
+        gate.on_state(S.STOPPING, S.STARTING)
+        second = await die_with(gate, clock, [poison], FailureKind.ENGINE_DEAD, served_s=2.5)
+        assert second.proven and poison.strikes == 1 and second.quarantined is None
+        # The client gave up and sends it again: a new request with the same key inherits the strike.
+        gate.forget(poison)
+        again = Flight("p2", "d-poison", 300)
+        third = await die_with(gate, clock, [again], FailureKind.SIGNAL, served_s=2.5)
+        assert third.proven and third.quarantined is again and again.strikes == 2
+    asyncio.run(go())
+
+
+def test_others_go_during_the_control_period_and_the_suspect_alone_after_it() -> None:
+    async def go() -> None:
+        clock = Clock()
+        gate = EngineGate(max_held=10, solo_after_s=2.0, clock=clock)
+        suspect = Flight("s", "d-s", 300)
+        await die_with(gate, clock, [suspect], FailureKind.ENGINE_DEAD)
+        gate.on_state(S.WARMING, S.READY)
+        waiting = asyncio.create_task(gate.admit(suspect, 5.0))
+        a = Flight("a", "d-a", 10)
+        assert await gate.admit(a, 0.01) is False  # the control: others are served meanwhile
+        clock.t += 2.0
+        late = asyncio.create_task(gate.admit(Flight("b", "d-b", 10), 5.0))
+        await asyncio.sleep(0)
+        assert not waiting.done() and not late.done()  # the suspect waits for the engine to empty, b behind it
+        gate.leave(a)
+        assert await waiting is True and not late.done()
+        assert not suspect.controlled or gate.at_engine == {id(suspect): suspect}
+        gate.leave(suspect)  # it lived: the others go
+        assert await late is True
     asyncio.run(go())
 
 
@@ -231,7 +316,7 @@ def test_an_oom_suspect_with_two_strikes_is_tried_alone_at_the_lowest_rung_befor
     from supervisor.decide.policy import floor_of
     from supervisor.profile import Profile
 
-    async def die_alone(gate: EngineGate, f: Flight, at_floor: bool) -> Flight | None:
+    async def die_alone(gate: EngineGate, f: Flight, at_floor: bool) -> Any:
         gate.on_state(S.WARMING, S.READY)
         await gate.admit(f, 1.0)
         gate.on_state(S.READY, S.STOPPING)
@@ -243,18 +328,71 @@ def test_an_oom_suspect_with_two_strikes_is_tried_alone_at_the_lowest_rung_befor
     async def go() -> None:
         gate = EngineGate(max_held=10)
         big = Flight("big", "d-big", 30000)
-        assert await die_alone(gate, big, at_floor=False) is None and not gate.take_floor_wish()
-        assert await die_alone(gate, big, at_floor=False) is None  # two strikes, above the floor: not yet
-        assert gate.take_floor_wish() and not gate.take_floor_wish()  # asked once
+        first = await die_alone(gate, big, at_floor=False)
+        assert first.quarantined is None and not first.floor
+        second = await die_alone(gate, big, at_floor=False)  # two strikes, above the floor: not yet
+        assert second.quarantined is None and second.floor
         assert gate.solo is big and not big.quarantined
-        assert await die_alone(gate, big, at_floor=True) is big and big.quarantined  # died alone there too
+        assert (await die_alone(gate, big, at_floor=True)).quarantined is big and big.quarantined  # died there too
         # An engine already at the floor quarantines at the second strike, as before.
         other = Flight("other", "d-other", 30000)
         await die_alone(gate, other, at_floor=True)
-        assert await die_alone(gate, other, at_floor=True) is other and not gate.take_floor_wish()
+        last = await die_alone(gate, other, at_floor=True)
+        assert last.quarantined is other and not last.floor
     asyncio.run(go())
     ladder = LadderConfig()
     low = floor_of(Profile(max_num_batched_tokens=8192, max_num_seqs=16), ladder)
     assert low.max_num_batched_tokens == 2048 and low.enable_chunked_prefill  # the lowest listed rung, not 512
     assert floor_of(low, ladder) == low
     assert floor_of(Profile(max_num_batched_tokens=1024), ladder).max_num_batched_tokens == 1024  # never raised
+
+
+POISON_TEXT = " ".join(f"w{i % 97} v{i % 89}" for i in range(300))
+
+
+def test_the_quarantine_key_is_what_vllm_runs_not_the_bodys_bytes() -> None:
+    """Issue 25: a junk field, a nudged temperature or a few words removed made a quarantined prompt new (three
+    such variants walked every client's chunk to the floor and spent the budget)."""
+    base = {"model": "m", "prompt": POISON_TEXT, "max_tokens": 8, "temperature": 0.7}
+    q = admission.Quarantine()
+    first = parsed(base)
+    q.add(first.digest, 1e12, None, "r", "engine_dead", first.shape, first.sketch)
+    words = POISON_TEXT.split()
+    variants = [{**base, "junk": "x" * 50},                                     # vLLM ignores unknown fields
+                {**base, "temperature": 0.71, "seed": 7, "max_tokens": 9},      # values, not the code that runs
+                {**base, "prompt": "  " + POISON_TEXT.replace(" ", "\n  ")},   # whitespace
+                {**base, "prompt": " ".join(words[:100] + words[103:400] + words[405:])},  # a few words removed
+                {**base, "user": "someone-else", "stream": True}]
+    for v in variants:
+        p = parsed(v)
+        assert q.holds(p.digest, 0.0, p.shape, p.sketch) is not None, v.keys()
+    # What makes the engine run something else is another request.
+    others = [{**base, "temperature": 0.0},                                      # greedy: another sampling path
+              {**base, "n": 4}, {**base, "guided_json": {"type": "object"}}, {**base, "prompt_logprobs": 1},
+              {**base, "prompt": " ".join(f"z{i}" for i in range(600))}, {**base, "model": "other"}]
+    for o in others:
+        p = parsed(o)
+        assert q.holds(p.digest, 0.0, p.shape, p.sketch) is None, o
+    assert parsed({"model": "m", "prompt": "short one"}).sketch == ()  # short prompts match exactly only
+
+
+def test_a_quarantined_segfault_lowers_no_ones_prompt_limit() -> None:
+    """Issue 25: one 5,001-token request that crashed the engine set safe_prompt_tokens to 5,000 for everyone."""
+    q = admission.Quarantine()
+    q.add("segv", 1e12, 5001, "engine_dead twice", "engine_dead")
+    assert q.safe_len(0.0, served=512) is None
+    q.add("oom", 1e12, 20000, "runtime_oom twice", "runtime_oom")
+    assert q.safe_len(0.0, served=512) == 19999
+    loaded, dropped = admission.Quarantine.load(q.as_dict())
+    assert not dropped and loaded.safe_len(0.0, served=512) == 19999
+
+
+def test_tool_schemas_and_tool_call_arguments_count_against_the_token_gates() -> None:
+    """Issue 25: only message text was counted; tools and tool_calls (rendered into the prompt) passed every gate."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"description": "x" * 50_000}}}]
+    p = parsed({"messages": [{"role": "user", "content": "hi"}], "tools": tools}, "chat")
+    assert p.upper_bound > 50_000 and p.tokenize_body["tools"] == tools
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "y" * 40_000}}]
+    p = parsed({"messages": [{"role": "assistant", "content": None, "tool_calls": call},
+                             {"role": "user", "content": "go"}]}, "chat")
+    assert p.upper_bound > 40_000
