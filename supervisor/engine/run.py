@@ -63,6 +63,11 @@ SPARE_WAKE_BOUND_S = 140.0  # recovery/spare.py: its /wake_up (WAKE_TIMEOUT_S) a
 SPAWN_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 
 
+def spawn_failure_kind(exc: OSError) -> FailureKind:
+    """Out of descriptors, processes or memory is the host's state now, not the command: retried."""
+    return FailureKind.ENGINE_DEAD if exc.errno in SPAWN_RESOURCE_ERRNOS else FailureKind.CONFIG_ERROR
+
+
 @dataclass(frozen=True)
 class Trigger:
     """Why the run is ending: what fired, the evidence, and when (wall clock for detection latency)."""
@@ -260,9 +265,7 @@ class EngineRun:
             self.child = await self.spare.hand_over() if self.spare is not None else await self._spawn(argv, env)
         except OSError as exc:
             evidence = f"could not start the engine command {argv[0]!r}: {exc}"
-            # Out of descriptors, processes or memory is the host's state now, not the command: retried.
-            kind = FailureKind.ENGINE_DEAD if exc.errno in SPAWN_RESOURCE_ERRNOS else FailureKind.CONFIG_ERROR
-            return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(kind, evidence))
+            return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(spawn_failure_kind(exc), evidence))
         child = self.child
         shown = self.spare.argv if self.spare is not None else tuple(launch.masked(argv, self.secrets))
         self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number, argv=shown,
