@@ -147,6 +147,7 @@ def _check(cfg: config_mod.Config, strict: bool = False) -> int:
 def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:
     logs.configure(cfg.log.format, cfg.log.level)
     from supervisor.daemon import Daemon
+    from supervisor.host import statelock
     from supervisor.host.real import RealHost
     from supervisor.ops.alerts.channels import MissingSecret
 
@@ -154,6 +155,11 @@ def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:
         daemon = Daemon(cfg, RealHost(), echo=sys.stderr if echo_engine else None, config_path=config_path)
         return await daemon.run()
 
+    try:
+        lock = statelock.acquire(cfg.state.dir)  # noqa: F841 - held open for the process's life
+    except statelock.StateDirBusy as exc:
+        print(f"vllm-supervisor: {exc}", file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
     try:
         return int(asyncio.run(go()))
     except MissingSecret as exc:

@@ -11,6 +11,26 @@ from collections import deque
 from collections.abc import Callable
 from typing import TextIO
 
+MAX_LINE = 16 * 1024  # characters of one console line that the tail keeps and the classifier reads
+LINE_CUT = " ...[line cut]"
+
+
+def _line(raw: bytes) -> str:
+    line = raw[:MAX_LINE * 4].decode(errors="replace").rstrip("\r\n")
+    return line[:MAX_LINE] + LINE_CUT if len(line) > MAX_LINE else line
+
+
+async def _skip_to_next_line(stream: asyncio.StreamReader) -> None:
+    """Read and drop the rest of a line that overran the stream's limit."""
+    while True:
+        try:
+            await stream.readuntil(b"\n")
+            return
+        except asyncio.IncompleteReadError:
+            return
+        except asyncio.LimitOverrunError as exc:
+            await stream.read(exc.consumed)
+
 
 class LogTail:
     """The last ``maxlen`` lines of the engine's console output, in arrival order."""
@@ -37,15 +57,25 @@ class LogTail:
             self.on_line(line)
 
     async def drain(self, stream: asyncio.StreamReader) -> None:
-        """Read ``stream`` to EOF, one line at a time."""
+        """Read ``stream`` to EOF, one line at a time.
+
+        A line longer than the stream's limit (a request logged with megabytes of stop strings) is kept as its
+        first MAX_LINE characters and the rest is read and dropped: never handed on in pieces, each of which
+        would start wherever the cut fell, like a line of its own (``prog: error: ...``, argparse's words)."""
         while True:
             try:
-                raw = await stream.readline()
-            except ValueError:  # a line beyond the stream limit: take what is buffered
-                raw = await stream.read(65536)
-            if not raw:
+                raw = await stream.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:  # EOF, perhaps after a last line without its newline
+                if exc.partial:
+                    self.add(_line(exc.partial))
                 return
-            self.add(raw.decode(errors="replace").rstrip("\r\n"))
+            except asyncio.LimitOverrunError as exc:
+                head = await stream.read(exc.consumed)
+                await _skip_to_next_line(stream)
+                line = _line(head)
+                self.add(line if line.endswith(LINE_CUT) else line + LINE_CUT)
+                continue
+            self.add(_line(raw))
 
     def snapshot(self) -> list[str]:
         return list(self.lines)

@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 
 from supervisor.decide.admission import Quarantine
-from supervisor.host.files import write_private
+from supervisor.host.files import read_json, write_private
 
 FILENAME = "quarantine.json"
 log = structlog.get_logger("supervisor.gateway")
@@ -29,13 +29,9 @@ def load(path: Path) -> tuple[Quarantine, list[str]]:
 
     Raises OSError or ValueError when the file cannot be read or is not JSON."""
     try:
-        text = path.read_text()
+        return Quarantine.load(read_json(path))
     except FileNotFoundError:
         return Quarantine(), []
-    try:
-        return Quarantine.load(json.loads(text))
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
 
 
 def save(path: Path, q: Quarantine) -> None:

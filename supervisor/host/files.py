@@ -3,8 +3,10 @@ engine output and request shapes)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from supervisor.config import is_local_path
 
@@ -21,6 +23,16 @@ def write_private(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    """A state file's JSON. Raises FileNotFoundError when it is absent, and OSError or ValueError for any other
+    damage (unreadable, a directory in its place, not UTF-8, not JSON, nested too deep to parse): every caller
+    treats those alike, as a warning, never as a reason not to start."""
+    try:
+        return json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
 
 
 def weights_on_disk(model: str) -> int | None:

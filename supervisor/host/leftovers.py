@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import structlog
 
 from supervisor.config import Config
 from supervisor.event_stream import Event, GpuNotReleased, LeftoverEngineStopped
 from supervisor.host import Host
-from supervisor.host.files import write_private
+from supervisor.host.files import read_json, write_private
 from supervisor.host.gpu import GpuLost
 from supervisor.host.proctree import Birth
 
+log = structlog.get_logger("supervisor.state")
 FILENAME = "engine.json"
 PRECOMPILE = "precompile.json"
 SPARE = "spare.json"  # recovery/spare.py: a throwaway kept asleep, apart from the precompile that may follow it
@@ -35,26 +37,52 @@ class EngineRecord:
 
 
 def write(state_dir: str | Path, rec: EngineRecord, name: str = FILENAME) -> None:
+    """Record a session; a state directory that cannot be written costs only this record (a warning)."""
     d = Path(state_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    write_private(d / name, json.dumps({"sid": rec.sid, "boot_id": rec.born.boot_id,
-                                        "since_boot_s": rec.born.since_boot_s, "supervisor_pid": rec.supervisor_pid}))
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        write_private(d / name, json.dumps({"sid": rec.sid, "boot_id": rec.born.boot_id,
+                                            "since_boot_s": rec.born.since_boot_s,
+                                            "supervisor_pid": rec.supervisor_pid}))
+    except OSError as exc:
+        log.warning("state.record_not_written", path=str(d / name), error=str(exc),
+                    hint="a supervisor killed now would leave this engine for a person to stop")
 
 
 def read(state_dir: str | Path, name: str = FILENAME) -> EngineRecord | None:
+    """The record, or None when absent or damaged in any way (a warning: nothing is signalled on its word)."""
+    path = Path(state_dir) / name
     try:
-        raw = json.loads((Path(state_dir) / name).read_text())
+        raw = read_json(path)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
         if "since_boot_s" in raw:
             born = Birth(str(raw["boot_id"]), float(raw["since_boot_s"]))
         else:  # written by a supervisor before 2026-12: a wall-clock create time
             born = Birth("", float(raw["create_time"]) - psutil.boot_time())
-        return EngineRecord(int(raw["sid"]), born, int(raw["supervisor_pid"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        rec = EngineRecord(_int(raw["sid"]), born, _int(raw["supervisor_pid"]))
+        if rec.sid <= 1 or rec.sid == os.getsid(0) or rec.supervisor_pid <= 0:
+            raise ValueError(f"session {rec.sid} / supervisor {rec.supervisor_pid} cannot be an engine's")
+        return rec
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, OverflowError) as exc:
+        log.warning("state.record_ignored", path=str(path), error=str(exc),
+                    hint="nothing it names is stopped; check for a leftover vLLM by hand (ps -eo pid,sid,cmd)")
         return None
 
 
+def _int(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{v!r} is not an integer")
+    return v
+
+
 def clear(state_dir: str | Path, name: str = FILENAME) -> None:
-    (Path(state_dir) / name).unlink(missing_ok=True)
+    try:
+        (Path(state_dir) / name).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("state.record_not_cleared", path=str(Path(state_dir) / name), error=str(exc))
 
 
 def stop_bound_s(cfg: Config) -> float:

@@ -152,7 +152,15 @@ def remember_descendants(child: Child) -> set[int]:
     return set(child.known_pids)
 
 
+def _ours(pgid: int) -> bool:
+    """Group (or session) 0 is the caller's own, 1 is init's: neither is ever an engine's."""
+    return pgid <= 1 or pgid in (os.getpgrp(), os.getsid(0))
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> bool:
+    if _ours(pgid):
+        log.error("engine.signal_refused", pgid=pgid, signal=sig.name, hint="never the supervisor's own or init's")
+        return False
     try:
         os.killpg(pgid, sig)
         return True
@@ -203,6 +211,9 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
     ours: after a reboot nothing of it is left; a live leader born at another time leads another session;
     no member can be older than its leader.
     """
+    if _ours(sid):
+        log.error("engine.stop_refused", sid=sid, hint="session 0, 1 or the supervisor's own is never an engine's")
+        return [], [], []
     this_boot = boot_id()
     if born is not None and born.boot_id and this_boot and born.boot_id != this_boot:
         return [], [], []

@@ -8,6 +8,7 @@ A Unix stream socket in the state directory, mode 0600, and every peer's credent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -40,14 +41,19 @@ class ControlServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)  # a socket left by a supervisor that died
+        """Listen on the socket; a state directory that cannot hold it costs the commands, never the service."""
         old = os.umask(0o177)  # created 0600: no window in which another user could connect
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.unlink(missing_ok=True)  # a socket left by a supervisor that died
             self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+            os.chmod(self.path, 0o600)
+        except OSError as exc:
+            log.error("control.unavailable", path=str(self.path), error=str(exc),
+                      hint="reload, restart and quarantine clear need it: make the state directory writable; "
+                           "SIGHUP still reloads")
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -84,7 +90,8 @@ class ControlServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
-        self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
 
 
 def send(path: Path, command: str, timeout: float = 30.0, arg: str | None = None) -> dict[str, object]:

@@ -6,11 +6,11 @@ remembers (state.json and the newest incident bundle).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from supervisor.host.files import read_json
 from supervisor.ops import statefile
 
 GIB = 2**30
@@ -102,7 +102,7 @@ def incident_paths(state_dir: str | Path) -> list[Path]:
 
 def load_incident(path: Path) -> dict[str, Any] | None:
     try:
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None

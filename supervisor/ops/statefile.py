@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from supervisor.event_stream import Event, LearnedChanged
+from supervisor.host.files import read_json
 from supervisor.profile import Profile
 
 log = structlog.get_logger("supervisor.ops.statefile")
@@ -46,7 +47,7 @@ def load(state_dir: str | Path) -> Learned | None:
     """The saved state, or None when absent or unreadable (reported as an event)."""
     p = path_in(state_dir)
     try:
-        raw = json.loads(p.read_text())
+        raw = read_json(p)
         if not isinstance(raw, dict) or raw.get("version") != VERSION:
             raise ValueError(f"unsupported state version {raw.get('version') if isinstance(raw, dict) else raw!r}")
         failures = raw.get("rung_failures") or {}
@@ -60,7 +61,7 @@ def load(state_dir: str | Path) -> Learned | None:
                        fatal=raw["fatal"] if isinstance(raw.get("fatal"), dict) else None)
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError, KeyError, OSError) as exc:
+    except (ValueError, TypeError, KeyError, OSError, AttributeError, OverflowError) as exc:
         log.warning("state.corrupt_ignored", path=str(p), error=str(exc),
                     hint="starting from the configured profile; the file is overwritten at the next change")
         return None

@@ -69,7 +69,7 @@ class Precompiler:
     # ---- the compile record ------------------------------------------------------------------------
     def _load(self) -> dict[str, list[str]]:
         try:
-            doc = json.loads(self.record.read_text())
+            doc = files.read_json(self.record)
         except (OSError, ValueError):
             return {}
         return {str(k): [str(x) for x in v] for k, v in doc.items() if isinstance(v, list)} \

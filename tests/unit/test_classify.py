@@ -274,3 +274,33 @@ def test_a_real_h200_cuda_oom_under_hostile_stop_strings_is_runtime_oom() -> Non
     f = classify(events=[], lines=log, exit=ExitInfo(0), phase=Phase.SERVING)
     assert f.kind is FailureKind.RUNTIME_OOM and "CUDA out of memory. Tried to allocate 64.00 MiB" in f.evidence
     assert f.suspect_tokens == 30001
+
+
+def test_a_console_line_megabytes_long_is_never_cut_into_lines_that_decide_a_verdict() -> None:
+    """Issue 25: 4 stop strings of ~1.4 MiB made the scheduler dump one 4 MiB console line; read in 64 KiB pieces,
+    each piece started wherever the cut fell, some with argparse's 'error: unrecognized arguments', and the real
+    H200 OOM under it became config_error (exit 3, never restarted by the shipped unit)."""
+    import asyncio
+
+    from supervisor.engine.logtail import MAX_LINE, LogTail
+    from supervisor.host.proctree import STREAM_LIMIT
+
+    log = lines("h200-vllm0.26-supervised-runtime-cuda-oom-hostile-stop.log")
+    hostile = ("error: " * 9000 + "error: unrecognized arguments: --x EngineCore encountered a fatal error ") * 20
+    i = next(n for n, x in enumerate(log) if "Dumping scheduler output" in x)
+    log[i] = log[i].replace("'error: unrecognized arguments: --x'", repr(hostile) + ", " + repr(hostile) * 1)
+    assert len(log[i]) > 2 * 2**20
+
+    for limit in (STREAM_LIMIT, 64 * 1024):
+        async def drained(limit: int = limit) -> list[str]:
+            reader = asyncio.StreamReader(limit=limit)
+            reader.feed_data(("\n".join(log) + "\n").encode())
+            reader.feed_eof()
+            tail = LogTail(maxlen=10_000)
+            await tail.drain(reader)
+            return tail.snapshot()
+
+        got = asyncio.run(drained())
+        assert len(got) == len(log) and max(len(x) for x in got) <= MAX_LINE + 20
+        f = classify(events=[], lines=got, exit=ExitInfo(0), phase=Phase.SERVING)
+        assert f.kind is FailureKind.RUNTIME_OOM and "CUDA out of memory" in f.evidence, (limit, f)

@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.host.files import write_private
+from supervisor.host.files import read_json, write_private
 
 FILENAME = "pages.json"
 log = structlog.get_logger("supervisor.alerts")
@@ -29,7 +29,7 @@ class OpenPages:
         if self.path is None:
             return {}
         try:
-            doc = json.loads(self.path.read_text())
+            doc = read_json(self.path)
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
