@@ -41,6 +41,7 @@ class Liveness:
         self._silent_since: float | None = None
         self._canary_at: float | None = None  # a canary in flight since
         self._last_canary = spawned_at
+        self._canary_errors: list[str] = []  # the canaries answered with an error status since the last good one
         self.pending = False
 
     def start_overdue(self, now: float) -> str | None:
@@ -75,16 +76,31 @@ class Liveness:
         return None
 
     def canary_due(self, now: float) -> bool:
-        """Rule 4: idle, none in flight, and ``canary_interval_s`` since the last one."""
-        return (not self.pending and self._canary_at is None
-                and now - self._last_canary >= self.health.canary_interval_s)
+        """Rule 4: idle, none in flight, and ``canary_interval_s`` since the last one (``probe_interval_s`` after
+        one that failed: a second opinion comes soon)."""
+        every = self.health.probe_interval_s if self._canary_errors else self.health.canary_interval_s
+        return not self.pending and self._canary_at is None and now - self._last_canary >= every
 
     def canary_sent(self, now: float) -> None:
         self._canary_at = self._last_canary = now
 
     def canary_done(self) -> None:
-        """The canary answered (any answer: an error status is a death for the other rules to see)."""
+        """The canary was answered with a generation."""
         self._canary_at = None
+        self._canary_errors.clear()
+
+    def canary_failed(self, error: str) -> None:
+        """The canary was answered with an error status (5xx): the engine answers, but does not generate."""
+        self._canary_at = None
+        self._canary_errors.append(error)
+
+    def canary_failing(self) -> str | None:
+        """Rule 5: ``unhealthy_probes`` canaries in a row answered with an error (an engine whose /health says
+        200 while it fails every generation, e.g. put to sleep behind the supervisor's back)."""
+        n = len(self._canary_errors)
+        if n >= self.health.unhealthy_probes:
+            return f"canary generation failed {n} times in a row while /health answered 200 ({self._canary_errors[-1]})"
+        return None
 
     def canary_overdue(self, now: float) -> str | None:
         if self._canary_at is not None and now - self._canary_at >= self.health.hang_timeout_s:

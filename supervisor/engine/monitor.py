@@ -41,17 +41,19 @@ class Monitor:
                 await self.host.sleep(h.probe_interval_s)
                 on_round()
                 now = self.host.monotonic()
-                if await self.client.health(timeout=probe_timeout) == 503:
+                status = await self.client.health(timeout=probe_timeout)
+                if status is not None and status >= 500:  # vLLM's own 503 after a death, or any other error
                     bad_health += 1
                     if bad_health >= h.unhealthy_probes:
-                        return TriggerKind.DEATH, f"/health returned 503 {bad_health} times in a row"
+                        return TriggerKind.DEATH, f"/health returned {status} {bad_health} times in a row"
                 else:
                     bad_health = 0
                 try:
                     progress = await self.client.metrics(timeout=probe_timeout)
                 except EngineError:
                     progress = None
-                hang = live.metrics(self.host.monotonic(), progress) or live.canary_overdue(self.host.monotonic())
+                hang = live.metrics(self.host.monotonic(), progress) or live.canary_overdue(self.host.monotonic()) \
+                    or live.canary_failing()
                 if hang:
                     return TriggerKind.HANG, hang
                 if live.canary_due(now):
@@ -68,6 +70,9 @@ class Monitor:
                                        request_id=f"{self.canary_id}-{int(self.host.wall())}")
         except EngineStatusError as exc:
             self.publish(CanaryFailed(at=self.host.wall(), status=exc.status, error=str(exc)))
+            if exc.status >= 500:
+                self.live.canary_failed(str(exc)[:200])
+                return
         except EngineError:
             return  # no answer: the liveness rule fires on the clock
         self.live.canary_done()
