@@ -107,13 +107,19 @@ class EngineConfig:
         return [s for s in out if s]
 
     def api_key(self, base: Mapping[str, str] | None = None) -> str | None:
-        """The key vLLM will demand of every request (--api-key, else VLLM_API_KEY), if any."""
+        """The key the supervisor's own requests carry (the first of ``api_keys``), if any."""
+        keys = self.api_keys(base)
+        return keys[0] if keys else None
+
+    def api_keys(self, base: Mapping[str, str] | None = None) -> list[str]:
+        """Every key vLLM accepts (--api-key, one or several; else VLLM_API_KEY), as its middleware reads them."""
         value = self.args.get("api_key")
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value not in (None, "", False):
-            return str(value)
-        return self.environment(base).get("VLLM_API_KEY") or None
+        values = value if isinstance(value, list) else [value]
+        keys = [str(v) for v in values if v not in (None, "", False)]
+        if keys:
+            return keys
+        env = self.environment(base).get("VLLM_API_KEY")
+        return [env] if env else []
 
     def ranks(self) -> int:
         """The engine's ranks: ``tensor_parallel_size`` x ``pipeline_parallel_size`` in [engine.args]."""

@@ -12,6 +12,7 @@ place to scrape). An allowlist: a route a new vLLM adds stays closed until it is
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 
@@ -41,8 +42,26 @@ def public(path: str) -> bool:
     return path in COUNTED or path in OPAQUE or path in INFORMATIONAL or bool(RESPONSE_BY_ID.fullmatch(path))
 
 
-def authorized(request: web.Request, api_key: str) -> bool:
-    """vLLM's --api-key rule (its AuthenticationMiddleware): every /v1 route needs ``Bearer <key>``."""
-    if not request.path.startswith("/v1"):
+# vLLM's AuthenticationMiddleware (0.32) guards these prefixes; the gateway also guards every route that runs the
+# model (/invocations, /pooling, /score, /rerank, /classify sit outside them in vLLM): an operator who set a key
+# meant that nobody without it spends the GPU.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def needs_key(path: str) -> bool:
+    return path.startswith(GUARDED_PREFIXES) or model_route(path) is not None
+
+
+def authorized(request: web.Request, api_keys: list[str]) -> bool:
+    """vLLM's --api-key rule: ``Authorization: <scheme> <key>``, the scheme in any case (``bearer``), the key any
+    of those it was started with; every key is compared, in constant time."""
+    if not needs_key(request.path):
         return True
-    return hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {api_key}".encode())
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(given.encode()).digest()
+    match = False
+    for key in api_keys:
+        match |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+    return match

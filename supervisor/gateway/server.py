@@ -83,6 +83,7 @@ class Gateway:
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight, self.g.solo_after_s, host.monotonic)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
+        self.api_keys = cfg.engine.api_keys()
         self.quarantine = quarantine_store.Kept.open(quarantine_store.path_in(cfg.state.dir), host.wall())
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
         self.pressure: admission.Pressure | None = None
@@ -221,7 +222,7 @@ class Gateway:
             return probe(request.path, self.gate, self.side.sound())
         if not routes.public(request.path):
             return self.answers.reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
-        if self.client.api_key is not None and not routes.authorized(request, self.client.api_key):
+        if self.api_keys and not routes.authorized(request, self.api_keys):
             # vLLM's own answer to a request without the key, given before any work is done for it.
             self.answers.count(Rejection(401, "unauthorized", ""), rid)
             return web.json_response({"error": "Unauthorized"}, status=401, headers={"X-Request-Id": rid})

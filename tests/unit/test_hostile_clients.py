@@ -406,3 +406,24 @@ def test_a_spawn_that_fails_for_want_of_descriptors_is_retried_not_a_config_erro
     assert spawn_failure_kind(OSError(errno.EMFILE, "Too many open files")) is FailureKind.ENGINE_DEAD
     assert spawn_failure_kind(OSError(errno.EAGAIN, "Resource temporarily unavailable")) is FailureKind.ENGINE_DEAD
     assert spawn_failure_kind(FileNotFoundError(errno.ENOENT, "No such file")) is FailureKind.CONFIG_ERROR
+
+
+def test_the_gateway_asks_for_the_key_as_vllm_does_and_on_every_route_that_runs_the_model() -> None:
+    """Issue 25: /invocations, /pooling, /score, /rerank, /classify were served without credentials on an api_key
+    engine; 'bearer' in lower case (vLLM accepts any case) or the second of several keys got 401."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from supervisor.config import EngineConfig
+    from supervisor.gateway.routes import authorized
+
+    keys = EngineConfig(model="m", args={"api_key": ["k-one", "k-two"]}).api_keys()
+    assert keys == ["k-one", "k-two"]
+
+    def ok(path: str, auth: str | None) -> bool:
+        headers = {"Authorization": auth} if auth is not None else {}
+        return authorized(make_mocked_request("POST", path, headers=headers), keys)
+
+    for path in ("/v1/completions", "/invocations", "/pooling", "/score", "/rerank", "/classify", "/v2/embed"):
+        assert not ok(path, None) and not ok(path, "Bearer wrong") and not ok(path, "Basic k-one"), path
+        assert ok(path, "Bearer k-one") and ok(path, "bearer k-two") and ok(path, "BEARER k-one"), path
+    assert ok("/tokenize", None) and ok("/health", None) and ok("/version", None)
