@@ -321,7 +321,11 @@ class Gateway:
         same stream (streams.py), or ended with an error event where that cannot be faithful."""
         while True:
             # Built from the client's body: in the parser pool when it is big (the loop runs supervision).
-            more = await self.parser.run(len(body), streams.continue_request, body, cut.state)
+            try:
+                more = await self.parser.run(len(body), streams.continue_request, body, cut.state)
+            except Exception as exc:  # noqa: BLE001 - the client's stream ends with an error event, never silently
+                log.error("gateway.continuation_failed", request_id=flight.rid, error=repr(exc)[:200])
+                more = streams.Continuation(None, "the gateway could not build its continuation", False)
             cut.state.usage_wanted, why_not = more.usage_wanted, more.why_not
             died = await self.gate.engine_left(flight, DEATH_WAIT_S)
             self.gate.leave(flight)

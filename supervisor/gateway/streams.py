@@ -16,6 +16,7 @@ several choices (``n`` > 1, ``best_of``), a prompt that is not one string (token
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,23 @@ def not_continuable(route: str | None, doc: Any) -> str | None:
         return "a prompt that is not one string (token ids or a batch)"
     if route == "chat" and not isinstance(doc.get("messages"), list):
         return "no messages"
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if doc.get(key) is not None and whole(doc[key]) is None:
+            return f"'{key}' is not a whole number"
     return None
+
+
+def whole(v: Any) -> int | None:
+    """A token count as vLLM's lax parsing reads it (50, 50.0, "50", "50.0"), or None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return int(f) if math.isfinite(f) and f.is_integer() else None
 
 
 @dataclass
@@ -176,16 +193,16 @@ def continuation(doc: dict[str, Any], state: StreamState) -> dict[str, Any]:
     generated = state.tokens
     if state.route == "completions":
         out["prompt"] = doc["prompt"] + state.so_far()
-        out["max_tokens"] = max(1, int(doc.get("max_tokens") or 16) - generated)  # vLLM's default is 16
+        out["max_tokens"] = max(1, (whole(doc.get("max_tokens")) or 16) - generated)  # vLLM's default is 16
     else:
         out["messages"] = [*doc["messages"], {"role": "assistant", "content": state.so_far()}]
         out["continue_final_message"] = True
         out["add_generation_prompt"] = False
         for key in ("max_completion_tokens", "max_tokens"):
-            if doc.get(key):
-                out[key] = max(1, int(doc[key]) - generated)
-    if doc.get("min_tokens"):
-        out["min_tokens"] = max(0, int(doc["min_tokens"]) - generated)
+            if whole(doc.get(key)):
+                out[key] = max(1, (whole(doc[key]) or 0) - generated)
+    if whole(doc.get("min_tokens")):
+        out["min_tokens"] = max(0, (whole(doc["min_tokens"]) or 0) - generated)
     out["stream_options"] = {**(doc.get("stream_options") or {}), "include_usage": True}
     return out
 

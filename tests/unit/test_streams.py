@@ -90,3 +90,16 @@ def test_a_cut_stream_that_carried_reasoning_or_a_tool_call_is_not_continued(fie
     more = streams.continue_request(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), state)
     assert more.body is None and more.why_not is not None and more.why_not.startswith(why)
 
+
+
+def test_a_token_count_written_as_a_string_or_a_float_is_continued_or_refused_never_raised() -> None:
+    """Issue 25: "max_tokens": "50.0" (vLLM accepts it) raised in the continuation: the client's stream just
+    stopped, with no error event and no [DONE]."""
+    state = StreamState("completions", text=["a", "b"], tokens=2)
+    for given in ("50.0", 50.0, "50", 50):
+        more = streams.continue_request(json.dumps({"prompt": "p", "max_tokens": given, "stream": True}).encode(),
+                                        state)
+        assert more.why_not is None and json.loads(more.body or b"{}")["max_tokens"] == 48, given
+    for bad in ("fifty", 50.5, True, [50]):
+        more = streams.continue_request(json.dumps({"prompt": "p", "max_tokens": bad}).encode(), state)
+        assert more.body is None and "max_tokens" in (more.why_not or ""), bad
