@@ -290,6 +290,10 @@ class GatewayConfig:
     header_timeout_s: float = 10.0  # a connection's request head must arrive within this (else 408, closed)
     idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
     max_connections: int = 1024  # open client connections; beyond, a new one gets 503 and is closed
+    # ... of them from one client address (0: no cap); behind a proxy that funnels every client through one address,
+    # raise it or set 0.
+    max_connections_per_client: int = 256
+    send_timeout_s: float = 30.0  # a response the client does not read for this long is cut (its slot freed)
     max_replays: int = 3  # re-issues of one request across engine deaths
     # After a death, the suspect goes alone to the next engine once it has served this long without it: its death
     # then is the suspect's doing, not an engine that dies whatever it serves (gateway/gate.py).
@@ -648,11 +652,12 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
                                                                    and obj.hold_timeout_s > 0),
              f"must be \"auto\" or a number of seconds > 0, got {obj.hold_timeout_s!r}")
         for key in ("drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s",
-                    "body_timeout_s", "header_timeout_s", "idle_timeout_s"):
+                    "body_timeout_s", "header_timeout_s", "idle_timeout_s", "send_timeout_s"):
             need(key, getattr(obj, key) > 0, "must be > 0 seconds")
         for key in ("max_held", "max_body_bytes", "max_connections"):
             need(key, getattr(obj, key) >= 1, "must be >= 1")
-        for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size", "solo_after_s"):
+        for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size", "solo_after_s",
+                    "max_connections_per_client"):
             need(key, getattr(obj, key) >= 0, "must be >= 0")
         for key in ("min_free_mib", "foreign_growth_mib", "prompt_logprobs_max_gib"):
             need(key, getattr(obj, key) >= 0, "must be >= 0 (0 switches the rule off)")

@@ -45,10 +45,11 @@ class Limits:
     max_connections: int
     header_timeout_s: float
     idle_timeout_s: float = 75.0  # aiohttp's keepalive_timeout: applies at start
+    per_client: int = 0  # open connections from one peer address (0: no cap)
 
     @classmethod
     def of(cls, g: GatewayConfig) -> Limits:
-        return cls(g.max_connections, g.header_timeout_s, g.idle_timeout_s)
+        return cls(g.max_connections, g.header_timeout_s, g.idle_timeout_s, g.max_connections_per_client)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ConnectionCounts:
     refused: int = 0
     header_timeouts: int = 0
     seen: set[GuardedConnection] = field(default_factory=set)  # the connections open now
+    by_peer: dict[str, int] = field(default_factory=dict)  # open connections per client address
 
     @property
     def open(self) -> int:
@@ -70,27 +72,39 @@ class GuardedConnection(asyncio.Protocol):
         self.inner: Any = None  # aiohttp's RequestHandler, made only for an accepted connection
         self.transport: asyncio.Transport | None = None
         self.in_request = False
+        self.peer = ""
         self._deadline: asyncio.TimerHandle | None = None
 
     # ---- asyncio's protocol, delegated ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        counts = self.guard.counts
-        if len(counts.seen) >= self.guard.limits.max_connections:
+        counts, limits = self.guard.counts, self.guard.limits
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if len(counts.seen) >= limits.max_connections or \
+                (limits.per_client and counts.by_peer.get(self.peer, 0) >= limits.per_client):
             counts.refused += 1
             self.guard.refused(503, "too_many_connections")
             transport.write(REFUSED)
             transport.close()
             return
         counts.seen.add(self)
+        counts.by_peer[self.peer] = counts.by_peer.get(self.peer, 0) + 1
         self.inner = self.guard.factory()
         self.inner.connection_made(transport)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self.guard.counts.seen.discard(self)
+        counts = self.guard.counts
+        if self in counts.seen:
+            counts.seen.discard(self)
+            left = counts.by_peer.get(self.peer, 1) - 1
+            if left > 0:
+                counts.by_peer[self.peer] = left
+            else:
+                counts.by_peer.pop(self.peer, None)
         if self.inner is not None:
             self.inner.connection_lost(exc)
 
@@ -261,6 +275,7 @@ class PublicPort:
     def configure(self, g: GatewayConfig) -> None:
         """A reload: the cap and the head deadline apply to the next connection (idle_timeout_s at the next start)."""
         self.limits.max_connections, self.limits.header_timeout_s = g.max_connections, g.header_timeout_s
+        self.limits.per_client = g.max_connections_per_client
 
     def status(self) -> dict[str, int]:
         c = self.guard.counts

@@ -10,6 +10,7 @@ faithful, ends it with an OpenAI-style error event and [DONE].
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -47,10 +48,26 @@ class Unsent:
 
 
 class Forwarded(web.StreamResponse):
-    """A stream the client received (``broken``: the engine died under it; ``client_gone``: the client left)."""
+    """A stream the client received (``broken``: the engine died under it; ``client_gone``: the client left, or
+    read nothing for ``send_timeout_s`` and was cut)."""
 
     broken = False
     client_gone = False
+    send_timeout_s: float | None = None
+    client: asyncio.BaseTransport | None = None  # the client's connection, aborted when it stops reading
+
+
+async def _write(resp: Forwarded, data: bytes) -> None:
+    """One write to the client, which must take its bytes within ``send_timeout_s``: a client that stops reading
+    holds a connection and a slot at the engine for ever otherwise. Cut: the connection is aborted, and the
+    caller sees the ConnectionResetError of a client that left."""
+    try:
+        async with asyncio.timeout(resp.send_timeout_s):
+            await resp.write(data)
+    except TimeoutError:
+        if isinstance(resp.client, asyncio.Transport):
+            resp.client.abort()
+        raise ConnectionResetError(f"the client read nothing for {resp.send_timeout_s:g}s") from None
 
 
 def passed(headers: Mapping[str, str], rid: str) -> CIMultiDict[str]:
@@ -78,7 +95,8 @@ class Cut:
 
 
 async def forward(session: aiohttp.ClientSession, url: str, request: web.Request, body: bytes, rid: str,
-                  state: StreamState, cuttable: bool) -> web.StreamResponse | Unsent | Cut:
+                  state: StreamState, cuttable: bool, send_timeout_s: float | None = None,
+                  ) -> web.StreamResponse | Unsent | Cut:
     """Send ``request`` (its body already read) to ``url``; the client's response, Unsent, or (``cuttable``) Cut."""
     try:
         up = await vllm_http.send(session, request.method, url, data=body or None, allow_redirects=False,
@@ -100,10 +118,11 @@ async def forward(session: aiohttp.ClientSession, url: str, request: web.Request
         up.close()
         raise
     resp = Forwarded(status=up.status, headers=passed(up.headers, rid))
+    resp.send_timeout_s, resp.client = send_timeout_s, request.transport
     try:
         await resp.prepare(request)
         for event in opening:
-            await resp.write(event)
+            await _write(resp, event)
         return await _pump(up, resp, state, cuttable)
     except ConnectionResetError:  # the client left mid-stream; closing the engine request aborts it in vLLM
         resp.client_gone = True
@@ -150,7 +169,7 @@ async def end_cut(cut: Cut, why: str) -> Forwarded:
 
 async def _end(resp: Forwarded, message: str) -> Forwarded:
     resp.broken = True
-    await resp.write(engine_gone_event(message))
+    await _write(resp, engine_gone_event(message))
     await resp.write_eof()
     return resp
 
@@ -194,9 +213,9 @@ async def _pump(up: aiohttp.ClientResponse, resp: Forwarded, state: StreamState,
                     continue
                 event = rewritten
             state.note(event)
-            await resp.write(event)
+            await _write(resp, event)
     if state.pending:
-        await resp.write(state.pending)
+        await _write(resp, state.pending)
     if cuttable and not state.finished and not state.done:
         return Cut(resp, state, "the engine's stream ended early")
     await resp.write_eof()

@@ -281,7 +281,8 @@ class Gateway:
             state = StreamState(route or "")
             url = self.client.base_url + str(request.rel_url)  # after the admission: a restart may move the engine
             out = await proxy.forward(self.session, url, request, body, flight.rid, state,
-                                      cuttable=route in streams.CONTINUABLE_ROUTES)
+                                      cuttable=route in streams.CONTINUABLE_ROUTES,
+                                      send_timeout_s=self.g.send_timeout_s)
             if isinstance(out, proxy.Cut):
                 return await self._continue(request, flight, body, out)
             if not isinstance(out, proxy.Unsent):

@@ -275,6 +275,49 @@ def test_the_admin_port_caps_its_connections_and_closes_a_mute_one(supervise: Ca
     assert sup.wait_ready()["state"] == "READY"  # the admin port answers again
 
 
+def test_clients_that_read_nothing_are_cut_and_one_address_cannot_take_every_connection(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 25: a streaming client that stops reading held its connection and its max_in_flight slot for ever
+    (two of them made every other request wait, then 503); one client opening max_connections refused everyone."""
+    import socket
+
+    sup = supervise({"gateway": {"hold_timeout_s": 30.0, "max_in_flight": 2, "send_timeout_s": 1.0,
+                                 "max_connections_per_client": 4},
+                     "engine": {"env": {"FAKE_VLLM_TOKEN_DELAY": "0.00002"}}})
+    sup.wait_ready()
+    addr = _gateway_addr(sup)
+    body = json.dumps({"model": "fake-model", "prompt": "stream a lot", "max_tokens": 400_000,
+                       "stream": True}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    mute: list[socket.socket] = []
+    held: list[socket.socket] = []
+    for _ in range(2):  # they fill max_in_flight, and never read a byte of their streams
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(addr)
+        s.sendall(head + body)
+        mute.append(s)
+    try:
+        sup.wait_for(lambda st: st["gateway"]["in_flight"] == 2, 10, "both mute streams at the engine")
+        t0 = time.monotonic()
+        code, _, _ = call(sup.gateway + "/v1/completions", completion("an ordinary client"))  # type: ignore[operator]
+        assert code == 200 and time.monotonic() - t0 < 20
+        st = sup.wait_for(lambda st: st["gateway"]["in_flight"] == 0, 20, "the mute streams cut")
+        assert st["gateway"]["client_disconnected"] >= 2
+        # One address may hold max_connections_per_client connections; another address is still served.
+        held = [socket.create_connection(addr, timeout=10) for _ in range(4)]
+        with socket.create_connection(addr, timeout=10) as extra:
+            assert extra.recv(65536).startswith(b"HTTP/1.1 503")
+        other = socket.create_connection(addr, timeout=10, source_address=("127.0.0.2", 0))
+        with other:
+            other.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert other.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in mute + held:
+            s.close()
+
+
 def test_running_out_of_file_descriptors_never_ends_the_supervisor(supervise: Callable[..., Sup]) -> None:
     """Defect 4: at the file-descriptor limit the supervisor exited with status 1, leaving vLLM running."""
     import resource
