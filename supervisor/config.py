@@ -286,6 +286,7 @@ class GatewayConfig:
     max_held: int = 256  # requests waiting at once; beyond: 503 (engine away) or 429 (caps full)
     max_in_flight: int = 0  # requests at the engine at once; 0 = no cap
     max_body_bytes: int = 16 * 2**20
+    max_body_bytes_in_flight: int = 256 * 2**20  # every body the gateway holds at once (read, parsed, held); 0: no cap
     body_timeout_s: float = 60.0  # a request's whole body must arrive within this (a trickle gets 408)
     header_timeout_s: float = 10.0  # a connection's request head must arrive within this (else 408, closed)
     idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
@@ -657,7 +658,7 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
         for key in ("max_held", "max_body_bytes", "max_connections"):
             need(key, getattr(obj, key) >= 1, "must be >= 1")
         for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size", "solo_after_s",
-                    "max_connections_per_client"):
+                    "max_connections_per_client", "max_body_bytes_in_flight"):
             need(key, getattr(obj, key) >= 0, "must be >= 0")
         for key in ("min_free_mib", "foreign_growth_mib", "prompt_logprobs_max_gib"):
             need(key, getattr(obj, key) >= 0, "must be >= 0 (0 switches the rule off)")

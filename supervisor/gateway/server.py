@@ -37,7 +37,7 @@ from supervisor.event_stream import (
     StateChanged,
     StreamContinued,
 )
-from supervisor.gateway import connections, parsing, pressure, proxy, quarantine_store, routes, streams
+from supervisor.gateway import bodies, connections, parsing, pressure, proxy, quarantine_store, routes, streams
 from supervisor.gateway.answers import Answers
 from supervisor.gateway.counting import PromptCounter
 from supervisor.gateway.gate import EngineGate, Flight, Refused
@@ -84,6 +84,7 @@ class Gateway:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
         self.api_keys = cfg.engine.api_keys()
+        self.body_budget = bodies.BodyBudget(self.g.max_body_bytes_in_flight)
         self.quarantine = quarantine_store.Kept.open(quarantine_store.path_in(cfg.state.dir), host.wall())
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
         self.pressure: admission.Pressure | None = None
@@ -134,6 +135,7 @@ class Gateway:
         self.g = g
         self.gate.max_held, self.gate.max_in_flight, self.gate.solo_after_s = g.max_held, g.max_in_flight, \
             g.solo_after_s
+        self.body_budget.cap = g.max_body_bytes_in_flight
         self.port.configure(g)
         self.watch.configure(g)
 
@@ -148,6 +150,7 @@ class Gateway:
                 "safe_prompt_tokens": safe,
                 "prompt_limit_source": admission.prompt_limit(self.counter.known_max_len(), safe)[1],
                 "longest_prompt_served": self.proven_tokens, "connections": self.port.status(),
+                "body_bytes_held": self.body_budget.held,
                 "held_seconds": dict(zip(("buckets", "sum"), self.answers.held_histogram(), strict=True))}
 
     def _accept_failed(self, error: str, count: int) -> None:
@@ -229,9 +232,24 @@ class Gateway:
         if self.gate.closing:
             return self.answers.reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
                                                "server_error", self.g.retry_after_s))
-        body = await _read_capped(request, self.g.max_body_bytes, self.g.body_timeout_s)
+        reading = bodies.Body(self.body_budget)
+        try:
+            return await self._with_body(request, rid, reading)
+        finally:
+            reading.release()
+
+    async def _with_body(self, request: web.Request, rid: str, reading: bodies.Body) -> web.StreamResponse:
+        body = await reading.read(request, self.g.max_body_bytes, self.g.body_timeout_s, self.g.retry_after_s)
         if isinstance(body, Rejection):
-            return self.answers.reject(rid, body)
+            # The rest of that body is never read: the connection ends with this answer (aiohttp would otherwise
+            # wait on it to drain the body).
+            answer = self.answers.reject(rid, body)
+            answer.force_close()
+            await answer.prepare(request)
+            await answer.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+            return answer
         route = routes.model_route(request.path) if request.method == "POST" else None
         parsed = await self.parser.parse(route, body) if route else None
         if isinstance(parsed, Rejection):
@@ -412,34 +430,6 @@ def hold_bound(cfg: Config, g: GatewayConfig, slowest_start_s: float | None) -> 
     around = (cfg.engine.failed_stop_timeout_s + cfg.engine.kill_timeout_s + cfg.gpu.release_timeout_s
               + cfg.restart.backoff_max_s + cfg.gpu.free_wait_s)
     return max(AUTO_HOLD_MIN_S, 1.5 * (slowest_start_s or 0.0) + around)
-
-
-async def _read_capped(request: web.Request, cap: int, timeout_s: float) -> bytes | Rejection:
-    """The body, refused (413) as soon as it is known to be over ``cap`` (a huge body is never read whole),
-    and (408) when it has not all arrived within ``timeout_s`` (a trickling client holds nothing for long)."""
-    if request.content_length is not None and request.content_length > cap:
-        return _too_big(cap)
-    try:
-        return await asyncio.wait_for(_read_body(request, cap), timeout_s)
-    except TimeoutError:
-        return Rejection(408, "body_timeout", f"the request body did not arrive within {timeout_s:g}s; "
-                                              "send it whole, faster")
-
-
-def _too_big(cap: int) -> Rejection:
-    return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server")
-
-
-async def _read_body(request: web.Request, cap: int) -> bytes | Rejection:
-    too_big = _too_big(cap)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > cap:
-            return too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _vocab_of(model: str) -> int | None:

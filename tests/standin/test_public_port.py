@@ -164,9 +164,43 @@ def test_a_body_that_trickles_in_gets_408_after_body_timeout_s_and_others_are_se
         t0 = time.monotonic()
         answer = slow.recv(65536).decode(errors="replace")
         took = time.monotonic() - t0
+        # Issue 25: a body that stopped half-way was answered but its connection stayed open (still at 12 s).
+        slow.settimeout(3.0)
+        assert slow.recv(65536) == b"", "the connection of a stalled body stays open after its 408"
     assert answer.startswith("HTTP/1.1 408") and "body_timeout" in answer, answer[:300]
     assert 0.8 < took < 10
     code, _, _ = call(sup.gateway + "/v1/completions", completion("served meanwhile"))
+    assert code == 200
+
+
+def test_the_bytes_of_every_body_held_at_once_are_capped(supervise: Callable[..., Sup]) -> None:
+    """Issue 25: 40 clients each sending 16 MiB but the last byte held ~640 MiB in the supervisor."""
+    import socket
+
+    sup = supervise({"gateway": {"hold_timeout_s": 30.0, "body_timeout_s": 30.0,
+                                 "max_body_bytes_in_flight": 1_000_000}})
+    sup.wait_ready()
+    addr = _gateway_addr(sup)
+    part = b'{"prompt": "' + b"x" * 400_000
+    stalled = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection(addr, timeout=20)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 500000\r\n\r\n" + part)
+            stalled.append(s)
+        sup.wait_for(lambda st: st["gateway"]["body_bytes_held"] >= 800_000, 10, "two bodies held")
+        with socket.create_connection(addr, timeout=20) as third:
+            third.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 500000\r\n\r\n" + part)
+            answer = third.recv(65536).decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 503") and "too_many_bodies" in answer and "Retry-After" in answer
+        assert sup.status()["gateway"]["body_bytes_held"] < 1_000_000  # type: ignore[index]
+    finally:
+        for s in stalled:
+            s.close()
+    sup.wait_for(lambda st: st["gateway"]["body_bytes_held"] == 0, 10, "every body given back")
+    code, _, _ = call(sup.gateway + "/v1/completions", completion("served after"))  # type: ignore[operator]
     assert code == 200
 
 
