@@ -60,9 +60,33 @@ class Kept(Quarantine):
         kept.prune(now)
         return kept
 
+    def keep(self, digest: str, now: float, ttl_s: float, tokens: int | None, reason: str, kind: str, shape: str,
+             sketch: tuple[int, ...]) -> None:
+        """Quarantine a request for ``ttl_s`` and save the file."""
+        self.add(digest, now + ttl_s, tokens, reason, kind, shape, sketch)
+        self.save(now)
+
+    def undo(self, key: str | None, now: float) -> tuple[bool, str]:
+        """On-call's undo: one entry, or every entry; whether it did, and what to tell them."""
+        n = self.clear(key)
+        if n is None:
+            return False, f"no quarantined request has the key {key!r} (see `vllm-supervisor quarantine list`)"
+        self.save(now)
+        log.warning("gateway.quarantine_cleared", key=key or "all", entries=n)
+        return True, f"cleared {n} quarantined request(s); the prompt-length limit is recomputed at once"
+
     def save(self, now: float) -> None:
         self.prune(now)
         try:
             save(self.path, self)
         except OSError as exc:
             log.error("gateway.quarantine_not_saved", path=str(self.path), error=str(exc))
+
+
+def reason(kind: str, tokens: int | None, at_floor: bool, chunk: int | None) -> str:
+    """Why a request was quarantined, as its 413 and the event say it (never its text)."""
+    counted = f"{tokens} prompt tokens as counted by the engine's tokenizer" if tokens is not None \
+        else "its prompt length was not counted"
+    at = f"max_num_batched_tokens {chunk}" if chunk else "its settings then"
+    floor = ", the last time alone at the lowest rung of this server's ladder" if at_floor else ""
+    return f"{kind} twice with this request named by vLLM or alone at the engine{floor} ({at}); {counted}"

@@ -17,6 +17,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from supervisor.event_stream import (
     StateChanged,
     StreamContinued,
 )
-from supervisor.gateway import bodies, connections, parsing, pressure, proxy, quarantine_store, routes, streams
+from supervisor.gateway import connections, intake, pressure, proxy, quarantine_store, routes, streams
 from supervisor.gateway.answers import Answers
 from supervisor.gateway.counting import PromptCounter
 from supervisor.gateway.gate import EngineGate, Flight, Refused
@@ -83,15 +84,13 @@ class Gateway:
         self.gate = EngineGate(self.g.max_held, self.g.max_in_flight, self.g.solo_after_s, host.monotonic)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
-        self.api_keys = cfg.engine.api_keys()
-        self.body_budget = bodies.BodyBudget(self.g.max_body_bytes_in_flight)
+        self.intake = intake.Intake(self.g, cfg.engine.api_keys())
         self.quarantine = quarantine_store.Kept.open(quarantine_store.path_in(cfg.state.dir), host.wall())
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
         self.pressure: admission.Pressure | None = None
         self.proven_tokens = 0  # the longest prompt the current engine ran (its warm-up's): its memory is held
         self.counter = PromptCounter(self.client, lambda: self.gate.generation, lambda: self.view().max_model_len)
         self.answers = Answers(self.counters, host, publish)
-        self.parser = parsing.BodyParser()
         self.watch = pressure.PressureWatch(self.g, host, self.client, cfg.engine.devices(),
                                             lambda: self.view().pids, lambda: self.gate.open,
                                             self.busy, self._shedding_changed)
@@ -100,7 +99,7 @@ class Gateway:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.port = connections.PublicPort(app, connections.Limits.of(self.g), CLOSE_S, self.answers.refused_raw,
-                                           self._accept_failed, host.monotonic)
+                                           partial(_accept_failed, host, publish), host.monotonic)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -124,7 +123,7 @@ class Gateway:
                                     waited_s=round(self.host.monotonic() - t0, 3), cut=cut))
 
     async def close(self) -> None:
-        self.parser.close()
+        self.intake.close()
         await pressure.stop(self._watch_task)
         await self.port.close()
         await self.session.close()
@@ -135,7 +134,7 @@ class Gateway:
         self.g = g
         self.gate.max_held, self.gate.max_in_flight, self.gate.solo_after_s = g.max_held, g.max_in_flight, \
             g.solo_after_s
-        self.body_budget.cap = g.max_body_bytes_in_flight
+        self.intake.configure(g)
         self.port.configure(g)
         self.watch.configure(g)
 
@@ -150,11 +149,8 @@ class Gateway:
                 "safe_prompt_tokens": safe,
                 "prompt_limit_source": admission.prompt_limit(self.counter.known_max_len(), safe)[1],
                 "longest_prompt_served": self.proven_tokens, "connections": self.port.status(),
-                "body_bytes_held": self.body_budget.held,
+                "body_bytes_held": self.intake.budget.held,
                 "held_seconds": dict(zip(("buckets", "sum"), self.answers.held_histogram(), strict=True))}
-
-    def _accept_failed(self, error: str, count: int) -> None:
-        self.publish(AcceptFailed(at=self.host.wall(), error=error, count=count))
 
     # ---- the event stream ------------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -178,28 +174,17 @@ class Gateway:
 
     def _quarantine(self, flight: Flight, kind: FailureKind, at_floor: bool, chunk: int | None) -> None:
         assert flight.digest is not None
-        tokens = f"{flight.tokens} prompt tokens as counted by the engine's tokenizer" if flight.tokens is not None \
-            else "its prompt length was not counted"
-        at = f"max_num_batched_tokens {chunk}" if chunk else "its settings then"
-        floor = ", the last time alone at the lowest rung of this server's ladder" if at_floor else ""
-        reason = (f"{kind.value} twice with this request named by vLLM or alone at the engine{floor} "
-                  f"({at}); {tokens}")
+        reason = quarantine_store.reason(kind.value, flight.tokens, at_floor, chunk)
         # Only a measured count may lower the prompt limit for others (Quarantine.safe_len).
-        self.quarantine.add(flight.digest, self.host.wall() + self.g.quarantine_ttl_s, flight.tokens, reason,
-                            kind.value, flight.shape, flight.sketch)
+        self.quarantine.keep(flight.digest, self.host.wall(), self.g.quarantine_ttl_s, flight.tokens, reason,
+                             kind.value, flight.shape, flight.sketch)
         self.counters["quarantined"] += 1
-        self.quarantine.save(self.host.wall())
         self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
                                         evidence=f"{reason} (request {flight.rid})"))
 
     def clear_quarantine(self, key: str | None) -> tuple[bool, str]:
         """On-call's undo (`vllm-supervisor quarantine clear [KEY]`): one entry, or every entry."""
-        n = self.quarantine.clear(key)
-        if n is None:
-            return False, f"no quarantined request has the key {key!r} (see `vllm-supervisor quarantine list`)"
-        self.quarantine.save(self.host.wall())
-        log.warning("gateway.quarantine_cleared", key=key or "all", entries=n)
-        return True, f"cleared {n} quarantined request(s); the prompt-length limit is recomputed at once"
+        return self.quarantine.undo(key, self.host.wall())
 
     def _shedding_changed(self, p: admission.Pressure | None) -> None:
         self.pressure = p
@@ -225,33 +210,25 @@ class Gateway:
             return probe(request.path, self.gate, self.side.sound())
         if not routes.public(request.path):
             return self.answers.reject(rid, Rejection(404, "not_found", f"{request.path} is not served on this port"))
-        if self.api_keys and not routes.authorized(request, self.api_keys):
+        if not self.intake.authorized(request):
             # vLLM's own answer to a request without the key, given before any work is done for it.
             self.answers.count(Rejection(401, "unauthorized", ""), rid)
             return web.json_response({"error": "Unauthorized"}, status=401, headers={"X-Request-Id": rid})
         if self.gate.closing:
             return self.answers.reject(rid, Rejection(503, "shutting_down", "the server is shutting down; retry later",
                                                "server_error", self.g.retry_after_s))
-        reading = bodies.Body(self.body_budget)
+        reading = self.intake.body()
         try:
             return await self._with_body(request, rid, reading)
         finally:
             reading.release()
 
-    async def _with_body(self, request: web.Request, rid: str, reading: bodies.Body) -> web.StreamResponse:
-        body = await reading.read(request, self.g.max_body_bytes, self.g.body_timeout_s, self.g.retry_after_s)
+    async def _with_body(self, request: web.Request, rid: str, reading: intake.Body) -> web.StreamResponse:
+        body = await self.intake.read(request, reading)
         if isinstance(body, Rejection):
-            # The rest of that body is never read: the connection ends with this answer (aiohttp would otherwise
-            # wait on it to drain the body).
-            answer = self.answers.reject(rid, body)
-            answer.force_close()
-            await answer.prepare(request)
-            await answer.write_eof()
-            if request.transport is not None:
-                request.transport.close()
-            return answer
+            return await intake.close_with(self.answers.reject(rid, body), request)
         route = routes.model_route(request.path) if request.method == "POST" else None
-        parsed = await self.parser.parse(route, body) if route else None
+        parsed = await self.intake.parse(route, body) if route else None
         if isinstance(parsed, Rejection):
             return self.answers.reject(rid, parsed)
         if parsed is not None:
@@ -341,7 +318,7 @@ class Gateway:
         while True:
             # Built from the client's body: in the parser pool when it is big (the loop runs supervision).
             try:
-                more = await self.parser.run(len(body), streams.continue_request, body, cut.state)
+                more = await self.intake.parser.run(len(body), streams.continue_request, body, cut.state)
             except Exception as exc:  # noqa: BLE001 - the client's stream ends with an error event, never silently
                 log.error("gateway.continuation_failed", request_id=flight.rid, error=repr(exc)[:200])
                 more = streams.Continuation(None, "the gateway could not build its continuation", False)
@@ -420,6 +397,10 @@ def probe(path: str, gate: EngineGate, sound: bool) -> web.Response:
     if path == "/readyz":
         return web.json_response({"ready": gate.open, "engine": gate.state.value}, status=200 if gate.open else 503)
     return web.json_response({"status": "ok" if gate.open else "holding", "engine": gate.state.value})
+
+
+def _accept_failed(host: Host, publish: Callable[[Event], None], error: str, count: int) -> None:
+    publish(AcceptFailed(at=host.wall(), error=error, count=count))
 
 
 def hold_bound(cfg: Config, g: GatewayConfig, slowest_start_s: float | None) -> float:

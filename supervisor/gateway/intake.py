@@ -1,5 +1,6 @@
-"""Reading client bodies under three bounds: each body's size, the time it may take, and the bytes of every
-body the gateway holds at once.
+"""What comes in at the public port before the gateway looks at it: the credentials, and the body, read under
+three bounds (each body's size, the time it may take, and the bytes of every body held at once) and parsed
+where it cannot starve supervision (parsing.py).
 
 A body is read whole before anything else is done with it (it is parsed, hashed, and kept to be sent again
 after an engine death). Each is capped (``max_body_bytes``) and timed (``body_timeout_s``), but forty clients
@@ -15,7 +16,9 @@ import asyncio
 
 from aiohttp import web
 
-from supervisor.decide.admission import Rejection
+from supervisor.config import GatewayConfig
+from supervisor.decide.admission import Parsed, Rejection
+from supervisor.gateway import parsing, routes
 
 CHUNK = 1 << 16
 
@@ -77,3 +80,41 @@ class Body:
 
 def too_big(cap: int) -> Rejection:
     return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server")
+
+
+class Intake:
+    """The public port's door: who may come in (the engine's API keys), and their bodies."""
+
+    def __init__(self, g: GatewayConfig, api_keys: list[str]) -> None:
+        self.g, self.api_keys = g, api_keys
+        self.budget = BodyBudget(g.max_body_bytes_in_flight)
+        self.parser = parsing.BodyParser()
+
+    def configure(self, g: GatewayConfig) -> None:
+        self.g, self.budget.cap = g, g.max_body_bytes_in_flight
+
+    def authorized(self, request: web.Request) -> bool:
+        return not self.api_keys or routes.authorized(request, self.api_keys)
+
+    def body(self) -> Body:
+        return Body(self.budget)
+
+    async def read(self, request: web.Request, body: Body) -> bytes | Rejection:
+        return await body.read(request, self.g.max_body_bytes, self.g.body_timeout_s, self.g.retry_after_s)
+
+    async def parse(self, route: str, raw: bytes) -> Parsed | Rejection:
+        return await self.parser.parse(route, raw)
+
+    def close(self) -> None:
+        self.parser.close()
+
+
+async def close_with(answer: web.Response, request: web.Request) -> web.Response:
+    """Send ``answer`` and close the connection: the rest of its body is never read (aiohttp would otherwise
+    wait on it to drain the body)."""
+    answer.force_close()
+    await answer.prepare(request)
+    await answer.write_eof()
+    if request.transport is not None:
+        request.transport.close()
+    return answer
