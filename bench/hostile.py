@@ -1,15 +1,18 @@
-"""Hostile clients against the public port, beside ordinary ones, across engine deaths (issue 16).
+"""Hostile clients against the public port, beside ordinary ones, across engine deaths (issues 16 and 25).
 
-On loopback over the stand-in engine, for ``--seconds`` (default 75):
+On loopback over the stand-in engine, for ``--seconds`` (default 75), under ``max_restarts = 6``:
 - 32 ordinary clients send short completions (half of them streaming) the whole time;
 - hostile clients: idle connections that never send a byte, connections that trickle a body a byte a second,
   clients sending 8 MiB token-id bodies, a client resending a prompt that kills the engine at every rung
-  (three deaths: 8192, 6144 and the lowest rung, 2048, then it is quarantined), and requests to unknown and
-  engine-changing routes.
+  (three deaths: 8192, 6144 and the lowest rung, 2048, then it is quarantined), three prompts that make the
+  engine segfault with nothing in vLLM's records naming them, each resent and then sent as variants (a junk
+  field, a nudged temperature, a few words removed), two streaming clients that never read their answers,
+  requests to unknown and engine-changing routes, and a local process posting vLLM's dev routes (/sleep) to
+  the engine's own port.
 Printed: what the ordinary clients lost (goal 0: every request 200, every stream ending in [DONE] with no
-error event), the engine deaths, the supervisor's longest event-loop stall during the soak (goal <= 100 ms:
-/status `loop`), and its RSS and open descriptors before the hostile clients and after they left (goal: back
-to where they started). Never gates CI.
+error event), the engine deaths and whether the supervisor gave up (goal: never), the supervisor's longest
+event-loop stall during the soak (goal <= 100 ms: /status `loop`), and its RSS and open descriptors before
+the hostile clients and after they left (goal: back to where they started). Never gates CI.
 
     python bench/hostile.py [--seconds 75]
 """
@@ -32,7 +35,13 @@ TOML = """
 model = "fake-model"
 port = {{port}}
 command = ["{python}", "{fake}"]
-env = {{{{ FAKE_VLLM_TOKEN_DELAY = "0.002", FAKE_VLLM_OOM_TOKENS = "1000" }}}}
+[engine.env]
+FAKE_VLLM_TOKEN_DELAY = "0.002"
+FAKE_VLLM_OOM_TOKENS = "1000"
+FAKE_VLLM_SEGV_WORD = "ZAP"
+VLLM_SERVER_DEV_MODE = "1"
+[engine.args]
+enable_sleep_mode = true
 [profile]
 max_num_batched_tokens = 8192
 max_num_seqs = 64
@@ -42,11 +51,12 @@ prompt_tokens = [256, 512]
 [restart]
 backoff_initial_s = 0.05
 backoff_max_s = 0.2
-max_restarts = 20
+max_restarts = 6
 [gateway]
 listen = "127.0.0.1:{gw}"
 """
 POISON = "word " * 30_000
+SEGFAULTS = [f"ZAP {name} " + " ".join(f"{name}{i}" for i in range(300)) for name in ("alpha", "beta", "gamma")]
 
 
 def completion(prompt: str, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
@@ -153,12 +163,83 @@ async def odd_routes(s: aiohttp.ClientSession, base: str, until: float) -> set[i
     return seen
 
 
+async def segfaults(s: aiohttp.ClientSession, url: str, until: float) -> list[list[int]]:
+    """Each segfaulting prompt resent until refused (at most 4 times), then three variants of it: the codes."""
+    out = []
+    for prompt in SEGFAULTS:
+        codes: list[int] = []
+        words = prompt.split()
+        variants = [{**completion(prompt), "junk": "x" * 20}, {**completion(prompt), "temperature": 0.33},
+                    completion(" ".join(words[:40] + words[43:]))]
+        for body in [completion(prompt)] * 4 + variants:
+            if time.monotonic() > until or (codes and codes[-1] == 413 and body == completion(prompt)):
+                continue
+            async with s.post(url, json=body) as r:
+                codes.append(r.status)
+                await r.read()
+        out.append(codes)
+    return out
+
+
+async def non_readers(addr: tuple[str, int], count: int, until: float) -> int:
+    """Streaming clients that never read a byte of their answers: how many the server cut."""
+    import socket
+
+    body = json.dumps({**completion("stream a lot", stream=True), "max_tokens": 200_000}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    loop = asyncio.get_running_loop()
+    cut = 0
+
+    async def one() -> None:
+        nonlocal cut
+        while time.monotonic() < until:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, addr)
+                await loop.sock_sendall(sock, head + body)
+                await asyncio.sleep(max(0.0, min(40.0, until - time.monotonic())))  # read nothing
+                sock.setblocking(True)
+                sock.settimeout(0.5)
+                try:  # cut by the server: what is buffered, then EOF or a reset
+                    while sock.recv(1 << 20):
+                        pass
+                    cut += 1
+                except ConnectionResetError:
+                    cut += 1
+                except OSError:
+                    pass
+            except OSError:
+                await asyncio.sleep(0.5)
+            finally:
+                sock.close()
+
+    await asyncio.gather(*(one() for _ in range(count)))
+    return cut
+
+
+async def dev_routes(engine: str, until: float) -> list[int]:
+    """A local process posting vLLM's dev routes straight to the engine's port (no gateway in the way)."""
+    codes = []
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < until:
+            await asyncio.sleep(15.0)
+            try:
+                async with s.post(engine + "/sleep?level=1") as r:
+                    codes.append(r.status)
+            except aiohttp.ClientError:
+                codes.append(0)
+    return codes
+
+
 def footprint(pid: int) -> tuple[float, int]:
     p = psutil.Process(pid)
     return p.memory_info().rss / 2**20, p.num_fds()
 
 
-async def soak(gw: str, admin: str, pid: int, engine_port: int, seconds: float) -> tuple[float, int]:
+async def soak(sup: Supervisor, gw: str, admin: str, pid: int, engine_port: int, seconds: float) -> tuple[float, int]:
     addr = ("127.0.0.1", int(gw.rsplit(":", 1)[1]))
     url = gw + "/v1/completions"
     rss0, fds0 = footprint(pid)
@@ -174,12 +255,16 @@ async def soak(gw: str, admin: str, pid: int, engine_port: int, seconds: float) 
         big = [asyncio.create_task(big_bodies(s, url, until)) for _ in range(4)]
         killer = asyncio.create_task(poison(s, url, until))
         routes_task = asyncio.create_task(odd_routes(s, gw, until))
+        segv = asyncio.create_task(segfaults(s, url, until))
+        deaf = asyncio.create_task(non_readers(addr, 2, until))
+        dev = asyncio.create_task(dev_routes(f"http://127.0.0.1:{engine_port}", until))
         await asyncio.gather(*plain)
         closed = await idle
         trickled = [await t for t in slow]
         bigs = [c for t in big for c in await t]
         poisoned = await killer
         routes = await routes_task
+        segv_codes, deaf_cut, dev_codes = await segv, await deaf, await dev
     # Let the last connections close on the server's side, and the engine connections kept alive by the
     # gateway's client (aiohttp keeps an idle one 15 s) expire, before measuring what is left.
     deadline = time.monotonic() + 30
@@ -189,7 +274,14 @@ async def soak(gw: str, admin: str, pid: int, engine_port: int, seconds: float) 
     rss1, fds1 = footprint(pid)
     st = status(admin) or {}
     print(f"ordinary clients: {tally.ok} answered, {len(tally.lost)} lost {tally.lost[:3]}")
-    print(f"engine deaths: {st.get('restarts')}; poison answers: {poisoned}")
+    print(f"engine deaths: {st.get('restarts')}; state {st.get('state')}, gave up: {st.get('fatal')}; "
+          f"poison answers: {poisoned}")
+    failed = sup.events("engine.failed")
+    kinds = {k: sum(1 for f in failed if f.get("kind") == k) for k in ("runtime_oom", "engine_dead", "signal", "hang")}
+    proven = sum(1 for f in failed if f.get("caused_by_request"))
+    print(f"segfaulting prompts (resent, then 3 variants each): {segv_codes}")
+    print(f"failures so far by kind {kinds}, {proven} proven caused by one request alone (no restart budget)")
+    print(f"non-reading streams cut by the server: {deaf_cut}; dev route /sleep on the engine's port: {dev_codes}")
     print(f"idle connections closed by the server: {closed}; trickled bodies answered: {sorted(set(trickled))}")
     print(f"8 MiB bodies: {len(bigs)} sent, answers {sorted(set(bigs))}; odd routes answered {sorted(routes)}")
     shown = ("413", "408", "404", "503", "quarantined", "connections")
@@ -215,7 +307,7 @@ def main() -> None:
         wait_ready(sup.admin, 0, 60)
         for n in range(a.rounds):
             print(f"--- round {n + 1} of {a.rounds}")
-            asyncio.run(soak(f"http://127.0.0.1:{gw_port}", sup.admin, sup.proc.pid, sup.port, a.seconds))
+            asyncio.run(soak(sup, f"http://127.0.0.1:{gw_port}", sup.admin, sup.proc.pid, sup.port, a.seconds))
     finally:
         sup.stop()
 

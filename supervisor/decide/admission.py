@@ -36,8 +36,9 @@ ENGINE_FIELDS = ("n", "best_of", "use_beam_search", "echo", "logprobs", "top_log
                  "vllm_xargs", "kv_transfer_params", "prompt_embeds", "mm_processor_kwargs", "ignore_eos",
                  "skip_special_tokens", "return_tokens_as_token_ids", "encoding_format", "dimensions",
                  "reasoning_effort", "thinking_token_budget")
-SAMPLING_SWITCHES = {"temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 0,
-                     "frequency_penalty": 0, "repetition_penalty": 1}
+# Sampling field -> (vLLM's default, the value that switches its path off).
+SAMPLING_SWITCHES = {"temperature": (1.0, 0), "top_p": (1.0, 1), "top_k": (-1, -1), "min_p": (0.0, 0),
+                     "presence_penalty": (0.0, 0), "frequency_penalty": (0.0, 0), "repetition_penalty": (1.0, 1)}
 SKETCH_SIZE = 128  # bottom-k hashes of the prompt's 3-word shingles
 SKETCH_MIN_WORDS = 32  # shorter prompts are matched exactly only: a few words are a large share of them
 NEAR = 0.9  # estimated Jaccard similarity at which a prompt is a variant of a quarantined one
@@ -163,7 +164,8 @@ def engine_key(route: str, body: Any) -> EngineKey:
         digest = _hash(["v2", route, body])
         return EngineKey(digest, digest, ())
     features = {k: body[k] for k in ENGINE_FIELDS if k in body}
-    switches = {k: body[k] != off for k, off in SAMPLING_SWITCHES.items() if _number(body.get(k))}
+    switches = {k: (body[k] if _number(body.get(k)) else default) != off
+                for k, (default, off) in SAMPLING_SWITCHES.items()}
     shape = _hash(["v2", route, body.get("model"), features, switches])
     prompt, words = _prompt_of(body)
     return EngineKey(_hash([shape, prompt]), shape, sketch(words))
@@ -215,7 +217,13 @@ def sketch(words: Sequence[str]) -> tuple[int, ...]:
     much of them is the same (a variant with a few words removed shares nearly all its shingles)."""
     if len(words) < SKETCH_MIN_WORDS:
         return ()
-    hashes = {zlib.crc32(f"{a}\0{b}\0{c}".encode()) for a, b, c in zip(words, words[1:], words[2:], strict=False)}
+    # Each shingle is counted with its occurrence (the 2nd "word word word" is another element than the 1st):
+    # a multiset, so that 2,000 repetitions of a word are not a variant of 30,000 of them.
+    seen: dict[tuple[str, str, str], int] = {}
+    hashes = set()
+    for shingle in zip(words, words[1:], words[2:], strict=False):
+        n = seen[shingle] = seen.get(shingle, 0) + 1
+        hashes.add(zlib.crc32(f"{shingle[0]}\0{shingle[1]}\0{shingle[2]}\0{n}".encode()))
     return tuple(sorted(hashes)[:SKETCH_SIZE])
 
 

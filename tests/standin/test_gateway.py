@@ -230,8 +230,11 @@ async def test_the_quarantine_survives_a_restart_of_the_supervisor(supervise: Ca
     async with aiohttp.ClientSession() as s:
         code, doc, _ = await post(s, again.gateway + "/v1/completions", completion(LONG))
         assert code == 413 and doc["error"]["code"] == "request_quarantined"
-        # Any prompt as long is over the learned safe length; a shorter one is served.
+        # A variant of it is the same poison; any other prompt as long is over the learned safe length; a shorter
+        # one is served.
         code, doc, _ = await post(s, again.gateway + "/v1/completions", completion(LONG + "more"))
+        assert code == 413 and doc["error"]["code"] == "request_quarantined"
+        code, doc, _ = await post(s, again.gateway + "/v1/completions", completion("other " * 30_000))
         assert code == 413 and doc["error"]["code"] == "prompt_too_long"
         code, _, _ = await post(s, again.gateway + "/v1/completions", completion("word " * 2000))
         assert code == 200

@@ -18,7 +18,9 @@ SEGV = {"engine": {"env": {"FAKE_VLLM_SEGV_WORD": "ZAP", "FAKE_VLLM_TOKEN_DELAY"
 
 
 def poison(name: str) -> str:
-    return f"ZAP {name} " + "filler " * 400  # longer than the ordinary clients' prompts
+    """A segfaulting prompt of its own words (three of them are three poisons, not variants of one), longer than
+    the ordinary clients' prompts."""
+    return f"ZAP {name} " + " ".join(f"{name}{i}" for i in range(400))
 
 
 async def ordinary(s: aiohttp.ClientSession, url: str, stop: asyncio.Event, codes: list[int]) -> None:
@@ -46,6 +48,14 @@ async def resend(s: aiohttp.ClientSession, url: str, body: dict[str, Any], times
     return codes
 
 
+async def recovered_from_all(sup: Sup) -> int:
+    """Wait until every engine death logged so far was followed by a recovery; how many there were."""
+    def settled() -> bool:
+        return len(sup.events("engine.recovered")) >= len(sup.events("engine.failed"))
+    await asyncio.to_thread(lambda: sup.wait_for(lambda st: st["state"] == "READY" and settled(), 30, "recovered"))
+    return len(sup.events("engine.failed"))
+
+
 async def test_three_segfaulting_prompts_retried_never_take_the_service_down(supervise: Callable[..., Sup]) -> None:
     """On the old code one such prompt sent twice spent max_restarts: FATAL, exit 4, every client refused."""
     sup = supervise(SEGV)
@@ -58,7 +68,7 @@ async def test_three_segfaulting_prompts_retried_never_take_the_service_down(sup
         poisons = []
         for name in ("alpha", "beta", "gamma"):
             poisons.append(await resend(s, url, completion(poison(name)), times=3))
-        deaths = len(sup.events("engine.failed"))
+        deaths = await recovered_from_all(sup)
         # Variants of a quarantined poison are the same poison: refused at once, no engine dies for them.
         words = poison("alpha").split()
         variants = [completion(poison("alpha"), junk="x" * 20), completion(poison("alpha"), temperature=0.33),

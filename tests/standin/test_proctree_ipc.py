@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -100,12 +101,17 @@ async def test_a_recycled_session_id_or_another_boots_record_stops_nothing() -> 
 def test_a_record_written_before_births_were_kept_still_names_its_session(tmp_path: Path) -> None:
     from supervisor.host import leftovers
 
-    me = psutil.Process()
-    (tmp_path / "engine.json").write_text(json.dumps(
-        {"sid": os.getsid(0), "create_time": me.create_time(), "supervisor_pid": 1}))
-    rec = leftovers.read(tmp_path)
-    assert rec is not None and rec.sid == os.getsid(0)
-    assert abs(rec.born.since_boot_s - proctree.since_boot_s(me.pid)) < proctree.BIRTH_SLACK_S
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        me = psutil.Process(leader.pid)
+        (tmp_path / "engine.json").write_text(json.dumps(
+            {"sid": leader.pid, "create_time": me.create_time(), "supervisor_pid": 1}))
+        rec = leftovers.read(tmp_path)
+        assert rec is not None and rec.sid == leader.pid
+        assert abs(rec.born.since_boot_s - proctree.since_boot_s(me.pid)) < proctree.BIRTH_SLACK_S
+    finally:
+        leader.kill()
+        leader.wait()
 
 
 def _cleanup(sid: int) -> None:
