@@ -158,6 +158,30 @@ async def test_command_gets_the_alert_json_on_stdin_and_its_status_counts(tmp_pa
                                       argv=(sys.executable, "-c", "import time; time.sleep(30)"))).send(one_alert())
 
 
+async def test_a_command_hook_never_inherits_the_other_hooks_secrets(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25: the command hook's process inherited the PagerDuty and Twilio secrets."""
+    monkeypatch.setenv("PD_KEY", "pd-secret-1234")
+    monkeypatch.setenv("TW_TOKEN", "tw-secret-5678")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    monkeypatch.setenv("HARMLESS", "kept")
+    out = tmp_path / "env.json"
+    script = f"import os, json, pathlib; pathlib.Path({str(out)!r}).write_text(json.dumps(dict(os.environ)))"
+    cfg = parse({"alerts": {"hooks": [
+        {"type": "pagerduty", "routing_key_env": "PD_KEY"},
+        {"type": "twilio", "account_sid": "AC1", "from": "+15550000000", "to": ["+15551111111"],
+         "auth_token_env": "TW_TOKEN"},
+        {"type": "command", "argv": [sys.executable, "-c", script]}]},
+        "engine": {"model": "m"}}).alerts
+    alerts = Alerts.from_config(cfg, lambda e: None)
+    command = next(h.channel for h in alerts.hooks if h.hook.type == "command")
+    await command.send(one_alert())
+    env = json.loads(out.read_text())
+    assert env.get("HARMLESS") == "kept"
+    assert not {"PD_KEY", "TW_TOKEN", "CREDENTIALS_DIRECTORY"} & set(env)
+    assert "pd-secret-1234" not in json.dumps(env) and "tw-secret-5678" not in json.dumps(env)
+
+
 def test_secrets_come_from_the_environment_or_systemd_credentials(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PD_KEY", raising=False)

@@ -186,14 +186,16 @@ class Command:
 
     name = "command"
 
-    def __init__(self, hook: HookConfig) -> None:
-        self.hook = hook
+    def __init__(self, hook: HookConfig, withheld: tuple[str, ...] = ()) -> None:
+        self.hook, self.withheld = hook, withheld
 
     async def send(self, alert: Alert) -> None:
+        # The other hooks' secrets (a PagerDuty routing key, a Twilio token) and systemd's credentials stay ours.
+        env = {k: v for k, v in os.environ.items() if k not in self.withheld}
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.hook.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+                stderr=asyncio.subprocess.DEVNULL, start_new_session=True, env=env)
         except OSError as exc:
             raise SendFailed(f"command {self.hook.argv[0]!r} could not start: {exc.strerror}") from None
         try:
@@ -211,9 +213,11 @@ class Command:
         pass
 
 
-def make_channel(hook: HookConfig) -> Channel:
-    """The channel for one hook; raises MissingSecret when its secret cannot be found."""
-    kinds: dict[str, type] = {"webhook": Webhook, "slack": Slack, "pagerduty": PagerDuty, "twilio": Twilio,
-                              "command": Command}
+def make_channel(hook: HookConfig, withheld: tuple[str, ...] = ()) -> Channel:
+    """The channel for one hook; raises MissingSecret when its secret cannot be found. ``withheld``: variables a
+    command hook's process never inherits (every hook's secret)."""
+    if hook.type == "command":
+        return Command(hook, withheld)
+    kinds: dict[str, type] = {"webhook": Webhook, "slack": Slack, "pagerduty": PagerDuty, "twilio": Twilio}
     channel: Channel = kinds[hook.type](hook)
     return channel

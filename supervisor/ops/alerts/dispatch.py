@@ -82,7 +82,9 @@ class Alerts:
     def from_config(cls, cfg: AlertsConfig, publish: Callable[[Event], None], state_dir: str | None = None,
                     configured: Profile | None = None) -> Alerts:
         """Build every hook's channel; raises MissingSecret naming the field when a secret is absent."""
-        return cls(cfg, [(h, make_channel(h)) for h in cfg.hooks], publish, state_dir=state_dir,
+        secrets = tuple(sorted({"CREDENTIALS_DIRECTORY", *(n for h in cfg.hooks
+                                                           for n in (h.routing_key_env, h.auth_token_env) if n)}))
+        return cls(cfg, [(h, make_channel(h, secrets)) for h in cfg.hooks], publish, state_dir=state_dir,
                    configured=configured)
 
     def on_event(self, event: Event) -> None:
