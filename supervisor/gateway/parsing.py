@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -26,6 +29,7 @@ from supervisor.gateway.routes import COUNTED
 
 INLINE_BYTES = 256 * 1024  # a body this small parses in well under a millisecond: on the loop
 PARSERS = 2
+PARENT_POLL_S = 0.5  # how soon a pool process notices that the supervisor is gone
 T = TypeVar("T")
 log = structlog.get_logger("supervisor.gateway")
 
@@ -44,7 +48,8 @@ class BodyParser:
         if size < INLINE_BYTES:
             return fn(*args)
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(PARSERS, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(PARSERS, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_leave_with, initargs=(os.getpid(),))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except BrokenProcessPool as exc:
@@ -57,6 +62,17 @@ class BodyParser:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _leave_with(parent: int) -> None:
+    """In each pool process: exit when the supervisor is gone. A SIGKILLed supervisor's workers would otherwise
+    wait on their call queue for ever (they hold both of its ends), and no later supervisor knows them."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def parse(route: str, body: bytes) -> Parsed | Rejection:

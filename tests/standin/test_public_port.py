@@ -217,6 +217,15 @@ def test_a_big_body_is_parsed_by_the_pool_of_a_running_supervisor(supervise: Cal
                       json.dumps({"model": "fake-model", "prompt": ids[:20_000], "max_tokens": 1}).encode())
     assert code == 200
     assert not sup.events("gateway.parser_pool_broken")
+    # Issue 25: the pool outlived a SIGKILLed supervisor, and no later supervisor knew of it.
+    import psutil
+
+    pool = [p for p in psutil.Process(sup.proc.pid).children() if "multiprocessing" in " ".join(p.cmdline())]
+    assert pool, "the parser pool did not start"
+    sup.proc.kill()
+    sup.proc.wait()
+    gone, alive = psutil.wait_procs(pool, timeout=10)
+    assert not alive, f"parser processes outlived the supervisor: {[p.pid for p in alive]}"
 
 
 def _gateway_addr(sup: Sup) -> tuple[str, int]:
