@@ -5,6 +5,7 @@ What the answers mean for liveness is decided in supervisor.decide.liveness.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -144,11 +145,16 @@ class EngineClient:
         return self.model
 
     async def count_tokens(self, text: str, timeout: float = 30.0) -> int:
-        return await self.tokenize({"prompt": text}, timeout)
+        return await self.tokenize(json.dumps({"prompt": text}).encode(), timeout)
 
-    async def tokenize(self, payload: dict[str, Any], timeout: float = 30.0) -> int:
-        """Prompt tokens of a completions ``prompt`` or chat ``messages`` (the chat template applied)."""
-        body = await self._json("POST", "/tokenize", {"model": await self.served_model(), **payload}, timeout)
+    async def tokenize(self, payload: bytes, timeout: float = 30.0) -> int:
+        """Prompt tokens of a completions ``prompt`` or chat ``messages`` (the chat template applied); ``payload``
+        is the request's JSON object, already encoded (a big prompt is never encoded on the event loop): the
+        served model's name is spliced in when it names none."""
+        if payload.startswith(b"{") and not payload.startswith(b'{"model"'):
+            model = json.dumps(await self.served_model()).encode()
+            payload = b'{"model": ' + model + (b", " + payload[1:] if payload != b"{}" else b"}")
+        body = await self._json("POST", "/tokenize", None, timeout, data=payload)
         return int(body["count"])
 
     async def max_model_len(self, timeout: float = 10.0) -> int | None:
@@ -180,9 +186,11 @@ class EngineClient:
             raise EngineError(f"POST {path} failed: {exc}") from None
 
     async def _json(self, method: str, path: str, payload: Any, timeout: float,
-                    headers: dict[str, str] | None = None) -> Any:
+                    headers: dict[str, str] | None = None, data: bytes | None = None) -> Any:
+        if data is not None:
+            headers = {**(headers or {}), "Content-Type": "application/json"}
         try:
-            async with await send(self._s(), method, self.base_url + path, json=payload, headers=headers,
+            async with await send(self._s(), method, self.base_url + path, json=payload, data=data, headers=headers,
                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
                     raise EngineStatusError(f"{method} {path} returned {r.status}: {(await r.text())[:300]}",

@@ -48,19 +48,19 @@ def test_the_byte_bound_and_the_hash() -> None:
     p = parsed("completions", {"model": "m", "prompt": "héllo wörld", "stream": True, "prompt_logprobs": 2})
     assert p.stream and p.prompt_logprobs == 2
     assert p.text_bytes == len("héllo wörld".encode()) and p.upper_bound == p.text_bytes + 8
-    assert p.tokenize_body == {"model": "m", "prompt": "héllo wörld"}
+    assert json.loads(p.tokenize_body) == {"model": "m", "prompt": "héllo wörld"}
     # The same request shares a hash whether it streams or not; another prompt or other sampling does not
     # (tests/unit/test_hostile_clients.py has the rest).
     same = parsed("completions", {"model": "m", "prompt": "héllo wörld", "prompt_logprobs": 2, "user": "u"})
     other = parsed("completions", {"model": "m", "prompt": "hello world"})
     assert same.digest == p.digest != other.digest
     ids = parsed("completions", {"prompt": [[1, 2, 3], [4, 5]]})
-    assert ids.token_ids == 5 and ids.text_bytes == 0 and "prompt" not in ids.tokenize_body
+    assert ids.token_ids == 5 and ids.text_bytes == 0 and "prompt" not in json.loads(ids.tokenize_body)
     chat = parsed("chat", {"messages": [{"role": "system", "content": "ab"},
                                         {"role": "user", "content": [{"type": "text", "text": "cd"}]}]})
     assert chat.messages == 2 and chat.text_bytes == 4
     assert chat.upper_bound == 4 + admission.CHAT_TOKENS_FIXED + 2 * admission.CHAT_TOKENS_PER_MESSAGE
-    assert chat.tokenize_body["messages"][1]["content"][0]["text"] == "cd"
+    assert json.loads(chat.tokenize_body)["messages"][1]["content"][0]["text"] == "cd"
 
 
 def test_too_long_at_the_limit_minus_one_the_limit_and_plus_one() -> None:

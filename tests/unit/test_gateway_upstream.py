@@ -116,3 +116,37 @@ async def test_an_engine_that_refuses_connections_is_not_retried() -> None:
             await vllm_http.send(session, "POST", f"http://127.0.0.1:{port}/v1/completions", data=b"{}")
     assert not vllm_http.stale_connection(refused.value)
     assert time.monotonic() - t0 < 1.0
+
+
+async def test_an_exact_count_sends_the_prompt_as_the_parser_encoded_it_with_the_served_model_spliced_in() -> None:
+    """Issue 25: the exact count json-encoded every /tokenize body on the event loop (100 held 16 MiB prompts
+    released at READY stalled it 15 s). The parser (in its pool for a big body) encodes it; the client only splices
+    the served model's name in front."""
+    from supervisor.decide import admission
+
+    got: list[dict[str, object]] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        got.append(await request.json())
+        return web.json_response({"count": 7})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "served-name"}]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/v1/models", models)
+    async with TestServer(app) as server:
+        client = EngineClient(str(server.make_url("")).rstrip("/"), None)
+        try:
+            plain = admission.parse("completions", json.dumps({"prompt": "héllo  wörld"}).encode())
+            named = admission.parse("chat", json.dumps({"model": "mine", "messages": [
+                {"role": "user", "content": "hi"}]}).encode())
+            assert isinstance(plain, admission.Parsed) and isinstance(named, admission.Parsed)
+            assert isinstance(plain.tokenize_body, bytes)
+            assert await client.tokenize(plain.tokenize_body) == 7
+            assert await client.tokenize(named.tokenize_body) == 7
+        finally:
+            await client.close()
+    assert got == [{"model": "served-name", "prompt": "héllo  wörld"},
+                   {"model": "mine", "messages": [{"role": "user", "content": "hi"}]}]

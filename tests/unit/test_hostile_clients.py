@@ -391,7 +391,7 @@ def test_tool_schemas_and_tool_call_arguments_count_against_the_token_gates() ->
     """Issue 25: only message text was counted; tools and tool_calls (rendered into the prompt) passed every gate."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"description": "x" * 50_000}}}]
     p = parsed({"messages": [{"role": "user", "content": "hi"}], "tools": tools}, "chat")
-    assert p.upper_bound > 50_000 and p.tokenize_body["tools"] == tools
+    assert p.upper_bound > 50_000 and json.loads(p.tokenize_body)["tools"] == tools
     call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "y" * 40_000}}]
     p = parsed({"messages": [{"role": "assistant", "content": None, "tool_calls": call},
                              {"role": "user", "content": "go"}]}, "chat")
