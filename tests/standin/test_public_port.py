@@ -224,7 +224,7 @@ def test_a_big_body_is_parsed_by_the_pool_of_a_running_supervisor(supervise: Cal
     assert pool, "the parser pool did not start"
     sup.proc.kill()
     sup.proc.wait()
-    gone, alive = psutil.wait_procs(pool, timeout=10)
+    _, alive = psutil.wait_procs(pool, timeout=10)
     assert not alive, f"parser processes outlived the supervisor: {[p.pid for p in alive]}"
 
 
