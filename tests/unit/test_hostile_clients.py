@@ -427,3 +427,23 @@ def test_the_gateway_asks_for_the_key_as_vllm_does_and_on_every_route_that_runs_
         assert not ok(path, None) and not ok(path, "Bearer wrong") and not ok(path, "Basic k-one"), path
         assert ok(path, "Bearer k-one") and ok(path, "bearer k-two") and ok(path, "BEARER k-one"), path
     assert ok("/tokenize", None) and ok("/health", None) and ok("/version", None)
+
+
+def test_clients_that_leave_while_held_are_never_counted_waiting_nor_sent_to_the_engine() -> None:
+    """Issue 25: 34, 104 and 32 ghost requests in three runs were sent to the engine at READY: Python 3.11's
+    asyncio.wait_for swallowed the cancellation of a client that left just as the gate opened (CPython gh-86296)."""
+    async def go() -> None:
+        gate = EngineGate(max_held=1000)
+        flights = [Flight(f"r{i}", f"d{i}", 10) for i in range(200)]
+        tasks = [asyncio.create_task(gate.admit(f, 60.0)) for f in flights]
+        await asyncio.sleep(0)
+        assert gate.waiting == 200
+        gate.on_state(S.WARMING, S.READY)  # wakes every waiter ...
+        for t in tasks:  # ... in the same tick as their clients leave
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        cancelled = [r for r in results if isinstance(r, asyncio.CancelledError)]
+        admitted = [f for f, r in zip(flights, results, strict=True) if r is True or r is False]
+        assert len(cancelled) + len(admitted) == 200 and len(cancelled) == 200, (len(cancelled), len(admitted))
+        assert gate.waiting == 0 and not gate.at_engine
+    asyncio.run(go())
