@@ -8,6 +8,9 @@ vLLM: a lost event costs evidence, a raising handler would cost the engine.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
+import importlib
 import json
 import logging
 import os
@@ -16,6 +19,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import Any
 
 MAX_DATAGRAM = 60_000
 VLLM_ENV_KIND = "vllm_env"  # the one datagram that is not a log record (vllm_env_event)
@@ -32,6 +36,7 @@ class SupervisorEventHandler(logging.Handler):
         self._sock: socket.socket | None = None
         self._pid = -1
         allow_supervisor_ptrace()
+        guard_control_routes()
         try:
             event = vllm_env_event()
             if event is not None:
@@ -65,6 +70,54 @@ class SupervisorEventHandler(logging.Handler):
     def _send(self, data: bytes) -> None:
         if self.path and len(data) <= MAX_DATAGRAM:
             self._socket().sendto(data, self.path)
+
+
+TOKEN_ENV = "VLLM_SUPERVISOR_CONTROL_TOKEN"
+OPEN_ROUTES_ENV = "VLLM_SUPERVISOR_OPEN_ROUTES"
+TOKEN_HEADER = b"x-vllm-supervisor-token"
+NOT_FOUND = b'{"detail":"Not Found"}'
+
+
+def guard_control_routes() -> bool:
+    """In an engine started with vLLM's dev mode (a recovery spare, or [engine.env] asking for it): every route
+    outside the open list (the ones the gateway serves, /health, /metrics) answers 404 unless the request carries
+    the per-start token only the supervisor knows. vLLM's --api-key does not cover its dev routes (/sleep, /pause,
+    /collective_rpc, /update_weights, ...): any local user could otherwise put the serving engine to sleep. The
+    token lives in this process's environment, which only its own user (and root) may read.
+
+    Patches Starlette's ASGI entry (FastAPI calls it), once per process; vLLM's own package, not ours: imported
+    only when the token is set, i.e. inside vLLM's interpreter. Never raises."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        return False
+    try:
+        starlette: Any = importlib.import_module("starlette.applications")  # vLLM's web framework
+        Starlette = starlette.Starlette
+    except Exception:  # noqa: BLE001 - see module docstring
+        return False
+    if getattr(Starlette, "_vllm_supervisor_guard", False):
+        return True
+    try:
+        open_paths = frozenset(json.loads(os.environ.get(OPEN_ROUTES_ENV, "[]")))
+    except ValueError:
+        open_paths = frozenset({"/health"})
+    want = hashlib.sha256(token.encode()).digest()
+    entry = Starlette.__call__
+
+    async def guarded(self: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") == "http" and path not in open_paths and not path.startswith("/v1/responses/"):
+            given = dict(scope.get("headers") or ()).get(TOKEN_HEADER, b"")
+            if not hmac.compare_digest(hashlib.sha256(given).digest(), want):
+                await send({"type": "http.response.start", "status": 404,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": NOT_FOUND})
+                return
+        await entry(self, scope, receive, send)
+
+    Starlette.__call__ = guarded
+    Starlette._vllm_supervisor_guard = True
+    return True
 
 
 PR_SET_PTRACER = 0x59616D61

@@ -12,15 +12,17 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from supervisor.child import vllm_hook
+from supervisor.gateway import routes
 
 log = structlog.get_logger("supervisor.engine.ipc")
 HOOK_MODULE = "vllm_supervisor_hook"
@@ -47,8 +49,9 @@ def logging_config(socket_path: str, level: str = "INFO") -> dict[str, Any]:
     }
 
 
-def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO") -> dict[str, str]:
-    """Write the hook module and logging config under ``run_dir``; return the env vars to add."""
+def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO", dev_mode: bool = False) -> dict[str, str]:
+    """Write the hook module and logging config under ``run_dir``; return the env vars to add. ``dev_mode``: the
+    engine serves vLLM's dev routes, which the hook then guards (``control_guard_env``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(vllm_hook.__file__, run_dir / f"{HOOK_MODULE}.py")
     cfg = run_dir / "vllm-logging.json"
@@ -59,7 +62,25 @@ def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO") -> d
         "VLLM_SUPERVISOR_EVENTS": socket_path,
         "VLLM_SUPERVISOR_PID": str(os.getpid()),  # the hook lets us (and py-spy) read stacks under Yama
         "_VLLM_SUPERVISOR_HOOK_DIR": str(run_dir),
+        **(control_guard_env() if dev_mode else {}),
     }
+
+
+def dev_mode(env: Mapping[str, str]) -> bool:
+    """vLLM serves its dev routes (/sleep, /pause, /collective_rpc, ...) when VLLM_SERVER_DEV_MODE is set."""
+    return env.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def control_guard_env() -> dict[str, str]:
+    """A fresh token the child hook demands on every route the public port does not serve
+    (child/vllm_hook.py guard_control_routes), and the list of those it does."""
+    open_paths = sorted({*routes.COUNTED, *routes.OPAQUE, *routes.INFORMATIONAL, "/health", "/metrics"})
+    return {vllm_hook.TOKEN_ENV: secrets.token_urlsafe(32), vllm_hook.OPEN_ROUTES_ENV: json.dumps(open_paths)}
+
+
+def control_token(env: Mapping[str, str]) -> str | None:
+    """The token an engine started with ``env`` demands on its control routes, if any."""
+    return env.get(vllm_hook.TOKEN_ENV) or None
 
 
 class _Protocol(asyncio.DatagramProtocol):

@@ -258,7 +258,7 @@ class EngineRun:
         e = self.cfg.engine
         argv = launch.build_argv(e, self.profile, self.cfg.health.hang_timeout_s)
         sock = self.run_dir / "events.sock"
-        ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e))
+        ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e), ipc.dev_mode(e.env))
         await self.server.start()
         env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())
         try:

@@ -95,16 +95,21 @@ class EngineStatusError(EngineError):
         self.status = status
 
 
+CONTROL_HEADER = "X-Vllm-Supervisor-Token"  # child/vllm_hook.py TOKEN_HEADER
+
+
 class EngineClient:
     """One aiohttp session to one engine start's internal port (a new engine gets a new client)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, control_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self.model: str | None = None
         self.api_key = api_key
         # vLLM's --api-key guards /v1/*; our warm-up and canary must pass it like any client.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # An engine in dev mode answers its control routes only to the holder of its start's token (the hook).
+        self._control = {CONTROL_HEADER: control_token} if control_token else {}
 
     def _s(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -176,7 +181,7 @@ class EngineClient:
         """POST one of vLLM's dev-mode routes (``/sleep?level=1``, ``/wake_up``), which answer 200 with no body
         once done; raises EngineError otherwise."""
         try:
-            async with await send(self._s(), "POST", self.base_url + path,
+            async with await send(self._s(), "POST", self.base_url + path, headers=self._control,
                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
                     raise EngineStatusError(f"POST {path} returned {r.status}: {(await r.text())[:300]}", r.status)

@@ -164,8 +164,8 @@ class Precompiler:
         argv = launch.build_argv(engine, rung, self.cfg.health.hang_timeout_s)
         if shutil.which("nice") and not spare:
             argv = ["nice", "-n", "10", *argv]  # never the engine (nor a spare, which becomes one): niced for good
-        env = launch.build_env(e, ipc.prepare_child_env(work, str(work / "events.sock"), "INFO"), str(work),
-                               withheld=self.cfg.withheld_env())
+        ipc_env = ipc.prepare_child_env(work, str(work / "events.sock"), "INFO", dev_mode=spare or ipc.dev_mode(e.env))
+        env = launch.build_env(e, ipc_env, str(work), withheld=self.cfg.withheld_env())
         if spare:
             env.update(SPARE_ENV)
         secrets = e.secrets()  # vLLM prints its args, --api-key included: the error quotes its last lines
@@ -181,7 +181,7 @@ class Precompiler:
             return
         self._record(child)
         drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
-        client = EngineClient(engine.base_url, e.api_key())
+        client = EngineClient(engine.base_url, e.api_key(), ipc.control_token(env))
         ok, why, lines, kept = False, "", [], False
         try:
             ok, why = await self._until_healthy(child, client)

@@ -126,7 +126,8 @@ class Standby:
         if entry is None:
             return None
         vllm_env = dict(vllm_env or {})
-        ipc_env = ipc.prepare_child_env(directory, str(directory / "events.sock"), launch.vllm_log_level(engine))
+        ipc_env = ipc.prepare_child_env(directory, str(directory / "events.sock"), launch.vllm_log_level(engine),
+                                        ipc.dev_mode(engine.env))
         shutil.copyfile(vllm_standby.__file__, directory / SCRIPT)
         env = start_env(launch.build_env(engine, ipc_env, str(directory), withheld=withheld), False, vllm_env)
         env["VLLM_SUPERVISOR_STANDBY_READY"] = str(directory / READY_FILE)

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,7 +50,10 @@ COLD_START: dict[str, Any] = {}  # what the module's first (cold) engine looked 
 @pytest.fixture(scope="module")
 def sup(launcher: Launcher) -> Sup:
     """One supervisor over real vLLM, shared by the crash tests below (each recovers it)."""
-    s = launcher.start({"gateway": {"hold_timeout_s": float(START_S)}})
+    # Dev mode on (as a recovery spare runs): every test below also shows that the control-route guard leaves
+    # what the supervisor and the gateway use alone.
+    s = launcher.start({"gateway": {"hold_timeout_s": float(START_S)},
+                        "engine": {"env": {"VLLM_SERVER_DEV_MODE": "1"}}})
     s.wait_ready(START_S)
     # vLLM binds its (spawned) worker's OpenMP threads to the CPUs it picked; a forked one must get the same.
     COLD_START["worker_cpus"] = tree(s)["worker"].cpu_affinity()
@@ -89,6 +93,37 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
                            {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}],
                             "max_tokens": 8}, timeout=120)
     assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_an_engine_in_dev_mode_answers_its_control_routes_only_to_the_supervisor(sup: Sup) -> None:
+    """Issue 25: a spare runs vLLM's dev mode on a loopback port, and keeps it when it becomes the engine: any local
+    user could POST /sleep, /collective_rpc, /reset_prefix_cache (vLLM's --api-key does not cover them); an
+    unprivileged one put the serving engine to sleep. Each start in dev mode gets a token only its user can read."""
+    from supervisor.child.vllm_hook import TOKEN_ENV, environ_of
+
+    sup.wait_ready(START_S)
+    api = tree(sup)["api"]
+    token = environ_of(api.pid)[TOKEN_ENV]
+
+    def post(path: str, headers: dict[str, str]) -> int:
+        req = urllib.request.Request(sup.engine_url + path, b"", headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+
+    for path in ("/reset_prefix_cache", "/sleep?level=1", "/collective_rpc", "/is_sleeping"):
+        assert post(path, {}) == 404, path
+        assert post(path, {"X-Vllm-Supervisor-Token": "guess"}) == 404, path
+    assert post("/reset_prefix_cache", {"X-Vllm-Supervisor-Token": token}) == 200  # the route is there, guarded
+    assert http_json(sup.engine_url + "/v1/models")[0] == 200 and complete(sup, prompt="hi")[0] == 200
+    # Another user cannot read the token: /proc/PID/environ is its owner's (and root's) alone.
+    probe = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat", f"/proc/{api.pid}/environ"],
+        capture_output=True)
+    assert probe.returncode != 0 and token.encode() not in probe.stdout
+    assert not sup.events("engine.failed")  # nothing above disturbed it
 
 
 def test_plan_agrees_with_vllms_own_kv_cache_size(sup: Sup) -> None:
