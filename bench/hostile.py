@@ -2,7 +2,8 @@
 
 On loopback over the stand-in engine, for ``--seconds`` (default 75), under ``max_restarts = 6``:
 - 32 ordinary clients send short completions (half of them streaming) the whole time;
-- hostile clients: idle connections that never send a byte, connections that trickle a body a byte a second,
+- hostile clients (each kind from a loopback address of its own, as distinct hosts: the gateway caps the connections
+  of one address): idle connections that never send a byte, connections that trickle a body a byte a second,
   clients sending 8 MiB token-id bodies, a client resending a prompt that kills the engine at every rung
   (three deaths: 8192, 6144 and the lowest rung, 2048, then it is quarantined), three prompts that make the
   engine segfault with nothing in vLLM's records naming them, each resent and then sent as variants (a junk
@@ -94,7 +95,7 @@ async def idle_connections(addr: tuple[str, int], count: int, until: float) -> i
         nonlocal closed
         while time.monotonic() < until:
             try:
-                reader, writer = await asyncio.open_connection(*addr)
+                reader, writer = await asyncio.open_connection(*addr, local_addr=("127.0.0.2", 0))
             except OSError:
                 await asyncio.sleep(0.5)
                 continue
@@ -112,7 +113,7 @@ async def idle_connections(addr: tuple[str, int], count: int, until: float) -> i
 
 async def trickle(addr: tuple[str, int], until: float) -> str:
     """A body announced at 100 kB and sent a byte a second: what the server answered."""
-    reader, writer = await asyncio.open_connection(*addr)
+    reader, writer = await asyncio.open_connection(*addr, local_addr=("127.0.0.3", 0))
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100000\r\n\r\n{")
     answer = b""
@@ -196,6 +197,7 @@ async def non_readers(addr: tuple[str, int], count: int, until: float) -> int:
         while time.monotonic() < until:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.bind(("127.0.0.4", 0))
             sock.setblocking(False)
             try:
                 await loop.sock_connect(sock, addr)

@@ -218,6 +218,9 @@ class EngineGate:
         when it was held at all."""
         if self.closing:
             raise Refused(503, "shutting_down", "the server is shutting down; retry on another replica or later")
+        f.strikes = max(f.strikes, self.strikes_of(f.digest))
+        if f.strikes and f not in self.suspects:
+            self.suspects.append(f)  # sent again after a strike (its client retried): alone, never in a batch
         if self._may_go(f):
             self._sent(f)
             return False

@@ -32,7 +32,9 @@ is steered by env vars:
                           core reports the worker's death, dumps the batch and dies
 
 With ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1 it serves vLLM's /sleep, /wake_up and /is_sleeping
-(a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve.
+(a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve. With
+VLLM_SUPERVISOR_CONTROL_TOKEN set it guards every route outside VLLM_SUPERVISOR_OPEN_ROUTES as real vLLM does under
+the supervisor's hook.
 
 Tokens are whitespace-separated words. Dying on OOM ends as vLLM does: HTTP 500, /health 503,
 then the server exits with status 0. Like vLLM, the EngineCore outlives a SIGKILL of its API
@@ -483,7 +485,20 @@ async def api_server_main(args: argparse.Namespace) -> int:
         resp: web.StreamResponse = await handler(request)
         return resp
 
-    app = web.Application(middlewares=[api_key])
+    guard_token = os.environ.get("VLLM_SUPERVISOR_CONTROL_TOKEN", "")
+    open_paths = set(json.loads(os.environ.get("VLLM_SUPERVISOR_OPEN_ROUTES", "[]")))
+
+    @web.middleware
+    async def control_guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        # What real vLLM does with the supervisor's hook loaded (supervisor/child/vllm_hook.py): in dev mode every
+        # route the gateway does not serve wants the start's token.
+        if guard_token and request.path not in open_paths \
+                and request.headers.get("X-Vllm-Supervisor-Token") != guard_token:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
+    app = web.Application(middlewares=[control_guard, api_key])
     app.router.add_get("/health", srv.health)
     app.router.add_get("/v1/models", srv.models)
     app.router.add_post("/tokenize", srv.tokenize)

@@ -447,3 +447,26 @@ def test_clients_that_leave_while_held_are_never_counted_waiting_nor_sent_to_the
         assert len(cancelled) + len(admitted) == 200 and len(cancelled) == 200, (len(cancelled), len(admitted))
         assert gate.waiting == 0 and not gate.at_engine
     asyncio.run(go())
+
+
+def test_a_request_sent_again_after_a_strike_goes_alone_never_in_the_control_batch() -> None:
+    """Found by bench/hostile.py: a client resending a struck poison got in with the others during the next
+    engine's control period and killed it in a batch (a death no one was proven to cause: budget spent)."""
+    async def go() -> None:
+        clock = Clock()
+        gate = EngineGate(max_held=10, solo_after_s=2.0, clock=clock)
+        first = Flight("p1", "d-poison", 300)
+        assert (await die_with(gate, clock, [first], FailureKind.ENGINE_DEAD)).proven  # strike 1, alone
+        gate.forget(first)  # its client gave up
+        gate.on_state(S.WARMING, S.READY)
+        again = Flight("p2", "d-poison", 300)
+        sent = asyncio.create_task(gate.admit(again, 5.0))
+        other = Flight("o", "d-o", 10)
+        assert await gate.admit(other, 0.01) is False  # others go during the control ...
+        await asyncio.sleep(0)
+        assert not sent.done() and gate.solo is again  # ... the resent poison waits to go alone
+        gate.leave(other)
+        clock.t += 2.0
+        gate.leave(other)  # any change of the gate re-checks the waiters
+        assert await sent is True and list(gate.at_engine.values()) == [again]
+    asyncio.run(go())
