@@ -55,6 +55,7 @@ backoff_max_s = 0.2
 max_restarts = 6
 [gateway]
 listen = "127.0.0.1:{gw}"
+send_timeout_s = 5.0
 """
 POISON = "word " * 30_000
 SEGFAULTS = [f"ZAP {name} " + " ".join(f"{name}{i}" for i in range(300)) for name in ("alpha", "beta", "gamma")]
@@ -165,28 +166,36 @@ async def odd_routes(s: aiohttp.ClientSession, base: str, until: float) -> set[i
 
 
 async def segfaults(s: aiohttp.ClientSession, url: str, until: float) -> list[list[int]]:
-    """Each segfaulting prompt resent until refused (at most 4 times), then three variants of it: the codes."""
-    out = []
-    for prompt in SEGFAULTS:
-        codes: list[int] = []
-        words = prompt.split()
-        variants = [{**completion(prompt), "junk": "x" * 20}, {**completion(prompt), "temperature": 0.33},
-                    completion(" ".join(words[:40] + words[43:]))]
-        for body in [completion(prompt)] * 4 + variants:
-            if time.monotonic() > until or (codes and codes[-1] == 413 and body == completion(prompt)):
-                continue
-            async with s.post(url, json=body) as r:
-                codes.append(r.status)
-                await r.read()
-        out.append(codes)
-    return out
+    """Three clients, 15 s apart, each resending its segfaulting prompt until refused (at most 4 times), then
+    three variants of it: their codes."""
+    async def one(n: int, prompt: str) -> list[int]:
+        await asyncio.sleep(15.0 * n)
+        return await segfault(s, url, until, prompt)
+
+    return list(await asyncio.gather(*(one(n, p) for n, p in enumerate(SEGFAULTS))))
+
+
+async def segfault(s: aiohttp.ClientSession, url: str, until: float, prompt: str) -> list[int]:
+    codes: list[int] = []
+    words = prompt.split()
+    variants = [{**completion(prompt), "junk": "x" * 20}, {**completion(prompt), "temperature": 0.33},
+                completion(" ".join(words[:40] + words[43:]))]
+    for body in [completion(prompt)] * 4 + variants:
+        if time.monotonic() > until or (codes and codes[-1] == 413 and body == completion(prompt)):
+            continue
+        async with s.post(url, json=body) as r:
+            codes.append(r.status)
+            await r.read()
+    return codes
 
 
 async def non_readers(addr: tuple[str, int], count: int, until: float) -> int:
     """Streaming clients that never read a byte of their answers: how many the server cut."""
     import socket
 
-    body = json.dumps({**completion("stream a lot", stream=True), "max_tokens": 200_000}).encode()
+    # Long enough to outgrow the socket buffers, short enough for the stand-in's one-request-at-a-time core (real
+    # vLLM batches; the stand-in would otherwise stall everyone behind it and read as hung).
+    body = json.dumps({**completion("stream a lot", stream=True), "max_tokens": 4_000}).encode()
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
     loop = asyncio.get_running_loop()
@@ -202,7 +211,7 @@ async def non_readers(addr: tuple[str, int], count: int, until: float) -> int:
             try:
                 await loop.sock_connect(sock, addr)
                 await loop.sock_sendall(sock, head + body)
-                await asyncio.sleep(max(0.0, min(40.0, until - time.monotonic())))  # read nothing
+                await asyncio.sleep(max(0.0, min(15.0, until - time.monotonic())))  # read nothing
                 sock.setblocking(True)
                 sock.settimeout(0.5)
                 try:  # cut by the server: what is buffered, then EOF or a reset
@@ -276,8 +285,8 @@ async def soak(sup: Supervisor, gw: str, admin: str, pid: int, engine_port: int,
     rss1, fds1 = footprint(pid)
     st = status(admin) or {}
     print(f"ordinary clients: {tally.ok} answered, {len(tally.lost)} lost {tally.lost[:3]}")
-    print(f"engine deaths: {st.get('restarts')}; state {st.get('state')}, gave up: {st.get('fatal')}; "
-          f"poison answers: {poisoned}")
+    print(f"engine deaths: {st.get('restarts')}; state {st.get('state')}, gave up: {st.get('fatal')}, supervisor exit "
+          f"status {sup.proc.poll()}; poison answers: {poisoned}")
     failed = sup.events("engine.failed")
     kinds = {k: sum(1 for f in failed if f.get("kind") == k) for k in ("runtime_oom", "engine_dead", "signal", "hang")}
     proven = sum(1 for f in failed if f.get("caused_by_request"))
@@ -287,7 +296,8 @@ async def soak(sup: Supervisor, gw: str, admin: str, pid: int, engine_port: int,
     print(f"idle connections closed by the server: {closed}; trickled bodies answered: {sorted(set(trickled))}")
     print(f"8 MiB bodies: {len(bigs)} sent, answers {sorted(set(bigs))}; odd routes answered {sorted(routes)}")
     shown = ("413", "408", "404", "503", "quarantined", "connections")
-    print(f"gateway: {json.dumps({k: st['gateway'][k] for k in shown if k in st['gateway']})}")
+    gw_status = st.get("gateway", {})
+    print(f"gateway: {json.dumps({k: gw_status[k] for k in shown if k in gw_status})}")
     stall = st.get("loop", {}).get("max_stall_s")
     print(f"event loop: longest stall {stall} s over the soak (it was {stall0} s before it)")
     print(f"supervisor RSS {rss0:.1f} -> {rss1:.1f} MiB, open descriptors {fds0} -> {fds1}")
