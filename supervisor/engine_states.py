@@ -134,11 +134,15 @@ class Failure:
 @dataclass(frozen=True)
 class Blame:
     """What the gateway found about a death: one request alone was proven to cause it (it spends no restart
-    budget, and is not read as the engine's memory signature), and the next engine should start at the lowest
-    rung (a request that killed two engines is tried there alone)."""
+    budget, and is not read as the engine's memory signature), the next engine should start at the lowest
+    rung (a request that killed two engines is tried there alone), and how many earlier deaths that proof
+    explains."""
 
     proven: bool = False
     floor: bool = False
+    # Earlier deaths, each of which spent the restart budget, that the request now proven a poison was at the
+    # engine for: explained now, their budget is given back.
+    explained: int = 0
 
 
 class ExitCode(enum.IntEnum):

@@ -459,6 +459,7 @@ def judge(policy: Policy, raw: Failure, profile: Profile, now: float, blame: Bla
     # A death one request alone was proven to cause is that request's (the gateway quarantines it), never read
     # as the engine's memory signature.
     failure = raw if blame.proven else policy.explain(raw, profile)
+    policy.forgive(blame.explained)
     decision = policy.decide(failure, profile, now, proven=blame.proven)
     if decision.restart and failure.kind.memory and blame.floor:
         decision = floor_trial(decision, ladder)

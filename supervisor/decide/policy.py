@@ -207,6 +207,13 @@ class Policy:
         self.consecutive += 1
         return Decision(True, nxt, failure, backoff_delay(self.consecutive, self.restart, self.rand), reason)
 
+    def forgive(self, n: int) -> None:
+        """``n`` earlier failures turned out to be one request's doing (proven later): their restarts are given
+        back to the budget, and they no longer count as a crash loop."""
+        for _ in range(min(n, len(self.restarts))):
+            self.restarts.pop()
+        self.in_a_row = max(0, self.in_a_row - n)
+
     def explain(self, failure: Failure, profile: Profile) -> Failure:
         """An unexplained death that repeats at the same profile with the same request is memory.
 

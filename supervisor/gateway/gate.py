@@ -26,7 +26,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from supervisor.decide import admission
 from supervisor.engine_states import Blame, EngineState, FailureKind
@@ -44,6 +44,7 @@ class Flight:
     replays: int = 0
     strikes: int = 0  # times it was the suspect of a death, with evidence
     deaths: int = 0  # engine deaths it was at the engine for
+    unexplained: set[int] = field(default_factory=set)  # which of those spent the restart budget (death numbers)
     controlled: bool = False  # sent after its engine had served solo_after_s: a death then is evidence
     quarantined: bool = False
     floor_tried: bool = False  # it went (or goes) alone to an engine at the ladder's lowest rung
@@ -80,6 +81,8 @@ class EngineGate:
         self.clock = clock
         self.ready_at = 0.0
         self.struck: OrderedDict[str, int] = OrderedDict()  # quarantine key -> strikes
+        self.death_no = 0  # numbers the deaths a request can cause, for ``explained``
+        self.explained: set[int] = set()  # deaths already given back
         self.state = EngineState.STOPPED
         self.generation = 0
         self.open = False  # READY and not draining
@@ -148,6 +151,7 @@ class EngineGate:
             for f in self.suspects:
                 f.strikes = 0
             return Blamed()
+        self.death_no += 1
         for f in dead:
             f.deaths += 1
         batch = [f for f in dead if not f.gone]
@@ -162,17 +166,29 @@ class EngineGate:
         proven = alone and (kind is FailureKind.RUNTIME_OOM or suspect.controlled)
         if named is not None or proven:
             self._strike(suspect)
+        explained = self._explain(suspect, dead, proven)
         floor = suspect.strikes >= 2 and kind.memory and not at_floor and not suspect.floor_tried
         if floor:
             suspect.floor_tried = True
         elif suspect.strikes >= 2:
-            return Blamed(proven=proven, quarantined=self._quarantine(suspect))
+            return Blamed(proven=proven, explained=explained, quarantined=self._quarantine(suspect))
         # A request at two deaths, or struck once, never goes in a batch again: it would take the others with it.
         for f in [suspect, *(f for f in batch if f.strikes or f.deaths >= 2)]:
             if f not in self.suspects:
                 self.suspects.append(f)
         self._notify()
-        return Blamed(proven=proven, floor=floor)
+        return Blamed(proven=proven, floor=floor, explained=explained)
+
+    def _explain(self, suspect: Flight, dead: list[Flight], proven: bool) -> int:
+        """After a death: the earlier budget-spending deaths it explains (``suspect`` proven now: every one it was
+        at). An unproven death is remembered by everyone at it, in case one of them is proven later."""
+        if not proven:
+            for f in dead:
+                f.unexplained.add(self.death_no)
+            return 0
+        earlier = suspect.unexplained - self.explained
+        self.explained |= earlier
+        return len(earlier)
 
     def strikes_of(self, key: str | None) -> int:
         """Strikes remembered for a quarantine key: a request sent again is not a new one."""

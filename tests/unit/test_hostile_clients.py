@@ -470,3 +470,31 @@ def test_a_request_sent_again_after_a_strike_goes_alone_never_in_the_control_bat
         gate.leave(other)  # any change of the gate re-checks the waiters
         assert await sent is True and list(gate.at_engine.values()) == [again]
     asyncio.run(go())
+
+
+def test_a_poison_proven_alone_gives_back_the_budget_of_the_batch_deaths_it_was_at() -> None:
+    """bench/hostile.py: four distinct poisons among 32 clients each killed a batch first (nobody proven), and
+    those deaths alone spent max_restarts = 6: FATAL. Once a request is proven, the deaths it was at are its."""
+    from supervisor.config import LadderConfig, RestartConfig
+    from supervisor.decide.policy import Policy
+    from supervisor.engine_states import Failure
+    from supervisor.profile import Profile
+
+    async def go() -> None:
+        clock = Clock()
+        gate = EngineGate(max_held=10, solo_after_s=2.0, clock=clock)
+        poison, a, b = Flight("p", "d-p", 300), Flight("a", "d-a", 10), Flight("b", "d-b", 10)
+        first = await die_with(gate, clock, [poison, a, b], FailureKind.ENGINE_DEAD)
+        assert not first.proven and first.explained == 0
+        second = await die_with(gate, clock, [poison], FailureKind.ENGINE_DEAD, served_s=2.5)
+        assert second.proven and second.explained == 1  # the batch death is now explained
+        third = await die_with(gate, clock, [poison], FailureKind.ENGINE_DEAD, served_s=2.5)
+        assert third.proven and third.explained == 0 and third.quarantined is poison  # given back once
+    asyncio.run(go())
+
+    policy = Policy(RestartConfig(max_restarts=2), LadderConfig(), Profile())
+    dead = Failure(FailureKind.ENGINE_DEAD, "engine core exited unexpectedly")
+    assert policy.on_failure(dead, Profile(), 0.0).restart and policy.on_failure(dead, Profile(), 1.0).restart
+    assert policy.budget_left(2.0) == 0
+    policy.forgive(1)
+    assert policy.budget_left(2.0) == 1 and policy.on_failure(dead, Profile(), 2.0).restart
