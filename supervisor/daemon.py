@@ -119,6 +119,9 @@ class Daemon:
         try:
             await self.heartbeat.wait(leftovers.stop_engine_left(self.cfg, self.host, self.bus.publish),
                                       self.heartbeat.within(leftovers.stop_bound_s(self.cfg)))
+            # Only now: a dead supervisor's throwaway still starting reads its logging config from its run
+            # directory; swept first, it died by itself before it could be stopped (and counted).
+            rundir.sweep()
             return await self.lifecycle.run_until_stopped()
         finally:
             await self.shutdown()
@@ -129,7 +132,6 @@ class Daemon:
             loop.add_signal_handler(signal.SIGTERM, self.lifecycle.request_stop, "SIGTERM")
             loop.add_signal_handler(signal.SIGINT, self.lifecycle.request_stop, "SIGINT")
             loop.add_signal_handler(signal.SIGHUP, self._soon, self.reload)
-        rundir.sweep()  # what supervisors that died left behind
         self.run_dir = rundir.make()
         self.recovery.use_dir(self.run_dir)
         await self.admin.start()
