@@ -371,10 +371,11 @@ def test_gateway_clients_see_no_error_through_a_real_oom(sup: Sup) -> None:
     assert st["restarts"] == before["restarts"] + 1 and st["last_failure"]["kind"] in ("runtime_oom", "engine_dead")
     assert codes == [200] * 8
     assert killer_code == 200, killer_body  # served after the step down
-    # Whichever request's allocation hit the cap first, what was in flight went again to the new engine,
-    # the suspect alone first.
+    # Whichever request's allocation hit the cap first, what was in flight went again to the new engine, the
+    # suspect alone (after the new engine's control period, in which the others may go first).
     replayed = sup.events("gateway.request_replayed")
-    assert replayed and replayed[0]["alone"] is True
+    suspects = {e["request_id"] for e in replayed if e["alone"]}
+    assert suspects and all(e["alone"] for e in replayed if e["request_id"] in suspects), replayed
     assert st["gateway"]["503"] == 0 and st["gateway"]["quarantined"] == 0
 
 
