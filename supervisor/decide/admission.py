@@ -41,6 +41,9 @@ SAMPLING_SWITCHES = {"temperature": (1.0, 0), "top_p": (1.0, 1), "top_k": (-1, -
                      "presence_penalty": (0.0, 0), "frequency_penalty": (0.0, 0), "repetition_penalty": (1.0, 1)}
 SKETCH_SIZE = 128  # bottom-k hashes of the prompt's 3-word shingles
 SKETCH_MIN_WORDS = 32  # shorter prompts are matched exactly only: a few words are a large share of them
+# The sketch reads the prompt's first and last this many words (about 0.7 us a word): a few words removed or
+# changed anywhere leave most of both the same, and a 16 MiB prompt costs no more than a 64 KiB one.
+SKETCH_WINDOW = 4096
 NEAR = 0.9  # estimated Jaccard similarity at which a prompt is a variant of a quarantined one
 
 
@@ -77,7 +80,6 @@ class Parsed:
     # for a big body), never on the event loop (100 held 16 MiB prompts encoded there stalled it 15 s).
     tokenize_body: bytes = b""
     shape: str = ""  # the key without the prompt: variants of a quarantined prompt are looked for among these
-    sketch: tuple[int, ...] = ()  # of the prompt's words (SKETCH_SIZE), for variants; empty for short prompts
 
     @property
     def upper_bound(self) -> int:
@@ -138,7 +140,7 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
         return bad_request("the request body is nested too deeply to encode; send a flatter JSON object",
                            "invalid_json")
     return Parsed(route, bool(stream), sum(len(t.encode()) for t in texts), n_messages, ids, prompt_logprobs,
-                  key.digest, encoded, key.shape, key.sketch)
+                  key.digest, encoded, key.shape)
 
 
 def parse_opaque(route: str, raw: bytes) -> Parsed:
@@ -152,16 +154,15 @@ def parse_opaque(route: str, raw: bytes) -> Parsed:
     except (UnicodeDecodeError, ValueError, RecursionError):  # multipart audio, or not JSON at all
         digest = hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()[:32]
         return Parsed(route, False, 0, 0, 0, None, digest, b"", digest)
-    return Parsed(route, stream, 0, 0, 0, None, key.digest, b"", key.shape, key.sketch)
+    return Parsed(route, stream, 0, 0, 0, None, key.digest, b"", key.shape)
 
 
 @dataclass(frozen=True)
 class EngineKey:
-    """The quarantine's key of a body (``digest``), the same without its prompt (``shape``), the prompt's sketch."""
+    """The quarantine's key of a body (``digest``), and the same without its prompt (``shape``)."""
 
     digest: str
     shape: str
-    sketch: tuple[int, ...]
 
 
 def engine_key(route: str, body: Any) -> EngineKey:
@@ -169,13 +170,13 @@ def engine_key(route: str, body: Any) -> EngineKey:
     body too deep to serialise."""
     if not isinstance(body, dict):
         digest = _hash(["v2", route, body])
-        return EngineKey(digest, digest, ())
+        return EngineKey(digest, digest)
     features = {k: body[k] for k in ENGINE_FIELDS if k in body}
     switches = {k: (body[k] if _number(body.get(k)) else default) != off
                 for k, (default, off) in SAMPLING_SWITCHES.items()}
     shape = _hash(["v2", route, body.get("model"), features, switches])
-    prompt, words = _prompt_of(body)
-    return EngineKey(_hash([shape, prompt]), shape, sketch(words))
+    prompt, _ = _prompt_of(body)
+    return EngineKey(_hash([shape, prompt]), shape)
 
 
 def _hash(material: Any) -> str:
@@ -219,11 +220,25 @@ def _prompt_of(body: dict[str, Any]) -> tuple[Any, list[str]]:
     return prompt, words
 
 
+def body_sketch(raw: bytes) -> tuple[int, ...]:
+    """The sketch of a body's prompt (its words, or token ids), () when it has none to sketch. Asked only when a
+    quarantined request has the body's shape: most bodies never pay for it (the gateway's parser pool runs it
+    for a big one)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return ()
+    return sketch(_prompt_of(body)[1]) if isinstance(body, dict) else ()
+
+
 def sketch(words: Sequence[str]) -> tuple[int, ...]:
-    """The SKETCH_SIZE smallest hashes of the 3-word shingles of ``words``: two prompts' sketches estimate how
-    much of them is the same (a variant with a few words removed shares nearly all its shingles)."""
+    """The SKETCH_SIZE smallest hashes of the 3-word shingles of ``words`` (its first and last SKETCH_WINDOW):
+    two prompts' sketches estimate how much of them is the same (a variant with a few words removed shares nearly
+    all its shingles)."""
     if len(words) < SKETCH_MIN_WORDS:
         return ()
+    if len(words) > 2 * SKETCH_WINDOW:
+        words = [*words[:SKETCH_WINDOW], *words[-SKETCH_WINDOW:]]
     # Each shingle is counted with its occurrence (the 2nd "word word word" is another element than the 1st):
     # a multiset, so that 2,000 repetitions of a word are not a variant of 30,000 of them.
     seen: dict[tuple[str, str, str], int] = {}
@@ -386,6 +401,11 @@ class Quarantine:
             sketch: Sequence[int] = ()) -> None:
         self.entries[digest] = {"until": until, "tokens": tokens, "reason": reason, "kind": kind, "shape": shape,
                                 "sketch": list(sketch)}
+
+    def has_shape(self, shape: str, now: float) -> bool:
+        """A live entry has this shape: a body of it may be a variant (its sketch is worth computing)."""
+        return bool(shape) and any(e["until"] > now and e.get("shape") == shape and e.get("sketch")
+                                   for e in self.entries.values())
 
     def holds(self, digest: str, now: float, shape: str = "", sketch: Sequence[int] = ()) -> dict[str, Any] | None:
         """The entry that refuses this request: its own key, or a quarantined prompt it is a variant of (the same

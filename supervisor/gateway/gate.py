@@ -50,8 +50,9 @@ class Flight:
     floor_tried: bool = False  # it went (or goes) alone to an engine at the ladder's lowest rung
     gone: bool = False  # answered, refused, or its client left: it will not come back to the gate
     arrived: float = 0.0  # the host's monotonic clock at arrival
-    shape: str = ""  # the quarantine's key without the prompt, and the prompt's sketch (admission.engine_key)
-    sketch: tuple[int, ...] = ()
+    shape: str = ""  # the quarantine's key without the prompt (admission.engine_key)
+    sketch: tuple[int, ...] = ()  # its prompt's, computed only when asked (admission.body_sketch)
+    body: bytes = b""  # as the client sent it (held anyway, to be sent again): what the sketch reads
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ class EngineGate:
     def _quarantine(self, flight: Flight) -> Flight:
         flight.quarantined = True
         self._unsuspect(flight)
+        self._notify()  # it may be waiting: its answer is the 413 now
         return flight
 
     def _unsuspect(self, flight: Flight) -> None:

@@ -17,6 +17,7 @@ import asyncio
 from aiohttp import web
 
 from supervisor.config import GatewayConfig
+from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
 from supervisor.gateway import parsing, routes
 
@@ -104,6 +105,10 @@ class Intake:
 
     async def parse(self, route: str, raw: bytes) -> Parsed | Rejection:
         return await self.parser.parse(route, raw)
+
+    async def sketch(self, raw: bytes) -> tuple[int, ...]:
+        """The prompt's sketch (admission.body_sketch), in the parser pool for a big body."""
+        return await self.parser.run(len(raw), admission.body_sketch, raw)
 
     def close(self) -> None:
         self.parser.close()

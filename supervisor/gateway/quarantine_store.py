@@ -8,15 +8,19 @@ and named, never a reason for every request to fail.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from supervisor.decide.admission import Quarantine
+from supervisor.gateway.gate import Flight
 from supervisor.host.files import read_json, write_private
 
 FILENAME = "quarantine.json"
+Sketcher = Callable[[bytes], Awaitable[tuple[int, ...]]]  # a body's prompt sketch (off the loop when it is big)
 log = structlog.get_logger("supervisor.gateway")
 
 
@@ -60,6 +64,16 @@ class Kept(Quarantine):
         kept.prune(now)
         return kept
 
+    async def refuses(self, flight: Flight, sketcher: Sketcher, now: float) -> dict[str, Any] | None:
+        """The entry that refuses ``flight``: its own key's, or, when a live entry has its shape, the one its
+        prompt is a variant of (its sketch computed then, once)."""
+        if flight.digest is None:
+            return None
+        entry = self.holds(flight.digest, now)
+        if entry is None and self.has_shape(flight.shape, now):
+            entry = self.holds(flight.digest, now, flight.shape, await sketched(flight, sketcher))
+        return entry
+
     def keep(self, digest: str, now: float, ttl_s: float, tokens: int | None, reason: str, kind: str, shape: str,
              sketch: tuple[int, ...]) -> None:
         """Quarantine a request for ``ttl_s`` and save the file."""
@@ -81,6 +95,13 @@ class Kept(Quarantine):
             save(self.path, self)
         except OSError as exc:
             log.error("gateway.quarantine_not_saved", path=str(self.path), error=str(exc))
+
+
+async def sketched(flight: Flight, sketcher: Sketcher) -> tuple[int, ...]:
+    """``flight``'s prompt sketch, computed once, and only where a variant could matter."""
+    if not flight.sketch and flight.body:
+        flight.sketch = await sketcher(flight.body)
+    return flight.sketch
 
 
 def reason(kind: str, tokens: int | None, at_floor: bool, chunk: int | None) -> str:

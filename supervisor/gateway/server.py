@@ -169,11 +169,12 @@ class Gateway:
                 await asyncio.wait_for(self.side.caught_up(), 2.0)
         blame = self.gate.on_failure(kind, suspect_request, at_floor)
         if blame.quarantined is not None and blame.quarantined.digest is not None:
-            self._quarantine(blame.quarantined, kind, at_floor, chunk)
+            await self._quarantine(blame.quarantined, kind, at_floor, chunk)
         return blame
 
-    def _quarantine(self, flight: Flight, kind: FailureKind, at_floor: bool, chunk: int | None) -> None:
+    async def _quarantine(self, flight: Flight, kind: FailureKind, at_floor: bool, chunk: int | None) -> None:
         assert flight.digest is not None
+        await quarantine_store.sketched(flight, self.intake.sketch)  # its variants are refused too
         reason = quarantine_store.reason(kind.value, flight.tokens, at_floor, chunk)
         # Only a measured count may lower the prompt limit for others (Quarantine.safe_len).
         self.quarantine.keep(flight.digest, self.host.wall(), self.g.quarantine_ttl_s, flight.tokens, reason,
@@ -231,13 +232,11 @@ class Gateway:
         parsed = await self.intake.parse(route, body) if route else None
         if isinstance(parsed, Rejection):
             return self.answers.reject(rid, parsed)
-        if parsed is not None:
-            entry = self.quarantine.holds(parsed.digest, self.host.wall(), parsed.shape, parsed.sketch)
-            if entry is not None:
-                return self.answers.reject(rid, admission.quarantined(entry, parsed.digest))
         flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0,
-                        arrived=self.host.monotonic(), shape=parsed.shape if parsed else "",
-                        sketch=parsed.sketch if parsed else ())
+                        arrived=self.host.monotonic(), shape=parsed.shape if parsed else "", body=body)
+        entry = await self.quarantine.refuses(flight, self.intake.sketch, self.host.wall())
+        if entry is not None:
+            return self.answers.reject(rid, admission.quarantined(entry, flight.digest or ""))
         if parsed is not None and self.pressure is not None and self.gate.open:
             tokens = await self.counter.tokens_if_long(parsed, flight, self.proven_tokens)
             refused = admission.shed(self.pressure, tokens, self.proven_tokens, self.g.retry_after_s)
@@ -259,8 +258,7 @@ class Gateway:
         while True:
             await self._admit(flight)
             # Quarantined while it waited: itself, or the same request (or a variant) sent by another client.
-            entry = self.quarantine.holds(flight.digest, self.host.wall(), flight.shape, flight.sketch) \
-                if flight.digest is not None else None
+            entry = await self.quarantine.refuses(flight, self.intake.sketch, self.host.wall())
             if flight.quarantined or entry is not None:
                 self.gate.leave(flight)
                 return self.answers.reject(flight.rid, admission.quarantined(entry or {}, flight.digest or ""))

@@ -350,13 +350,18 @@ def test_an_oom_suspect_with_two_strikes_is_tried_alone_at_the_lowest_rung_befor
 POISON_TEXT = " ".join(f"w{i % 97} v{i % 89}" for i in range(300))
 
 
+def sketch_of(body: dict[str, Any]) -> tuple[int, ...]:
+    return admission.body_sketch(json.dumps(body).encode())
+
+
 def test_the_quarantine_key_is_what_vllm_runs_not_the_bodys_bytes() -> None:
     """Issue 25: a junk field, a nudged temperature or a few words removed made a quarantined prompt new (three
     such variants walked every client's chunk to the floor and spent the budget)."""
     base = {"model": "m", "prompt": POISON_TEXT, "max_tokens": 8, "temperature": 0.7}
     q = admission.Quarantine()
     first = parsed(base)
-    q.add(first.digest, 1e12, None, "r", "engine_dead", first.shape, first.sketch)
+    q.add(first.digest, 1e12, None, "r", "engine_dead", first.shape, sketch_of(base))
+    assert q.has_shape(first.shape, 0.0)
     words = POISON_TEXT.split()
     variants = [{**base, "junk": "x" * 50},                                     # vLLM ignores unknown fields
                 {**base, "temperature": 0.71, "seed": 7, "max_tokens": 9},      # values, not the code that runs
@@ -365,15 +370,19 @@ def test_the_quarantine_key_is_what_vllm_runs_not_the_bodys_bytes() -> None:
                 {**base, "user": "someone-else", "stream": True}]
     for v in variants:
         p = parsed(v)
-        assert q.holds(p.digest, 0.0, p.shape, p.sketch) is not None, v.keys()
+        assert q.holds(p.digest, 0.0, p.shape, sketch_of(v)) is not None, v.keys()
     # What makes the engine run something else is another request.
     others = [{**base, "temperature": 0.0},                                      # greedy: another sampling path
               {**base, "n": 4}, {**base, "guided_json": {"type": "object"}}, {**base, "prompt_logprobs": 1},
               {**base, "prompt": " ".join(f"z{i}" for i in range(600))}, {**base, "model": "other"}]
     for o in others:
         p = parsed(o)
-        assert q.holds(p.digest, 0.0, p.shape, p.sketch) is None, o
-    assert parsed({"model": "m", "prompt": "short one"}).sketch == ()  # short prompts match exactly only
+        assert q.holds(p.digest, 0.0, p.shape, sketch_of(o)) is None, o
+    assert sketch_of({"model": "m", "prompt": "short one"}) == ()  # short prompts match exactly only
+    # A 16 MiB prompt is sketched from its first and last words: what a variant shares, at a bounded cost.
+    long_words = [f"w{i}" for i in range(400_000)]
+    trimmed = long_words[:200_000] + long_words[200_005:]
+    assert admission.similarity(admission.sketch(long_words), admission.sketch(trimmed)) == 1.0
 
 
 def test_a_quarantined_segfault_lowers_no_ones_prompt_limit() -> None:
