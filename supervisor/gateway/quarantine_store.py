@@ -7,6 +7,8 @@ and named, never a reason for every request to fail.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -97,10 +99,13 @@ class Kept(Quarantine):
             log.error("gateway.quarantine_not_saved", path=str(self.path), error=str(exc))
 
 
-async def sketched(flight: Flight, sketcher: Sketcher) -> tuple[int, ...]:
-    """``flight``'s prompt sketch, computed once, and only where a variant could matter."""
+async def sketched(flight: Flight, sketcher: Sketcher, within_s: float | None = None) -> tuple[int, ...]:
+    """``flight``'s prompt sketch, computed once, and only where a variant could matter; () when not made within
+    ``within_s``."""
     if not flight.sketch and flight.body:
-        flight.sketch = await sketcher(flight.body)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                flight.sketch = await sketcher(flight.body)
     return flight.sketch
 
 

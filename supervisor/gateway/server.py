@@ -51,6 +51,9 @@ RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # After an engine error: how long to wait for the supervisor to say whether the engine died
 # (IPC and the exit watch take milliseconds; /health 503 probes take a few seconds).
 DEATH_WAIT_S = 6.0
+# A quarantine at a death waits this long at most for a sketch not made when its request went alone (_through): a
+# busy parser pool never holds the restart; without its sketch, only the request's exact key is refused.
+SKETCH_WAIT_S = 0.5
 CLOSE_S = 3.0  # at exit: how long open connections may hold the port's close
 DEFAULT_VOCAB = 128256  # Llama 3's: a conservative guess when the model's config cannot be read
 AUTO_HOLD_MIN_S = 180.0  # "auto" never holds for less than this (the number it replaced)
@@ -174,7 +177,7 @@ class Gateway:
 
     async def _quarantine(self, flight: Flight, kind: FailureKind, at_floor: bool, chunk: int | None) -> None:
         assert flight.digest is not None
-        await quarantine_store.sketched(flight, self.intake.sketch)  # its variants are refused too
+        await quarantine_store.sketched(flight, self.intake.sketch, SKETCH_WAIT_S)  # its variants are refused too
         reason = quarantine_store.reason(kind.value, flight.tokens, at_floor, chunk)
         # Only a measured count may lower the prompt limit for others (Quarantine.safe_len).
         self.quarantine.keep(flight.digest, self.host.wall(), self.g.quarantine_ttl_s, flight.tokens, reason,
@@ -262,6 +265,8 @@ class Gateway:
             if flight.quarantined or entry is not None:
                 self.gate.leave(flight)
                 return self.answers.reject(flight.rid, admission.quarantined(entry or {}, flight.digest or ""))
+            if self.gate.solo is flight:  # a suspect: its sketch is ready should it be quarantined
+                await quarantine_store.sketched(flight, self.intake.sketch)
             if flight.replays:
                 self.counters["replayed"] += 1
                 self.publish(RequestReplayed(at=self.host.wall(), request_id=flight.rid, replays=flight.replays,
