@@ -67,8 +67,13 @@ def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO", dev_
 
 
 def dev_mode(env: Mapping[str, str]) -> bool:
-    """vLLM serves its dev routes (/sleep, /pause, /collective_rpc, ...) when VLLM_SERVER_DEV_MODE is set."""
-    return env.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true", "yes", "on")
+    """vLLM serves its dev routes (/sleep, /pause, /collective_rpc, ...) when VLLM_SERVER_DEV_MODE is set: read
+    as vLLM reads it (``bool(int(value))``: "2" is on too); a value vLLM cannot read is guarded anyway."""
+    value = env.get("VLLM_SERVER_DEV_MODE", "").strip()
+    try:
+        return int(value) != 0
+    except ValueError:
+        return bool(value)
 
 
 def control_guard_env() -> dict[str, str]:

@@ -507,3 +507,13 @@ def test_a_poison_proven_alone_gives_back_the_budget_of_the_batch_deaths_it_was_
     assert policy.budget_left(2.0) == 0
     policy.forgive(1)
     assert policy.budget_left(2.0) == 1 and policy.on_failure(dead, Profile(), 2.0).restart
+
+
+def test_dev_mode_is_read_as_vllm_reads_it_so_no_dev_mode_engine_goes_unguarded() -> None:
+    from supervisor.engine import ipc
+
+    for on in ("1", "2", " 1 ", "01", "true"):  # vLLM: bool(int(value)); "true" it cannot read: guarded anyway
+        assert ipc.dev_mode({"VLLM_SERVER_DEV_MODE": on}), on
+    for off in ("", "0", "00"):
+        assert not ipc.dev_mode({"VLLM_SERVER_DEV_MODE": off}), off
+    assert not ipc.dev_mode({})
