@@ -250,7 +250,11 @@ def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     sup.wait_standby_imported(START_S)
     t = tree(sup)
     for p in (t["core"], t["worker"]):
-        p.nice(19)  # they are killed below and replaced by a fresh engine
+        # Every thread: a process's nice is per thread on Linux, and the worker's compute (OpenMP) threads were
+        # made before this; niced only by its main thread, they kept the API server waiting (a CI run).
+        for thread in p.threads():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpriority(os.PRIO_PROCESS, thread.id, 19)  # killed below and replaced by a fresh engine
     worker = t["worker"].pid
     with contextlib.closing(_stream(sup, f"{request_id}-company", n=6)) as company, \
             contextlib.closing(_stream(sup, request_id)) as r:
