@@ -165,7 +165,7 @@ class Lifecycle:
         diff, at = old.diff(new), self.host.wall()
         if failure is not None:
             self.publish(ProfileLowered(at=at, diff=diff, profile=new, kind=failure.kind, evidence=failure.evidence))
-        elif all(_at_least(new, old, k) for k in Knob):
+        elif new.reaches(old):
             self.publish(ProfileRaised(at=at, diff=diff, profile=new, reason=reason))
         else:
             self.publish(ProfileChanged(at=at, diff=diff, profile=new, reason=reason))
@@ -474,8 +474,3 @@ def floor_trial(decision: Decision, ladder: LadderConfig) -> Decision:
     rung = f"max_num_batched_tokens {floor.chunk()}, max_num_seqs {floor.effective(Knob.MAX_NUM_SEQS)}"
     return replace(decision, profile=floor, reason=f"{decision.reason}; then to the lowest rung ({rung}): a request "
                    "that killed the engine twice is tried there alone before it is quarantined")
-
-
-def _at_least(new: Profile, old: Profile, knob: Knob) -> bool:
-    a, b = new.effective(knob), old.effective(knob)
-    return a is None or (b is not None and a >= b)

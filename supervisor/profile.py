@@ -52,6 +52,15 @@ class Profile:
         v = self.value(knob)
         return VLLM_DEFAULTS.get(knob) if v is None else v
 
+    def reaches(self, other: Profile) -> bool:
+        """Every managed knob runs at least ``other``'s: back at a configured profile, whatever the lowering made
+        explicit on the way (``enable_chunked_prefill``, a knob vLLM defaulted). No max_model_len is the model's."""
+        for knob in Knob:
+            a, b = self.effective(knob), other.effective(knob)
+            if not (a is None or (b is not None and a >= b)):
+                return False
+        return True
+
     def chunk(self) -> int:
         """The prefill chunk this profile runs with (the batch token budget)."""
         return int(self.effective(Knob.MAX_NUM_BATCHED_TOKENS) or DEFAULT_CHUNK)

@@ -13,6 +13,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -597,3 +598,30 @@ def test_a_tensor_parallel_stand_in_rank_that_dies_or_hangs_is_one_failure_of_th
     st = sup.wait_ready(30, restarts=2)
     assert st["last_failure"]["kind"] == "hang", st["last_failure"]
     assert all(gone(p) for p in old)
+
+
+def test_the_lowered_profile_page_resolves_once_the_climb_is_back_at_the_configured_profile(
+        supervise: Callable[..., Sup], receiver: Callable[..., Receiver]) -> None:
+    """Issue 28, item 2: the lowering set enable_chunked_prefill, so the climbed profile never equalled [profile]."""
+    pd = receiver(status=202)  # as PagerDuty's Events API v2 answers
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}},
+                     "profile": {"max_num_batched_tokens": 6144}, "ladder": {"climb_after_s": 1.0},
+                     "alerts": {"hooks": [{"type": "pagerduty", "url": pd.url, "routing_key_env": "PD_KEY",
+                                           "min_severity": "warning"}]}},
+                    env={"PD_KEY": "rk-1"})
+    sup.wait_ready()
+    assert send_long_prompt(sup) == 500  # 6144 -> 4096: a profile_lowered page
+    sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 6144, 30, "climb back to 6144")
+
+    def pages() -> list[dict[str, Any]]:
+        return [r.json() for r in pd.requests]
+
+    def lowered_resolved(_: Any) -> bool:
+        keys = {p["dedup_key"] for p in pages() if p["event_action"] == "trigger"
+                and p["payload"]["class"] == "profile_lowered"}
+        return bool(keys) and keys <= {p["dedup_key"] for p in pages() if p["event_action"] == "resolve"}
+
+    sup.wait_for(lowered_resolved, 10, "the profile_lowered page resolved")
+    opened = {p["dedup_key"] for p in pages() if p["event_action"] == "trigger"}
+    assert opened <= {p["dedup_key"] for p in pages() if p["event_action"] == "resolve"}, pages()
+    assert json.loads((sup.state_dir / "pages.json").read_text())["open"] in ({}, {"pagerduty": {}})

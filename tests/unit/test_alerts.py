@@ -375,3 +375,22 @@ async def test_a_page_left_open_by_a_supervisor_that_died_is_resolved_by_the_nex
     third.on_event(RequestQuarantined(at=1.0, request_hash="h", prompt_tokens=9, evidence="x"))
     await third.close()
     assert len(pd.requests) == 4
+
+
+def test_the_profile_condition_ends_at_ready_back_at_the_configured_profile_by_any_path() -> None:
+    """Issue 28, item 2: a climb, `reset-profile` or a reload that lowers [profile] all end the lowered page."""
+    from supervisor.event_stream import Reloaded
+    from tests.helpers.events import P, P2
+
+    rules = AlertRules(AlertsConfig(), "gpu-7", 0.0, configured=P)
+    assert rules.cleared(sc("WARMING", "READY", profile=P2)) == ["ready"]
+    # The climb's rung: the lowering made enable_chunked_prefill and an unset knob explicit; still back.
+    climbed = P.with_(enable_chunked_prefill=True)
+    assert rules.cleared(sc("WARMING", "READY", profile=climbed)) == ["ready", "profile"]
+    # A reload that lowers [profile] to where the engine runs ends it too, without a restart.
+    assert rules.cleared(sc("WARMING", "READY", profile=P2)) == ["ready"]
+    assert rules.cleared(Reloaded(at=5.0, changed=("profile",), engine_restart=True,
+                                  configured_profile=P2)) == ["reload", "profile"]
+    # Below the configured profile on any knob: not over.
+    low = P.with_(max_num_seqs=8)
+    assert not low.reaches(P) and climbed.reaches(P) and P.with_(max_model_len=None).reaches(P)

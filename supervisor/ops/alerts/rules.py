@@ -83,6 +83,7 @@ class AlertRules:
         self.cfg = cfg
         self.host = host
         self.configured = configured  # [profile] as configured: the "profile" condition ends there
+        self.serving: Profile | None = None  # the profile of the last READY
         self.not_ready_since: float | None = started_at
         self.outage_key: str | None = None  # set once an outage alert went out, until the recovery
         self.last_failure: FailureClassified | None = None
@@ -99,15 +100,19 @@ class AlertRules:
     def cleared(self, ev: Event) -> list[str]:
         """The conditions ``ev`` ends: their open pages are resolved."""
         if isinstance(ev, StateChanged) and ev.new is EngineState.READY:
-            at_configured = self.configured is not None and ev.profile == self.configured
-            return ["ready", "profile"] if at_configured else ["ready"]
-        if isinstance(ev, ProfileRaised) and self.configured is not None and ev.profile == self.configured:
-            return ["profile"]
+            self.serving = ev.profile
+            return ["ready", "profile"] if self._back_at_configured() else ["ready"]
         if isinstance(ev, Reloaded):
             if ev.configured_profile is not None:
                 self.configured = ev.configured_profile
-            return ["reload"]
+            return ["reload", "profile"] if self._back_at_configured() else ["reload"]
         return []
+
+    def _back_at_configured(self) -> bool:
+        """READY at (or above) the configured profile, however it got there: a climb, `reset-profile`, a reload
+        that lowered [profile], a restart. Compared knob by knob as vLLM runs them: a lowering makes knobs explicit
+        (``enable_chunked_prefill``, a default it stepped down from) that a climb leaves so."""
+        return self.configured is not None and self.serving is not None and self.serving.reaches(self.configured)
 
     def on_event(self, ev: Event, now: float) -> list[Alert]:
         """Alerts for one stream event; ``now`` is the monotonic clock (the outage timer)."""
