@@ -212,7 +212,19 @@ class AdminConfig:
 
 
 def _host_port(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
+    parsed = parse_listen(listen)
+    if parsed is None:
+        raise ValueError(f"not HOST:PORT: {listen!r}")  # validation refused it before anything asks
+    return parsed
+
+
+def parse_listen(listen: str, lowest_port: int = 0) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port), or None for anything else."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host.strip("[]") or not (port.isascii() and port.isdigit()):
+        return None
+    if not lowest_port <= int(port) <= 65535:
+        return None
     return host.strip("[]"), int(port)
 
 
@@ -630,14 +642,12 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
     elif isinstance(obj, StateConfig):
         need("dir", bool(obj.dir.strip()), "must be a directory path")
     elif isinstance(obj, AdminConfig):
-        host, sep, port = obj.listen.rpartition(":")
-        ok = bool(sep) and port.isdigit() and 0 <= int(port) <= 65535
-        need("listen", ok, f"must be HOST:PORT, e.g. \"127.0.0.1:8001\", got {obj.listen!r}")
-        need("listen", host.strip("[]") in ("127.0.0.1", "::1", "localhost"),
+        admin = parse_listen(obj.listen)
+        need("listen", admin is not None, f"must be HOST:PORT, e.g. \"127.0.0.1:8001\", got {obj.listen!r}")
+        need("listen", admin is None or admin[0] in ("127.0.0.1", "::1", "localhost"),
              "must be a loopback address: the admin API is not authenticated")
         if obj.metrics_listen:
-            mhost, msep, mport = obj.metrics_listen.rpartition(":")
-            need("metrics_listen", bool(msep) and bool(mhost) and mport.isdigit() and 0 <= int(mport) <= 65535,
+            need("metrics_listen", parse_listen(obj.metrics_listen) is not None,
                  f"must be HOST:PORT, e.g. \"0.0.0.0:9400\", got {obj.metrics_listen!r}")
     elif isinstance(obj, AlertsConfig):
         for key in ("page_after_s", "dedup_window_s", "escalate_window_s", "flush_s"):
@@ -646,8 +656,7 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
     elif isinstance(obj, HookConfig):
         out.extend(_hook_problems(section, obj))
     elif isinstance(obj, GatewayConfig):
-        host, sep, port = obj.listen.rpartition(":")
-        need("listen", bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+        need("listen", parse_listen(obj.listen, lowest_port=1) is not None,
              f"must be HOST:PORT, e.g. \"0.0.0.0:8000\", got {obj.listen!r}")
         need("hold_timeout_s", obj.hold_timeout_s == "auto" or (not isinstance(obj.hold_timeout_s, str)
                                                                    and obj.hold_timeout_s > 0),
@@ -719,20 +728,30 @@ def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
             v = getattr(profile, knob)
             if v is not None and v < floor:
                 out.append((f"profile.{knob}", f"{v} is below ladder.{knob}_floor ({floor})"))
-    engine, admin = built.get("engine"), built.get("admin")
-    if engine is not None and admin is not None and engine.port == admin.host_port[1]:
-        out.append(("admin.listen", "must not use the engine's internal port"))
-    gateway = built.get("gateway")
-    if gateway is not None and engine is not None and admin is not None \
-            and gateway.host_port[1] in (engine.port, admin.host_port[1]):
-        out.append(("gateway.listen", "must not use the engine's internal port or admin.listen's port"))
-    if engine is not None and admin is not None and admin.metrics_listen \
-            and admin.metrics_host_port[1] in (engine.port, admin.host_port[1]):
-        out.append(("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))
+    out.extend(_port_clashes(built))
     recovery = built.get("recovery")
     if recovery is not None and recovery.spare == "on" and gateway is None:
         out.append(("recovery.spare", '"on" needs a [gateway] table: a spare engine listens on a port of its own, '
                     'which only the gateway follows (clients talking to engine.port directly would lose it)'))
+    return out
+
+
+def _port_clashes(built: dict[str, Any]) -> list[tuple[str, str]]:
+    """Listeners on one port; an address already refused above is left out (it has its own message)."""
+    engine, admin, gateway = built.get("engine"), built.get("admin"), built.get("gateway")
+    if engine is None or admin is None or not isinstance(engine.port, int):
+        return []
+    out: list[tuple[str, str]] = []
+    admin_at = parse_listen(admin.listen)
+    admin_port = admin_at[1] if admin_at else None
+    if admin_port == engine.port:
+        out.append(("admin.listen", "must not use the engine's internal port"))
+    gateway_at = parse_listen(gateway.listen) if gateway is not None else None
+    if gateway_at is not None and gateway_at[1] in (engine.port, admin_port):
+        out.append(("gateway.listen", "must not use the engine's internal port or admin.listen's port"))
+    metrics_at = parse_listen(admin.metrics_listen) if admin.metrics_listen else None
+    if metrics_at is not None and metrics_at[1] in (engine.port, admin_port):
+        out.append(("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))
     return out
 
 

@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+import structlog
+
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.decide.policy import Policy, clamp_to_configured
@@ -53,6 +55,8 @@ from supervisor.recovery import Recovery
 
 GPU_POLL_S = 10.0
 REAP_S = 1.0
+
+log = structlog.get_logger("supervisor.daemon")
 
 
 class Daemon:
@@ -257,6 +261,11 @@ class Daemon:
         except (ConfigError, MissingSecret) as exc:
             publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
             return False, f"reload refused, still running on the old config:\n{exc}"
+        except Exception as exc:  # a bug in reading the file must never take down the running service
+            log.exception("reload.crashed", source=str(path))
+            publish(ReloadFailed(at=self.host.wall(), error=f"{type(exc).__name__}: {exc}"))
+            return False, f"reload refused (reading the file failed: {type(exc).__name__}: {exc}), " \
+                          "still running on the old config"
         old, self.cfg = self.cfg, new
         changed = tuple(f.name for f in dataclasses.fields(Config) if getattr(old, f.name) != getattr(new, f.name))
         self.lifecycle.reconfigure(new)

@@ -47,7 +47,7 @@ class Notifier:
         self.watchdog_interval_s = int(usec) / 1e6 / 2 if usec.isdigit() and int(usec) > 0 else None
         self.start_budget_s = start_budget_s  # what one start may take: load + warm-up
         self.ready_sent = False
-        self.reloading = False  # READY=1 is owed once the reload (and any engine restart it needs) is done
+        self.reloading = False  # RELOADING=1 sent: READY=1 is owed when the file is applied or refused
         self.last: tuple[str, Mapping[str, Any], int] | None = None  # the last state change, for step lines
 
     def send(self, *fields: str) -> None:
@@ -62,8 +62,8 @@ class Notifier:
         elif isinstance(event, StateChanged):
             self.last = (event.new.value, event.profile.knobs(), event.restarts)
             line = f"STATUS={status_line(event.new.value, event.profile.knobs(), event.restarts)}"
-            if event.new is EngineState.READY and (not self.ready_sent or self.reloading):
-                self.ready_sent, self.reloading = True, False
+            if event.new is EngineState.READY and not self.ready_sent:
+                self.ready_sent = True
                 self.send("READY=1", line)
             elif event.new is EngineState.STARTING and not self.ready_sent and self.start_budget_s:
                 # Until the first READY systemd's start timeout runs: extend it by one start's budget.
@@ -72,14 +72,18 @@ class Notifier:
                 self.send(line)
         elif isinstance(event, StopRequested):
             self.send("STOPPING=1")
-        elif isinstance(event, Reloading):
+        elif isinstance(event, Reloading) and self.ready_sent:
+            # Before the first READY systemd is still starting the unit: no reload state to open.
             self.reloading = True
             # MONOTONIC_USEC: what Type=notify-reload units need with RELOADING=1.
             self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
-        elif isinstance(event, ReloadFailed) or (isinstance(event, Reloaded) and not event.engine_restart):
+        elif isinstance(event, ReloadFailed | Reloaded) and self.reloading:
+            # The reload is over when the file is applied or refused: a restart it asks for is the engine's
+            # business (STATUS= says it), never a unit stuck in "reloading" while the engine starts or fails.
             self.reloading = False
-            self.send("READY=1", "STATUS=reload " + ("failed: kept the old config" if isinstance(event, ReloadFailed)
-                                                      else "applied"))
+            outcome = ("failed: kept the old config" if isinstance(event, ReloadFailed)
+                       else "applied; engine restarting" if event.engine_restart else "applied")
+            self.send("READY=1", f"STATUS=reload {outcome}")
 
     def watchdog(self) -> None:
         self.send("WATCHDOG=1")

@@ -625,3 +625,35 @@ def test_the_lowered_profile_page_resolves_once_the_climb_is_back_at_the_configu
     opened = {p["dedup_key"] for p in pages() if p["event_action"] == "trigger"}
     assert opened <= {p["dedup_key"] for p in pages() if p["event_action"] == "resolve"}, pages()
     assert json.loads((sup.state_dir / "pages.json").read_text())["open"] in ({}, {"pagerduty": {}})
+
+
+def test_systemctl_reload_runs_a_synchronous_reload_that_fails_visibly_and_always_completes_the_notify(
+        supervise: Callable[..., Sup], receiver: Callable[..., Receiver], tmp_path: Path) -> None:
+    """Issue 28, item 1: `kill -HUP` succeeded whatever the file said; `listen = "host:abc"` was a traceback."""
+    unit = (Path(__file__).resolve().parents[2] / "systemd" / "vllm-supervisor.service").read_text()
+    assert "ExecReload=/opt/vllm-supervisor/bin/vllm-supervisor reload --config " in unit
+    hook = receiver()
+    with notify_listener(tmp_path / "notify.sock") as messages:
+        sup = supervise({"alerts": {"hooks": [{"type": "webhook", "url": hook.url}]}},
+                        env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+        st = sup.wait_ready()
+        good = sup.config.read_text()
+        sup.config.write_text(good + '\n[gateway]\nlisten = "host:abc"\n')
+        refused = cli("reload", "--config", str(sup.config))
+        assert refused.returncode == 1 and 'gateway.listen: must be HOST:PORT' in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr + sup.log_path.read_text()
+        sup.wait_for(lambda _: "config_reload_failed" in [r.json()["event"] for r in hook.requests], 10, "the page")
+        # An engine setting: the reload completes at once; the restart it asks for goes on after READY=1.
+        sup.config.write_text(good.replace('env = {  }', 'env = { FAKE_VLLM_TOKEN_DELAY = "0.002" }'))
+        done = cli("reload", "--config", str(sup.config))
+        assert done.returncode == 0, done.stderr
+        sup.wait_for(lambda s: s["ready"] and s["engine_pid"] != st["engine_pid"], 30, "the new engine READY")
+        assert sup.status()["engine_pid"] != st["engine_pid"]  # type: ignore[index]
+    heads = [m.split("\n") for m in messages]
+    reloads = [i for i, m in enumerate(heads) if m[0] == "RELOADING=1"]
+    assert len(reloads) == 2
+    for i in reloads:  # each RELOADING=1 is followed by READY=1 before anything else is said
+        assert heads[i + 1][0] == "READY=1", heads[i:i + 2]
+    assert heads[reloads[0] + 1][1] == "STATUS=reload failed: kept the old config"
+    assert heads[reloads[1] + 1][1] == "STATUS=reload applied; engine restarting"
+    assert any(m[0].startswith("STATUS=READY") for m in heads[reloads[1] + 2:])  # the restart, after it
