@@ -730,7 +730,7 @@ def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
                 out.append((f"profile.{knob}", f"{v} is below ladder.{knob}_floor ({floor})"))
     out.extend(_port_clashes(built))
     recovery = built.get("recovery")
-    if recovery is not None and recovery.spare == "on" and gateway is None:
+    if recovery is not None and recovery.spare == "on" and built.get("gateway") is None:
         out.append(("recovery.spare", '"on" needs a [gateway] table: a spare engine listens on a port of its own, '
                     'which only the gateway follows (clients talking to engine.port directly would lose it)'))
     return out

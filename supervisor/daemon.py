@@ -25,6 +25,7 @@ from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.engine.run import EngineRun, StandbySource
+from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
     Event,
     EventBus,
@@ -38,7 +39,7 @@ from supervisor.gateway.server import EVENTS, OUTCOMES, EngineView, Gateway, Sup
 from supervisor.heartbeat import Heartbeat
 from supervisor.host import Host, leftovers, reaper, rundir
 from supervisor.host.gpu import GpuLost
-from supervisor.host.vllm_http import EngineClient
+from supervisor.host.vllm_http import EngineClient, EngineError
 from supervisor.lifecycle import Lifecycle, engine_url
 from supervisor.loop_lag import LoopLag
 from supervisor.ops import control, statefile
@@ -54,6 +55,8 @@ from supervisor.profile import Profile
 from supervisor.recovery import Recovery
 
 GPU_POLL_S = 10.0
+ENGINE_SCRAPE_S = 5.0  # under Prometheus' default scrape timeout (10 s)
+SCRAPED_STATES = (EngineState.WARMING, EngineState.READY, EngineState.DRAINING)  # an engine up and answering
 REAP_S = 1.0
 
 log = structlog.get_logger("supervisor.daemon")
@@ -105,10 +108,10 @@ class Daemon:
             self.bus.subscribe("gateway", self.gateway)
             self.metrics.gateway_from(self.gateway.status, OUTCOMES, EVENTS)
         # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control socket.
-        self.admin = AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render),
-                                 *cfg.admin.host_port, host.monotonic)
-        self.metrics_only = AdminServer(metrics_app(self.metrics.render), *cfg.admin.metrics_host_port,
-                                        host.monotonic) \
+        self.admin = AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render,
+                                          self.engine_metrics), *cfg.admin.host_port, host.monotonic)
+        self.metrics_only = AdminServer(metrics_app(self.metrics.render, self.engine_metrics),
+                                        *cfg.admin.metrics_host_port, host.monotonic) \
             if cfg.admin.metrics_listen else None
         self.control = ControlServer(control.path_in(cfg.state.dir), self.control_command)
         self._background: set[asyncio.Task[Any]] = set()
@@ -207,6 +210,17 @@ class Daemon:
         life = self.lifecycle
         return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
                           life.restart_eta_s(), life.kept.slowest_start_s, life.restarting(), engine_url(life))
+
+    async def engine_metrics(self) -> tuple[int, bytes, str]:
+        """The serving engine's own /metrics for /metrics/engine; 503 with the reason while none serves."""
+        run, state = self.lifecycle.run, self.lifecycle.state
+        if run is None or state not in SCRAPED_STATES:
+            return 503, f"no engine serving (state {state.value})\n".encode(), "text/plain; charset=utf-8"
+        try:
+            body, content_type = await run.client.exposition(timeout=ENGINE_SCRAPE_S)
+        except EngineError as exc:
+            return 503, f"the engine's /metrics: {exc}\n".encode(), "text/plain; charset=utf-8"
+        return 200, body, content_type
 
     def status(self) -> dict[str, Any]:
         """The /status document (docs/interface.md)."""

@@ -132,12 +132,17 @@ class EngineClient:
 
     async def metrics(self, timeout: float = 5.0) -> Progress:
         """Token progress from /metrics; raises EngineError when it does not answer 200 in time."""
+        body, _ = await self.exposition(timeout)
+        return parse_progress(body.decode(errors="replace"))
+
+    async def exposition(self, timeout: float = 5.0) -> tuple[bytes, str]:
+        """vLLM's /metrics as it answered: (body, content type); raises EngineError as ``metrics`` does."""
         try:
             async with await send(self._s(), "GET", self.base_url + "/metrics",
                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
                     raise EngineStatusError(f"/metrics returned {r.status}", r.status)
-                return parse_progress(await r.text())
+                return await r.read(), r.headers.get("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
         except TimeoutError:
             raise EngineTimeout(f"/metrics gave no answer within {timeout:g}s") from None
         except (aiohttp.ClientError, OSError) as exc:

@@ -1,9 +1,9 @@
 """The loopback admin API: /healthz (the supervisor's loop is alive), /readyz (engine READY),
-/status (JSON, see docs/interface.md), /metrics (Prometheus)."""
+/status (JSON, see docs/interface.md), /metrics (Prometheus), /metrics/engine (vLLM's own, re-exported)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -12,9 +12,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from supervisor.gateway.connections import Limits, PublicPort
 
+# (HTTP status, body, content type) of the current engine's /metrics.
+EngineMetrics = Callable[[], Awaitable[tuple[int, bytes, str]]]
+
 
 def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool],
-             metrics: Callable[[], bytes]) -> web.Application:
+             metrics: Callable[[], bytes], engine_metrics: EngineMetrics) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         ok = loop_alive()
         return web.json_response({"ok": ok}, status=200 if ok else 503)
@@ -26,21 +29,28 @@ def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool
     async def status_(_: web.Request) -> web.Response:
         return web.json_response(status())
 
-    app = metrics_app(metrics)
+    app = metrics_app(metrics, engine_metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status_)
     return app
 
 
-def metrics_app(metrics: Callable[[], bytes]) -> web.Application:
-    """/metrics alone, in Prometheus' own content type."""
+def metrics_app(metrics: Callable[[], bytes], engine_metrics: EngineMetrics) -> web.Application:
+    """/metrics (the supervisor's, in Prometheus' own content type) and /metrics/engine: the engine's port is
+    loopback-only and follows a spare to its own port, so vLLM's series are scraped here, as vLLM wrote them.
+    No engine serving (a restart, a stop) answers 503: the scrape's ``up`` is 0 and says so."""
 
     async def metrics_(_: web.Request) -> web.Response:
         return web.Response(body=metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def engine_(_: web.Request) -> web.Response:
+        code, body, content_type = await engine_metrics()
+        return web.Response(status=code, body=body, headers={"Content-Type": content_type})
+
     app = web.Application()
     app.router.add_get("/metrics", metrics_)
+    app.router.add_get("/metrics/engine", engine_)
     return app
 
 

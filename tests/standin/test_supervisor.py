@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -204,11 +205,20 @@ def test_admin_endpoints(supervise: Callable[..., Sup]) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         assert "vllm_supervisor_engine_state" in r.read().decode()
     assert http_json(f"http://127.0.0.1:{metrics_port}/status")[0] == 404
+    # vLLM's own series, re-exported on both listeners (its port is loopback-only and follows a spare).
+    for base in (f"http://{sup.admin}", f"http://127.0.0.1:{metrics_port}"):
+        with urllib.request.urlopen(f"{base}/metrics/engine", timeout=5) as r:
+            assert r.status == 200 and "vllm:num_requests_running" in r.read().decode()
     sup.wait_for(lambda _: len(sup.engine_tree()) > 1, 30, "the EngineCore")
     core = sup.engine_tree()[1].pid
     os.kill(core, signal.SIGSTOP)
     sup.wait_for(lambda s: not s["ready"], 30, "not ready after the hang")
     assert http_json(f"http://{sup.admin}/readyz")[0] == 503
+    try:  # the hung engine's tree is being stopped, or already replaced
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics/engine", timeout=10) as r:
+            assert sup.status()["ready"]  # type: ignore[index]
+    except urllib.error.HTTPError as e:
+        assert e.code == 503 and e.read().decode().startswith(("no engine serving", "the engine's /metrics"))
     sup.wait_ready(restarts=1)
     with urllib.request.urlopen(f"http://{sup.admin}/metrics", timeout=5) as r:
         text = r.read().decode()

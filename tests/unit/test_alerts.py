@@ -380,7 +380,7 @@ async def test_a_page_left_open_by_a_supervisor_that_died_is_resolved_by_the_nex
 def test_the_profile_condition_ends_at_ready_back_at_the_configured_profile_by_any_path() -> None:
     """Issue 28, item 2: a climb, `reset-profile` or a reload that lowers [profile] all end the lowered page."""
     from supervisor.event_stream import Reloaded
-    from tests.helpers.events import P, P2
+    from tests.helpers.events import P2, P
 
     rules = AlertRules(AlertsConfig(), "gpu-7", 0.0, configured=P)
     assert rules.cleared(sc("WARMING", "READY", profile=P2)) == ["ready"]

@@ -23,12 +23,15 @@ def _mutate(doc: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
     for _ in range(rng.randint(1, 4)):
         section = rng.choice([*out, "gateway", "admin", "alerts", "recovery", "nope"])
+        if rng.random() < 0.1:
+            out.pop(section, None)
+            continue
         table = out.setdefault(section, {})
         if not isinstance(table, dict) or rng.random() < 0.05:
             out[section] = rng.choice(ODD)
             continue
         keys = list(table) or ["listen"]
-        table[rng.choice([*keys, "listen", "metrics_listen", "hooks", "port", "unknown_key"])] = rng.choice(ODD)
+        table[rng.choice([*keys, "listen", "metrics_listen", "hooks", "port", "spare", "unknown_key"])] = rng.choice(ODD)
     return out
 
 

@@ -52,8 +52,14 @@ def test_the_pod_probes_and_routes_what_the_supervisor_serves_and_its_grace_cove
     service = manifest("service.yaml")
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"http", "metrics"}
     monitor = manifest("servicemonitor.yaml")
-    assert [ep["port"] for ep in monitor["spec"]["endpoints"]] == ["metrics"]
-    assert monitor["spec"]["endpoints"][0]["relabelings"][0]["replacement"] == "vllm-supervisor"
+    scraped = {ep["path"]: ep["relabelings"][0]["replacement"] for ep in monitor["spec"]["endpoints"]}
+    assert {ep["port"] for ep in monitor["spec"]["endpoints"]} == {"metrics"}
+    # The dashboard's vllm:* panels select job "vllm": the supervisor re-exports vLLM's series for it.
+    assert scraped == {"/metrics": "vllm-supervisor", "/metrics/engine": "vllm"}
+    dashboard = (ROOT / "docs" / "grafana-dashboard.json").read_text()
+    assert 'vllm:num_requests_running{job=\\"vllm\\"}' in dashboard
+    for kind in ("servicemonitor.yaml", "prometheusrule.yaml"):  # what kube-prometheus-stack selects by default
+        assert manifest(kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert manifest("pdb.yaml")["spec"]["selector"] == manifest("statefulset.yaml")["spec"]["selector"]
 
 
@@ -67,3 +73,30 @@ def test_the_image_runs_the_supervisor_on_the_default_config_path() -> None:
     assert "COPY deploy/config.toml /etc/vllm-supervisor/config.toml" in docker
     assert 'ENTRYPOINT ["/opt/vllm-supervisor/bin/vllm-supervisor", "run"]' in docker
     assert "FROM ${VLLM_IMAGE}" in docker and "vllm/vllm-openai" in docker
+
+
+def test_the_pod_is_never_best_effort_runs_unprivileged_and_keeps_the_compile_cache_on_the_state_volume() -> None:
+    """Issue 28, item 4."""
+    pod = manifest("statefulset.yaml")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+    assert {"cpu", "memory"} <= set(requests) and limits["memory"] == requests["memory"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["fsGroup"]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    env = {e["name"]: e["value"] for e in c["env"]}
+    state = load(ROOT / "deploy" / "config.toml").state.dir
+    for name in ("HOME", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+        assert env[name].startswith(state + "/"), name  # beside compiled.json, on the pod's own volume
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/tmp", "/dev/shm", "/models"} <= mounts  # the only writable paths besides the state volume, and weights
+    head = (K8S / "statefulset.yaml").read_text().split("apiVersion")[0]
+    assert "Kubernetes >= 1.30" in head and "PersistentVolumeClaim `models`" in head
+
+
+def test_docker_run_in_the_deploy_readme_shares_the_host_ipc_and_outwaits_the_drain() -> None:
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    run = readme[readme.index("docker run"):].split("\n\n")[0]
+    assert "--ipc=host" in run  # vLLM's docs: PyTorch shares memory between processes through /dev/shm
+    grace = int(run.split("--stop-timeout ")[1].split()[0])
+    assert grace >= manifest("statefulset.yaml")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
