@@ -64,19 +64,29 @@ def _main(argv: list[str] | None = None) -> int:
                        ("reload", "read the config file again (as SIGHUP does); an invalid one is refused")):
         p_ctl = sub.add_parser(name, help=what)
         p_ctl.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
-    p_plan = sub.add_parser("plan", help="size [profile]/[ladder] for a model and a card (the seed's formula)")
-    p_plan.add_argument("--model", required=True, help="local model directory (its config.json)")
-    p_plan.add_argument("--gpu-mem", type=float, help="the card's memory in GiB (default: NVML's first device)")
-    p_plan.add_argument("--utilization", type=float, default=0.9, help="gpu_memory_utilization (default 0.9)")
-    p_plan.add_argument("--kv-cache-gib", type=float, help="size the KV cache directly (like --kv-cache-memory-bytes)")
-    p_plan.add_argument("--max-model-len", type=int, help="the longest request to serve (default: the model's)")
-    p_plan.add_argument("--weights-gib", type=float,
+    p_plan = sub.add_parser("plan", help="size [profile]/[ladder] for a model and a card (the seed's formula), "
+                                         "or with --sequences what N sequences of L tokens need")
+    p_plan.add_argument("--model", required=True, help="local model directory (its config.json); relative to here")
+    p_plan.add_argument("--gpu-mem", type=_positive(float), help="the card's memory in GiB (default: NVML's first "
+                                                                 "device)")
+    p_plan.add_argument("--utilization", type=_fraction, default=0.9,
+                        help="gpu_memory_utilization, in (0, 1] (default 0.9)")
+    p_plan.add_argument("--kv-cache-gib", type=_positive(float),
+                        help="size the KV cache directly (like --kv-cache-memory-bytes)")
+    p_plan.add_argument("--max-model-len", type=_positive(int), help="the longest request to serve (default: the "
+                                                                     "model's); with --sequences, their length")
+    p_plan.add_argument("--sequences", type=_positive(int),
+                        help="reverse: the utilization (on this card) and the card size (at --utilization) that "
+                             "hold this many concurrent sequences of --max-model-len tokens")
+    p_plan.add_argument("--weights-gib", type=_positive(float, zero=True),
                         help="the weights' size in GiB (default: the weight files vLLM would load from --model)")
-    p_plan.add_argument("--tensor-parallel-size", type=int, default=1,
+    p_plan.add_argument("--tensor-parallel-size", type=_positive(int), default=1,
                         help="GPUs the engine spans: each holds 1/N of the weights and of the KV heads (default 1)")
-    p_plan.add_argument("--dtype", default="auto", help="the model's dtype as vLLM's --dtype (default auto)")
-    p_plan.add_argument("--kv-cache-dtype", default="auto",
-                        help="the KV cache's dtype as vLLM's --kv-cache-dtype (default auto: the model's)")
+    p_plan.add_argument("--dtype", default="auto", type=_choice(DTYPES),
+                        help=f"the model's dtype as vLLM's --dtype: {', '.join(DTYPES)} (default auto)")
+    p_plan.add_argument("--kv-cache-dtype", default="auto", type=_choice(KV_DTYPES),
+                        help=f"the KV cache's dtype as vLLM's --kv-cache-dtype: {', '.join(KV_DTYPES)} (default "
+                             "auto: the model's)")
     p_q = sub.add_parser("quarantine", help="list the requests the gateway refuses as engine killers, or clear them")
     p_q.add_argument("action", choices=("list", "clear"), help="list them, or clear one (KEY) or all")
     p_q.add_argument("key", nargs="?", help="with clear: the entry's key as `list` shows it (default: every entry)")
@@ -228,18 +238,58 @@ def _status_all(config_dir: str, as_json: bool) -> int:
     return 0 if all(r.get("status") for r in rows.values()) else 1
 
 
+DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
+KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16")
+
+
+def _positive(kind: type, zero: bool = False) -> Any:
+    """An argparse type: a number > 0 (>= 0 with ``zero``), refused with what was given."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") \
+                from None
+        if value != value or value in (float("inf"), float("-inf")) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>= 0' if zero else '> 0'}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value: float = _positive(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} is a fraction of the card's memory: it must be in (0, 1]")
+    return value
+
+
+def _choice(options: tuple[str, ...]) -> Any:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(options)}")
+        return text
+
+    return parse
+
+
 def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from supervisor.decide import plan
 
-    model = Path(args.model)
+    model = Path(args.model).expanduser().resolve()  # `models/glm-4` from here, not a hub id
     try:
         shape = plan.ModelShape.from_config(json.loads((model / "config.json").read_text()))
     except (OSError, ValueError) as exc:
         print(f"vllm-supervisor: --model {model}: cannot read its config.json: {exc}", file=sys.stderr)
         return ExitCode.BAD_SUPERVISOR_CONFIG
     card = int(args.gpu_mem * plan.GIB) if args.gpu_mem else None
+    if args.sequences is not None and args.kv_cache_gib is not None:
+        print("vllm-supervisor: plan: --sequences asks what memory they need; --kv-cache-gib gives it: pass one",
+              file=sys.stderr)
+        return ExitCode.BAD_SUPERVISOR_CONFIG
     if card is None and args.kv_cache_gib is None:
         import structlog
 
@@ -258,6 +308,13 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"vllm-supervisor: plan: --model {model} has no weight files (*.safetensors, else *.bin / *.pt): "
               "pass --weights-gib GIB", file=sys.stderr)
         return ExitCode.BAD_SUPERVISOR_CONFIG
+    if args.sequences is not None:
+        need = plan.need_for(shape, sequences=args.sequences, length=args.max_model_len or shape.max_len,
+                             weights_bytes=weights or 0, card_bytes=card, utilization=args.utilization,
+                             dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                             tensor_parallel_size=args.tensor_parallel_size)
+        print(need.toml())
+        return 0
     try:
         result = plan.make_plan(shape, card_bytes=card, weights_bytes=weights or 0, utilization=args.utilization,
                                 kv_budget=int(args.kv_cache_gib * plan.GIB) if args.kv_cache_gib else None,

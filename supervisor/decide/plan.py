@@ -9,6 +9,7 @@ whose activation peak still fits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from supervisor.profile import DEFAULT_CHUNK
@@ -144,3 +145,80 @@ def make_plan(shape: ModelShape, *, card_bytes: int | None, weights_bytes: int, 
     seqs = max(1, min(256, tokens // max(1, length)))
     ladder = tuple(r for r in LADDER if r <= chunk)
     return Plan(shape, b, per_token, kv_budget, tokens, length, seqs, chunk, ladder, utilization, tuple(notes))
+
+
+@dataclass(frozen=True)
+class Need:
+    """What N sequences of L tokens need: the inverse of ``make_plan`` on the same formula."""
+
+    sequences: int
+    length: int
+    per_token: int
+    kv_bytes: int
+    chunk: int
+    total_bytes: int  # card memory x utilization that holds it: weights + reserve + activation peak + KV
+    utilization: float  # the ask
+    card_bytes: int | None
+    notes: tuple[str, ...]
+
+    @property
+    def utilization_needed(self) -> float | None:
+        """The gpu_memory_utilization that holds it on this card (rounded up to 0.01), None without a card."""
+        if self.card_bytes is None:
+            return None
+        return math.ceil(self.total_bytes / self.card_bytes * 100) / 100
+
+    @property
+    def card_bytes_needed(self) -> int:
+        """The card that holds it at ``utilization``."""
+        return math.ceil(self.total_bytes / self.utilization)
+
+    def toml(self) -> str:
+        need = self.utilization_needed
+        lines = [f"# vllm-supervisor plan, reverse: {self.sequences} sequences of {self.length} tokens",
+                 f"# KV cache: {self.per_token} bytes per token x {self.sequences * self.length} tokens = "
+                 f"{self.kv_bytes / GIB:.2f} GiB",
+                 *(f"# {n}" for n in self.notes),
+                 f"# needs {self.total_bytes / GIB:.2f} GiB of the card: a {self.card_bytes_needed / GIB:.1f} GiB card "
+                 f"at gpu_memory_utilization {self.utilization:g}"]
+        if self.card_bytes is not None and need is not None:
+            verdict = (f"gpu_memory_utilization {need:g} on this {self.card_bytes / GIB:.1f} GiB card" if need <= 1
+                       else f"more than this {self.card_bytes / GIB:.1f} GiB card holds ({need:g} of it)")
+            lines.append(f"# needs {verdict}")
+        if need is not None and need > 1:
+            lines.append("# not written as [profile]: it does not fit this card (fewer or shorter sequences, "
+                         "tensor_parallel_size, an fp8 KV cache, or a bigger card)")
+            return "\n".join([*lines, ""])
+        util = need if need is not None else self.utilization
+        lines += ["[profile]", f"gpu_memory_utilization = {util:g}", f"max_model_len = {self.length}",
+                  f"max_num_seqs = {self.sequences}", f"max_num_batched_tokens = {self.chunk}", "",
+                  "[ladder]", f"max_num_batched_tokens = [{', '.join(str(r) for r in LADDER if r <= self.chunk)}]",
+                  ""]
+        return "\n".join(lines)
+
+
+def need_for(shape: ModelShape, *, sequences: int, length: int, weights_bytes: int, card_bytes: int | None,
+             utilization: float = 0.9, dtype: str = "auto", kv_cache_dtype: str = "auto",
+             tensor_parallel_size: int = 1) -> Need:
+    """The memory ``sequences`` concurrent sequences of ``length`` tokens need (per GPU), by ``make_plan``'s
+    formula read backwards; ``make_plan`` at the utilization found gives at least ``sequences``."""
+    tp = max(1, tensor_parallel_size)
+    if tp > 1:
+        shape = replace(shape, kv_heads=max(1, shape.kv_heads // tp), intermediate=shape.intermediate // tp)
+        weights_bytes //= tp
+    per_token = kv_bytes_per_token(shape, kv_dtype_bytes(shape.dtype, dtype, kv_cache_dtype))
+    act_b = kv_dtype_bytes(shape.dtype, dtype)
+    kv = sequences * length * per_token
+    # make_plan's chunk rule (its activation peak at most half of what is left after the weights) holds for the
+    # largest chunk whose peak is at most the KV cache itself.
+    chunk = next((c for c in LADDER if activation_bytes(shape, c, act_b) <= kv), LADDER[-1])
+    act = activation_bytes(shape, chunk, act_b)
+    total = weights_bytes + RESERVE_BYTES + act + kv
+    notes = [f"tensor_parallel_size {tp}: per GPU 1/{tp} of the weights, KV heads and MLP"] if tp > 1 else []
+    notes.append(f"weights {weights_bytes / GIB:.2f} GiB + {RESERVE_BYTES / GIB:.1f} GiB for vLLM's non-torch "
+                 f"memory and CUDA graphs + activation peak of a {chunk}-token chunk {act / GIB:.2f} GiB "
+                 "(estimated) + the KV cache")
+    if length > shape.max_len:
+        notes.append(f"{length} tokens is over the model's own length ({shape.max_len}): vLLM refuses it unless "
+                     "told otherwise")
+    return Need(sequences, length, per_token, kv, chunk, total, utilization, card_bytes, tuple(notes))

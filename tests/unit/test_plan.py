@@ -93,3 +93,65 @@ def test_plan_reads_chatglm_kv_channels_reserves_vllms_own_memory_and_divides_by
     assert fp8.kv_tokens >= 2 * p.kv_tokens - 2  # activations stay 16-bit: only the KV cache halves per token
     tp2 = make_plan(seed, card_bytes=80 * GIB, weights_bytes=18 * GIB, max_model_len=128000, tensor_parallel_size=2)
     assert tp2.shape.kv_heads == 1 and tp2.kv_tokens > p.kv_tokens and "tensor_parallel_size 2" in tp2.notes[0]
+
+
+def _plan_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", "plan", *args], capture_output=True, text=True,
+                          cwd=cwd, env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+
+
+def test_plan_reads_a_relative_model_path_and_refuses_inputs_it_cannot_mean(tmp_path: Path) -> None:
+    """Issue 28, item 5: `--model models/glm` counted no weights (read as a hub id); `--utilization 1.5` passed."""
+    model = tmp_path / "models" / "glm"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(GLM4))
+    with open(model / "model-00001.safetensors", "wb") as f:
+        f.truncate(int(17.5 * GIB))
+    relative = _plan_cli("--model", "models/glm", "--gpu-mem", "80", cwd=tmp_path)
+    assert relative.returncode == 0 and "weights 17.50 GiB" in relative.stdout, relative.stderr
+    for flag, value, said in (("--utilization", "1.5", "(0, 1]"), ("--utilization", "0", "> 0"),
+                              ("--gpu-mem", "-80", "> 0"), ("--gpu-mem", "nan", "> 0"),
+                              ("--max-model-len", "12.5", "not an integer"), ("--tensor-parallel-size", "0", "> 0"),
+                              ("--sequences", "0", "> 0"), ("--kv-cache-dtype", "int3", "not one of"),
+                              ("--weights-gib", "-1", ">= 0")):
+        bad = _plan_cli("--model", "models/glm", "--gpu-mem", "80", flag, value, cwd=tmp_path)
+        assert bad.returncode == 2 and flag in bad.stderr and said in bad.stderr and bad.stdout == "", (flag, bad)
+
+
+def test_plan_in_reverse_says_what_n_sequences_of_l_tokens_need_and_the_forward_plan_agrees(tmp_path: Path) -> None:
+    """The field report expected 10 concurrent 128k sequences at utilization 0.4 on an 80 GB card."""
+    import tomllib
+
+    from supervisor.decide.plan import need_for
+
+    glm = ModelShape.from_config(GLM4)
+    card, weights = 80 * 10**9, int(17.5 * GIB)
+    for seqs, length in ((10, 131072), (1, 4096), (64, 8192), (3, 100_000)):
+        need = need_for(glm, sequences=seqs, length=length, weights_bytes=weights, card_bytes=card)
+        util = need.utilization_needed
+        assert util is not None
+        if util <= 1:  # the forward formula at that utilization holds them, and 0.01 less does not
+            assert make_plan(glm, card_bytes=card, weights_bytes=weights, utilization=util,
+                             max_model_len=length).max_num_seqs >= seqs
+            try:
+                below = make_plan(glm, card_bytes=card, weights_bytes=weights, utilization=round(util - 0.01, 2),
+                                  max_model_len=length)
+            except ValueError:  # nothing left for the KV cache at all
+                continue
+            assert below.max_num_seqs < seqs or below.max_model_len < length
+    (tmp_path / "config.json").write_text(json.dumps(GLM4))
+    out = _plan_cli("--model", str(tmp_path), "--weights-gib", "17.5", "--gpu-mem", str(80 * 10**9 / GIB),
+                    "--sequences", "10", "--max-model-len", "131072")
+    assert out.returncode == 0, out.stderr
+    assert "needs gpu_memory_utilization 0.94 on this 74.5 GiB card" in out.stdout
+    doc = tomllib.loads(out.stdout)
+    assert doc["profile"] == {"gpu_memory_utilization": 0.94, "max_model_len": 131072, "max_num_seqs": 10,
+                              "max_num_batched_tokens": 8192}
+    # Without a card: the card it needs at the utilization asked; too much for the card: no [profile] at all.
+    sized = _plan_cli("--model", str(tmp_path), "--weights-gib", "17.5", "--sequences", "10",
+                      "--max-model-len", "131072", "--utilization", "0.4")
+    assert sized.returncode == 0 and "a 174.2 GiB card at gpu_memory_utilization 0.4" in sized.stdout, sized
+    over = _plan_cli("--model", str(tmp_path), "--weights-gib", "17.5", "--gpu-mem", "40", "--sequences", "10",
+                     "--max-model-len", "131072")
+    assert over.returncode == 0 and "more than this 40.0 GiB card holds" in over.stdout
+    assert "profile" not in tomllib.loads(over.stdout)
