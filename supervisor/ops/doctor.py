@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -208,14 +209,17 @@ def _shm() -> Iterator[Finding]:
 def _engine_args(cfg: Config) -> Iterator[Finding]:
     """[engine.args] and the managed flags, read by the installed vLLM's own serve parser."""
     prefix = cfg.engine.argv_prefix
-    if not (len(prefix) >= 3 and prefix[1] == "-m" and prefix[2].startswith("vllm.entrypoints")):
-        yield Finding("engine_args", "skip", f"engine.command {' '.join(prefix[:3])!r} is not `PYTHON -m "
-                                             "vllm.entrypoints...`: its arguments are not checked")
+    python = engine_python(prefix)
+    if python is None:
+        yield Finding("engine_args", "skip", f"engine.command {' '.join(prefix[:3])!r} is neither `PYTHON -m "
+                                             "vllm.entrypoints...` nor `vllm serve`: its arguments are not checked")
         return
     argv = launch.build_argv(cfg.engine, cfg.profile, cfg.health.hang_timeout_s)[len(prefix):]
+    if launch.takes_model_positionally(prefix):
+        argv = ["--model", *argv]  # `vllm serve MODEL`: the serve parser alone reads it as --model
     secrets = cfg.engine.secrets()
     try:
-        r = subprocess.run([prefix[0], str(ARGCHECK)], input=json.dumps(argv), capture_output=True, text=True,
+        r = subprocess.run([python, str(ARGCHECK)], input=json.dumps(argv), capture_output=True, text=True,
                            timeout=ARGCHECK_TIMEOUT_S, env=cfg.engine.environment())
     except (OSError, subprocess.TimeoutExpired) as exc:
         yield Finding("engine_args", "fail", f"could not run {prefix[0]!r}: {exc}")
@@ -227,6 +231,22 @@ def _engine_args(cfg: Config) -> Iterator[Finding]:
         yield Finding("engine_args", "warn", f"not checked: {said}")
     else:
         yield Finding("engine_args", "fail", f"the installed vLLM refuses the engine's command line: {said}")
+
+
+def engine_python(prefix: tuple[str, ...]) -> str | None:
+    """The interpreter vLLM runs in: ``PYTHON -m vllm...``, or the `vllm` script's own (its shebang)."""
+    if len(prefix) >= 3 and prefix[1] == "-m" and prefix[2].startswith("vllm.entrypoints"):
+        return prefix[0]
+    if not launch.takes_model_positionally(prefix):
+        return None
+    script = shutil.which(prefix[-2])
+    try:
+        with open(script or prefix[-2], "rb") as f:
+            first = f.readline(4096).decode(errors="replace")
+    except OSError:
+        return None
+    interpreter = first[2:].strip().split()[0] if first.startswith("#!") and first[2:].strip() else ""
+    return interpreter if "python" in os.path.basename(interpreter) else None
 
 
 def render(findings: list[Finding]) -> str:

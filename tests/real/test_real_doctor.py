@@ -20,9 +20,11 @@ pytestmark = [
 ]
 
 
-def doctor(tmp_path: Path, args: dict[str, Any]) -> dict[str, Any]:
+def doctor(tmp_path: Path, args: dict[str, Any], command: list[str] | None = None) -> dict[str, Any]:
     doc = copy.deepcopy(REAL_BASE)
     doc["engine"]["args"].update(args)
+    if command:
+        doc["engine"]["command"] = command
     doc["engine"]["port"] = free_port()
     doc["engine"]["args"]["api_key"] = "sk-doctor-s3cr3t"
     doc["state"] = {"dir": str(tmp_path / "state")}
@@ -44,3 +46,10 @@ def test_doctor_reads_the_engine_arguments_with_vllms_own_parser(tmp_path: Path)
     bad = doctor(tmp_path, {"no_such_flag": 1})
     assert bad["rc"] == 1 and bad["engine_args"]["level"] == "fail"
     assert "--no-such-flag" in bad["engine_args"]["message"], bad["engine_args"]
+
+
+def test_doctor_reads_a_vllm_serve_command_through_its_scripts_interpreter(tmp_path: Path) -> None:
+    serve = [str(Path(VLLM_PYTHON).parent / "vllm"), "serve"]  # the README's form
+    assert doctor(tmp_path, {}, serve)["engine_args"]["level"] == "ok"
+    bad = doctor(tmp_path, {"max_loras": "many"}, serve)["engine_args"]
+    assert bad["level"] == "fail" and "--max-loras" in bad["message"] and "many" in bad["message"], bad
