@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option (also the source of the man page and of shell completion)."""
     parser = argparse.ArgumentParser(prog="vllm-supervisor", description="Keep one vLLM engine alive.")
     parser.add_argument("--version", action="version", version=f"vllm-supervisor {__version__}")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
@@ -105,14 +106,27 @@ def _main(argv: list[str] | None = None) -> int:
     p_inc.add_argument("id", nargs="?", help="an incident's name (as listed), or 'latest'")
     p_inc.add_argument("--config", "-c", default=None, help=CONFIG_HELP)
     p_inc.add_argument("--json", action="store_true", help="print the whole bundle")
+    p_comp = sub.add_parser("completion", help="print a shell completion script (bash, zsh or tcsh)")
+    p_comp.add_argument("shell", choices=("bash", "zsh", "tcsh"),
+                        help="e.g. `vllm-supervisor completion bash > /etc/bash_completion.d/vllm-supervisor`")
+    return parser
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:  # a bare `vllm-supervisor`: the commands, and a usage error
         parser.print_help(sys.stderr)
         return ExitCode.BAD_SUPERVISOR_CONFIG
-    if args.cmd != "plan" and getattr(args, "config", None) is None and (args.cmd != "status" or
+    if args.cmd not in ("plan", "completion") and getattr(args, "config", None) is None and (args.cmd != "status" or
                                                                           os.path.exists(default_config())):
         args.config = default_config()
 
+    if args.cmd == "completion":
+        import shtab
+
+        print(shtab.complete(build_parser(), shell=args.shell))
+        return 0
     if args.cmd == "status":
         return _status(args)
     if args.cmd == "incidents":
@@ -229,7 +243,10 @@ def _status(args: argparse.Namespace) -> int:
     doc, error = _ask(listen)
     if doc is None:
         print(f"vllm-supervisor: no supervisor answers on {listen}: {error}", file=sys.stderr)
-        if state_dir is not None:
+        if args.json:  # still one JSON document on stdout, for scripts
+            offline = oncall.offline_doc(state_dir) if state_dir is not None else {}
+            print(json.dumps({"running": False, "admin": listen, "error": error, **offline}, indent=2))
+        elif state_dir is not None:
             print(oncall.render_offline(state_dir))
         return 1
     if args.json:
@@ -401,6 +418,9 @@ def _quarantine(args: argparse.Namespace) -> int:
     if n is None:
         print(f"vllm-supervisor: no quarantined request has the key {args.key!r}", file=sys.stderr)
         return 1
+    if n == 0 and not path.exists():  # nothing to clear: write nothing (no state directory made for it)
+        print(f"nothing is quarantined ({path})")
+        return 0
     quarantine_store.save(path, q)
     print(f"cleared {n} quarantined request(s) in {path}")
     return 0

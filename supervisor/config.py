@@ -236,10 +236,10 @@ class LogConfig:
 
 
 SEVERITIES = ("info", "warning", "error", "critical")
-HOOK_TYPES = ("webhook", "pagerduty", "twilio", "slack", "command")
+HOOK_TYPES = ("webhook", "pagerduty", "twilio", "slack", "command", "alertmanager")
 # Where an alert goes unless min_severity says otherwise: SMS wakes people, so only for critical.
 DEFAULT_MIN_SEVERITY = {"webhook": "info", "slack": "warning", "pagerduty": "error", "twilio": "critical",
-                        "command": "warning"}
+                        "command": "warning", "alertmanager": "warning"}
 DEFAULT_URL = {"pagerduty": "https://events.pagerduty.com/v2/enqueue", "twilio": "https://api.twilio.com"}
 # TOML keys that are Python keywords.
 TOML_KEYS = {"from_": "from"}
@@ -258,6 +258,8 @@ class HookConfig:
     from_: str = ""  # twilio: the sending number (TOML key `from`)
     to: tuple[str, ...] = ()  # twilio: one message per number
     argv: tuple[str, ...] = ()  # command: run without a shell, the alert JSON on stdin
+    auth_header_env: str = ""  # webhook, alertmanager: the variable holding the Authorization header's value
+    hmac_secret_env: str = ""  # webhook: the variable holding the key that signs each body (HMAC-SHA256)
     timeout_s: float = 10.0
     max_per_hour: int = 30
     attempts: int = 4
@@ -275,6 +277,12 @@ class HookConfig:
     def name(self) -> str:
         return self.type
 
+    @property
+    def secret_envs(self) -> tuple[str, ...]:
+        """The variables (or systemd credentials) holding this hook's secrets."""
+        return tuple(n for n in (self.routing_key_env, self.auth_token_env, self.auth_header_env,
+                                 self.hmac_secret_env) if n)
+
 
 @dataclass(frozen=True)
 class AlertsConfig:
@@ -285,6 +293,10 @@ class AlertsConfig:
     flush_s: float = 5.0
     host: str = ""
     hooks: tuple[HookConfig, ...] = ()
+
+    def withheld(self) -> tuple[str, ...]:
+        """Every hook's secret variables and systemd's credentials directory: what a command hook never inherits."""
+        return tuple(sorted({"CREDENTIALS_DIRECTORY", *(n for h in self.hooks for n in h.secret_envs)}))
 
 
 @dataclass(frozen=True)
@@ -373,10 +385,7 @@ class Config:
     def withheld_env(self) -> tuple[str, ...]:
         """Variables of the supervisor's own that vLLM's processes never inherit: the alert hooks' secrets and
         systemd's credentials directory (unless [engine.env] names one itself, which is the operator's call)."""
-        names = {"CREDENTIALS_DIRECTORY"}
-        for h in self.alerts.hooks:
-            names.update(n for n in (h.routing_key_env, h.auth_token_env) if n)
-        return tuple(sorted(names - set(self.engine.env)))
+        return tuple(sorted(set(self.alerts.withheld()) - set(self.engine.env)))
 
 
 _SECTIONS: dict[str, type] = {
@@ -593,9 +602,9 @@ def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
                                            "the error events); use log_level to change vLLM's verbosity")
         for reserved in ("model", "host", "port"):
             need(f"args.{reserved}", reserved not in obj.args, f"set [engine] {reserved} instead")
-        for knob in Profile.MANAGED:
-            need(f"args.{knob}", knob not in obj.args and knob.replace("_", "-") not in obj.args,
-                 f"managed knob: set it in [profile] {knob}")
+        for knob in (*Profile.MANAGED, "enable_chunked_prefill"):  # the ladder sets it with the chunk
+            for spelled in (knob, knob.replace("_", "-"), "no_" + knob, "no-" + knob.replace("_", "-")):
+                need(f"args.{spelled}", spelled not in obj.args, f"managed knob: set it in [profile] {knob}")
     elif isinstance(obj, Profile):
         out.extend((f"profile.{k}", m) for k, m in obj.problems())
     elif isinstance(obj, LadderConfig):
@@ -694,9 +703,12 @@ def _hook_problems(where: str, h: HookConfig) -> list[tuple[str, str]]:
 
     need("type", h.type in HOOK_TYPES, f"must be one of {', '.join(HOOK_TYPES)}, got {h.type!r}")
     need("min_severity", h.min_severity in ("", *SEVERITIES), f"must be one of {', '.join(SEVERITIES)}")
-    if h.type in ("webhook", "slack", "pagerduty", "twilio"):
+    if h.type in ("webhook", "slack", "pagerduty", "twilio", "alertmanager"):
         need("url", h.endpoint.startswith(("http://", "https://")),
              f"must be an http(s) URL{' (required for ' + h.type + ')' if not h.endpoint else ''}")
+    need("auth_header_env", not h.auth_header_env or h.type in ("webhook", "alertmanager"),
+         "only webhook and alertmanager hooks send an Authorization header")
+    need("hmac_secret_env", not h.hmac_secret_env or h.type == "webhook", "only webhook hooks sign their bodies")
     if h.type == "pagerduty":
         need("routing_key_env", bool(h.routing_key_env), "required: the environment variable (or systemd "
                                                          "credential) that holds the PagerDuty routing key")
@@ -781,7 +793,7 @@ def preflight(cfg: Config, which: Any = None, exists: Any = None, has_module: An
         errors.append(("engine.model", f"local model path {cfg.engine.model!r} does not exist "
                                        f"(`run` waits up to engine.model_wait_s={cfg.engine.model_wait_s:g}s for it)"))
     for i, hook in enumerate(cfg.alerts.hooks):
-        for key in ("routing_key_env", "auth_token_env"):
+        for key in ("routing_key_env", "auth_token_env", "auth_header_env", "hmac_secret_env"):
             name = getattr(hook, key)
             if name and not read_secret(name):
                 errors.append((f"alerts.hooks[{i}].{key}", f"${name} is not set and no systemd credential "

@@ -91,6 +91,9 @@ def build_env(engine: EngineConfig, ipc_env: Mapping[str, str], hook_dir: str,
     # The hook module must import in vLLM's interpreter, wherever vLLM is installed.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (hook_dir, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # CUDA numbers the cards fastest first by default; NVML and nvidia-smi by PCI bus. On a host with mixed cards
+    # CUDA_VISIBLE_DEVICES=1 would then be another card than the one whose memory the supervisor watches.
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return env
 
 

@@ -92,9 +92,10 @@ def _gpu(cfg: Config, nvml: Callable[[], Nvml], running: bool) -> Iterator[Findi
             return
         yield Finding("gpu", "ok", f"driver {driver}; devices {', '.join(str(s.index) for s in snaps)} "
                                    f"({', '.join(f'{s.total / GIB:.1f} GiB' for s in snaps)})")
-        if cfg.engine.environment().get("CUDA_DEVICE_ORDER", "") != "PCI_BUS_ID" and devices:
-            yield Finding("gpu", "warn", "CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA may number the cards "
-                                         "differently from nvidia-smi and NVML on a mixed host")
+        order = cfg.engine.environment().get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # the engine's, unless set
+        if order != "PCI_BUS_ID":
+            yield Finding("gpu", "warn", f"CUDA_DEVICE_ORDER={order}: CUDA may number the cards differently from "
+                                         "nvidia-smi and NVML, whose numbers the supervisor watches")
         if running:
             yield Finding("gpu", "skip", "a supervisor runs with this config: its engine holds the card")
             return

@@ -127,6 +127,18 @@ def render_offline(state_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
+def offline_doc(state_dir: str | Path) -> dict[str, Any]:
+    """``render_offline`` as a document, for `status --json` when no supervisor answers."""
+    learned = statefile.load(state_dir)
+    paths = incident_paths(state_dir)
+    return {"state_dir": str(state_dir),
+            "fatal": learned.fatal if learned else None,
+            "profile": learned.profile.knobs() if learned else None,
+            "restarts_total": learned.restarts_total if learned else None,
+            "last_failure": learned.last_failure if learned else None,
+            "newest_incident": paths[-1].stem if paths else None}
+
+
 def incident_line(path: Path) -> str:
     doc = load_incident(path) or {}
     f = doc.get("failure") or {}

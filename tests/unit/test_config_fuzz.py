@@ -31,7 +31,8 @@ def _mutate(doc: dict[str, Any], rng: random.Random) -> dict[str, Any]:
             out[section] = rng.choice(ODD)
             continue
         keys = list(table) or ["listen"]
-        table[rng.choice([*keys, "listen", "metrics_listen", "hooks", "port", "spare", "unknown_key"])] = rng.choice(ODD)
+        key = rng.choice([*keys, "listen", "metrics_listen", "hooks", "port", "spare", "unknown_key"])
+        table[key] = rng.choice(ODD)
     return out
 
 

@@ -100,3 +100,20 @@ def test_docker_run_in_the_deploy_readme_shares_the_host_ipc_and_outwaits_the_dr
     assert "--ipc=host" in run  # vLLM's docs: PyTorch shares memory between processes through /dev/shm
     grace = int(run.split("--stop-timeout ")[1].split()[0])
     assert grace >= manifest("statefulset.yaml")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+
+
+def test_every_alert_rule_has_a_runbook_entry_and_clients_failures_have_rules() -> None:
+    """Issue 28, item 7."""
+    import re
+
+    rules = yaml.safe_load((ROOT / "docs" / "prometheus-alerts.yml").read_text())["groups"][0]["rules"]
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", ops, re.M)}
+    for rule in rules:
+        url = rule["annotations"]["runbook_url"]
+        assert url.split("#")[0].endswith("docs/operations.md") and url.split("#")[1] in anchors, rule["alert"]
+    outcomes = {o for rule in rules for o in re.findall(r'outcome="(\w+)"', rule["expr"])}
+    assert {"503", "429", "engine_errors"} <= outcomes
+    from supervisor.gateway.server import OUTCOMES
+
+    assert outcomes <= set(OUTCOMES)  # the labels the gateway really counts

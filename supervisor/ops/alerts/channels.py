@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -18,7 +20,7 @@ from typing import Protocol
 import aiohttp
 
 from supervisor.config import HookConfig, read_secret
-from supervisor.ops.alerts.rules import Alert
+from supervisor.ops.alerts.rules import Alert, rfc3339
 
 PD_SEVERITY = {"info": "info", "warning": "warning", "error": "error", "critical": "critical"}
 
@@ -90,22 +92,93 @@ class _Http:
             self._session = None
 
 
+def _secret(hook: HookConfig, key: str) -> str | None:
+    """The secret named by ``hook.<key>`` (None when the hook names none); MissingSecret when it is not there."""
+    name = getattr(hook, key)
+    if not name:
+        return None
+    value = read_secret(name)
+    if not value:
+        raise MissingSecret(f"alerts.hooks.{key}", name)
+    return value
+
+
+SIGNATURE_HEADER = "X-Vllm-Supervisor-Signature"
+TIMESTAMP_HEADER = "X-Vllm-Supervisor-Timestamp"
+
+
+def signature(key: str, timestamp: str, body: bytes) -> str:
+    """HMAC-SHA256 over ``TIMESTAMP.BODY``, as the receiver recomputes it (the timestamp bounds a replay)."""
+    return "sha256=" + hmac.new(key.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+
+
 class Webhook(_Http):
+    """The alert as JSON; with ``auth_header_env`` an Authorization header, with ``hmac_secret_env`` a signature."""
+
     name = "webhook"
 
+    def __init__(self, hook: HookConfig) -> None:
+        super().__init__(hook)
+        self._authorization = _secret(hook, "auth_header_env")
+        self._hmac_key = _secret(hook, "hmac_secret_env")
+
     async def send(self, alert: Alert) -> None:
-        await self.post(self.hook.endpoint, "webhook", json=alert.as_json())
+        body = json.dumps(alert.as_json()).encode()
+        headers = {"Content-Type": "application/json"}
+        if self._authorization:
+            headers["Authorization"] = self._authorization
+        if self._hmac_key:
+            stamp = str(int(time.time()))
+            headers[TIMESTAMP_HEADER] = stamp
+            headers[SIGNATURE_HEADER] = signature(self._hmac_key, stamp, body)
+        await self.post(self.hook.endpoint, "webhook", data=body, headers=headers)
+
+
+def slack_escape(text: str) -> str:
+    """Slack's three control characters in message text (its "Escaping text" rules): a client's prompt words or
+    an engine's message can never become a link, a mention or markup."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 class Slack(_Http):
     name = "slack"
 
     async def send(self, alert: Alert) -> None:
-        text = f"[{alert.severity.upper()}] {alert.host}: {alert.message}"
-        blocks = [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{alert.event}* on `{alert.host}`\n"
-                                                                         f"{alert.message}"}},
+        host, message = slack_escape(alert.host), slack_escape(alert.message)
+        text = f"[{alert.severity.upper()}] {host}: {message}"
+        blocks = [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{alert.event}* on `{host}`\n"
+                                                                         f"{message}"}},
                   {"type": "context", "elements": [{"type": "mrkdwn", "text": f"{alert.severity} · {alert.time}"}]}]
         await self.post(self.hook.endpoint, "slack", json={"text": text, "blocks": blocks})
+
+
+class Alertmanager(_Http):
+    """Prometheus Alertmanager's API v2 (``POST /api/v2/alerts``), so its routing, silences and inhibition apply.
+
+    Like PagerDuty it gets pages only (alerts with a condition that clears them): each fires until resolved, for
+    at most ``PAGE_HOLD_S`` (then Alertmanager resolves it by itself). The resolve sends the same labels with
+    ``endsAt`` now: they carry the opening alert's name and severity, kept with the open page."""
+
+    name = "alertmanager"
+    PAGE_HOLD_S = 24 * 3600.0
+
+    def __init__(self, hook: HookConfig) -> None:
+        super().__init__(hook)
+        authorization = _secret(hook, "auth_header_env")
+        self._headers = {"Authorization": authorization} if authorization else {}
+
+    async def send(self, alert: Alert) -> None:
+        opened = alert.details.get("opened_as", {}) if alert.resolves else {}
+        labels = {"alertname": str(opened.get("event", alert.event)), "severity": str(opened.get("severity",
+                                                                                                 alert.severity)),
+                  "instance": alert.host, "service": "vllm-supervisor", "dedup_key": alert.dedup_key}
+        if alert.kind:
+            labels["kind"] = alert.kind
+        ends = alert.at if alert.resolves else alert.at + self.PAGE_HOLD_S
+        body = [{"labels": labels, "annotations": {"summary": alert.message[:1024]},
+                 "startsAt": rfc3339(float(opened.get("since", alert.at))), "endsAt": rfc3339(ends)}]
+        await self.post(self.hook.endpoint.rstrip("/") + "/api/v2/alerts", "alertmanager", json=body,
+                        headers=self._headers)
 
 
 class PagerDuty(_Http):
@@ -218,6 +291,7 @@ def make_channel(hook: HookConfig, withheld: tuple[str, ...] = ()) -> Channel:
     command hook's process never inherits (every hook's secret)."""
     if hook.type == "command":
         return Command(hook, withheld)
-    kinds: dict[str, type] = {"webhook": Webhook, "slack": Slack, "pagerduty": PagerDuty, "twilio": Twilio}
+    kinds: dict[str, type] = {"webhook": Webhook, "slack": Slack, "pagerduty": PagerDuty, "twilio": Twilio,
+                              "alertmanager": Alertmanager}
     channel: Channel = kinds[hook.type](hook)
     return channel

@@ -53,8 +53,8 @@ class HookState:
 
     @property
     def pages(self) -> bool:
-        """This hook opens pages that must be resolved (PagerDuty)."""
-        return self.hook.type == "pagerduty"
+        """This hook opens pages that must be resolved (PagerDuty, Alertmanager)."""
+        return self.hook.type in ("pagerduty", "alertmanager")
 
     @property
     def page_key(self) -> str:
@@ -82,8 +82,7 @@ class Alerts:
     def from_config(cls, cfg: AlertsConfig, publish: Callable[[Event], None], state_dir: str | None = None,
                     configured: Profile | None = None) -> Alerts:
         """Build every hook's channel; raises MissingSecret naming the field when a secret is absent."""
-        secrets = tuple(sorted({"CREDENTIALS_DIRECTORY", *(n for h in cfg.hooks
-                                                           for n in (h.routing_key_env, h.auth_token_env) if n)}))
+        secrets = cfg.withheld()
         return cls(cfg, [(h, make_channel(h, secrets)) for h in cfg.hooks], publish, state_dir=state_dir,
                    configured=configured)
 
@@ -101,7 +100,7 @@ class Alerts:
             for key, page in self.pages.closing(h.page_key, conditions):
                 alert = Alert(f"{page.get('event', 'page')}_resolved", "info", self.host,
                               f"resolved: {page.get('event', 'the condition')} is over ({', '.join(conditions)})",
-                              self.wall(), key, resolves=True)
+                              self.wall(), key, details={"opened_as": page}, resolves=True)
                 self._enqueue(h, alert)
 
     def fan_out(self, alert: Alert) -> None:
@@ -119,7 +118,8 @@ class Alerts:
             if self._enqueue(h, alert):
                 h.recent.append(now)
                 if h.pages and alert.clears_on is not None:
-                    self.pages.opened(h.page_key, alert.dedup_key, alert.clears_on, alert.event, alert.at)
+                    self.pages.opened(h.page_key, alert.dedup_key, alert.clears_on, alert.event, alert.at,
+                                      alert.severity)
 
     def _enqueue(self, h: HookState, alert: Alert) -> bool:
         lane = h.urgent if alert.severity == "critical" else h.queue

@@ -41,8 +41,9 @@ class OpenPages:
         return {str(h): {str(k): v for k, v in keys.items() if _page(v)}
                 for h, keys in pages.items() if isinstance(keys, dict)}
 
-    def opened(self, hook: str, key: str, clears_on: str, event: str, at: float) -> None:
-        self.open.setdefault(hook, {})[key] = {"clears_on": clears_on, "event": event, "since": at}
+    def opened(self, hook: str, key: str, clears_on: str, event: str, at: float, severity: str = "") -> None:
+        self.open.setdefault(hook, {})[key] = {"clears_on": clears_on, "event": event, "since": at,
+                                               "severity": severity}
         self._save()
 
     def closing(self, hook: str, conditions: list[str]) -> list[tuple[str, dict[str, Any]]]:

@@ -33,17 +33,17 @@ def where(hook: HookConfig) -> str:
 
 def trial_alert(host: str, hook: HookConfig, at: float, resolves: bool = False) -> Alert:
     key = f"vllm-supervisor/{host}/test/{int(at)}"
-    if resolves:
+    if resolves:  # as a real resolve carries it: what opened the page (Alertmanager matches its labels)
+        opened = {"event": "test", "severity": hook.severity_floor, "since": at}
         return Alert("test_resolved", "info", host, "resolved: the test page from `vllm-supervisor alerts test`",
-                     at, key, resolves=True)
+                     at, key, details={"opened_as": opened}, resolves=True)
     return Alert("test", hook.severity_floor, host, "TEST from `vllm-supervisor alerts test`: nothing is wrong; this "
                  "is what an incident sends here", at, key, details={"test": True}, clears_on="test")
 
 
 async def send_trial(cfg: AlertsConfig, host: str, resolve: bool, now: float | None = None) -> list[Outcome]:
     at = time.time() if now is None else now
-    secrets = tuple(sorted({"CREDENTIALS_DIRECTORY", *(n for h in cfg.hooks
-                                                       for n in (h.routing_key_env, h.auth_token_env) if n)}))
+    secrets = cfg.withheld()
     out: list[Outcome] = []
     for hook in cfg.hooks:
         try:
