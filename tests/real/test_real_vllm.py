@@ -93,6 +93,14 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
                            {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}],
                             "max_tokens": 8}, timeout=120)
     assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
+    # Issue 28: vLLM's own series, re-exported at /metrics/engine, carry every vllm:* series the dashboard plots.
+    import re
+
+    with urllib.request.urlopen(f"http://{sup.admin}/metrics/engine", timeout=10) as r:
+        exported = r.read().decode()
+    dashboard = (Path(__file__).parents[2] / "docs" / "grafana-dashboard.json").read_text()
+    plotted = set(re.findall(r"vllm:[a-z_]+", dashboard))
+    assert plotted and {m for m in plotted if f"\n{m}" not in exported} == set()
 
 
 def test_an_engine_in_dev_mode_answers_its_control_routes_only_to_the_supervisor(sup: Sup) -> None:
