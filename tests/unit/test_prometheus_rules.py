@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "https://github.com/vllm-supervisor/vllm-supervisor/blob/main/docs/operations.md#"
+HELD_503 = ("The gateway could not hold them long enough (the engine is down past hold_timeout_s) or holds too "
+            "many bodies.")
 
 
 def series(outcome: str, per_minute: int) -> str:
@@ -39,7 +41,7 @@ tests:
           - exp_labels: {{instance: gpu-7, severity: page}}
             exp_annotations:
               summary: "4% of requests to vLLM on gpu-7 end 503"
-              description: "The gateway could not hold them long enough (the engine is down past hold_timeout_s) or holds too many bodies."
+              description: "{HELD_503}"
               runbook_url: "{BASE}vllmclientsgetting503"
       - eval_time: 12m
         alertname: VllmShedding
