@@ -580,6 +580,7 @@ class SpareWoken(Event):
     port: int
     profile: Profile
     took_s: float
+    canary: Mapping[str, Any] | None = None  # the check after the wake: equal, tokens, max_logprob_drift, took_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -589,8 +590,10 @@ class SpareDropped(Event):
     name = "spare.dropped"
     pid: int
     profile: Profile
-    reason: str
+    reason: str  # "canary" when the woken spare answered otherwise than before it slept
     fault: bool = False
+    detail: str = ""  # what differed, for reason "canary"
+    incident: str | None = None
     hint: str = "the next start at that rung is cold (the standby and the compile cache still help)"
 
     def log_level(self) -> str:

@@ -174,10 +174,12 @@ class EngineClient:
         return int(value) if isinstance(value, int) else None
 
     async def complete(self, prompt: str, max_tokens: int, timeout: float,
-                       request_id: str | None = None) -> dict[str, Any]:
-        """A non-streaming /v1/completions; raises EngineError on non-200 or timeout."""
-        payload = {"model": await self.served_model(), "prompt": prompt, "max_tokens": max_tokens,
-                   "temperature": 0.0}
+                       request_id: str | None = None, logprobs: int | None = None) -> dict[str, Any]:
+        """A non-streaming, greedy /v1/completions; raises EngineError on non-200 or timeout."""
+        payload: dict[str, Any] = {"model": await self.served_model(), "prompt": prompt, "max_tokens": max_tokens,
+                                   "temperature": 0.0}
+        if logprobs is not None:
+            payload["logprobs"] = logprobs
         headers = {"X-Request-Id": request_id or f"sup-{uuid.uuid4().hex[:12]}"}
         body: dict[str, Any] = await self._json("POST", "/v1/completions", payload, timeout, headers)
         return body

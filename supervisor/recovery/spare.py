@@ -30,13 +30,17 @@ import structlog
 
 from supervisor.config import Config
 from supervisor.decide.classify import fraction_that_fits
+from supervisor.engine import launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, SpareAsleep, SpareDropped, SpareWoken
 from supervisor.host import Host, files, leftovers
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient, EngineError
+from supervisor.ops import incident
 from supervisor.profile import Knob, Profile
+from supervisor.recovery import canary
+from supervisor.recovery.canary import Canary
 from supervisor.recovery.sizing import THROWAWAY_SPARE, activation_of
 
 log = structlog.get_logger("supervisor.recovery.spare")
@@ -67,6 +71,7 @@ class Spare:
     version: str | None = None  # the vLLM that built it (the serving engine's: the same install)
     awake: dict[int, int] = field(default_factory=dict)  # device -> bytes its processes held awake (NVML)
     asleep: dict[int, int] = field(default_factory=dict)  # ... and asleep
+    canary: Canary | None = None  # its answer to the canary prompt before it slept
 
     @property
     def pid(self) -> int:
@@ -148,6 +153,10 @@ class SpareKeeper:
         if mode == "off":
             self.why = '[recovery] spare = "off"'
             return None
+        broken = canary.breaks_on_wake(dict(self.cfg.engine.args))
+        if broken:
+            self.why = f"refused: {broken}"
+            return None
         if mode == "auto" and self.cfg.gateway is None:
             self.why = "auto: no [gateway]: a spare listens on a port of its own, which only the gateway follows"
             return None
@@ -174,6 +183,10 @@ class SpareKeeper:
         pids = self.host.tree_pids(spare.child)
         t0 = self.host.monotonic()
         try:
+            try:
+                spare.canary = await canary.ask(spare.client)
+            except (EngineError, LookupError, TypeError, ValueError) as exc:
+                raise SpareFailed(f"no answer to the canary prompt before sleeping: {exc}") from None
             spare.awake = held_by(await self._snapshot(), pids)
             await spare.fall_asleep()
             spare.asleep = held_by(await self._snapshot(), pids)
@@ -215,17 +228,50 @@ class SpareKeeper:
         t0 = self.host.monotonic()
         try:
             await spare.wake()
+            took = round(self.host.monotonic() - t0, 3)
+            checked = await self._check_canary(spare)
         except SpareFailed as exc:
             await self.drop(str(exc), fault=True)
             return None
         except asyncio.CancelledError:
             await self.drop("the start was ended while the spare woke", fault=True)
             raise
+        if checked is None:
+            return None  # dropped: it answers otherwise than before it slept
         self.spare = None
         leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
         self.publish(SpareWoken(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
-                                took_s=round(self.host.monotonic() - t0, 3)))
+                                took_s=took, canary=checked))
         return spare
+
+    async def _check_canary(self, spare: Spare) -> dict[str, Any] | None:
+        """The canary again, after the wake: its result for ``spare.woken``, or None once the spare is dropped
+        for answering otherwise (``spare.dropped`` reason "canary", an incident bundle); SpareFailed when the
+        woken spare does not answer at all."""
+        if spare.canary is None:
+            return {"checked": False}
+        t0 = self.host.monotonic()
+        try:
+            woken = await canary.ask(spare.client)
+        except (EngineError, LookupError, TypeError, ValueError) as exc:
+            raise SpareFailed(f"no answer to the canary prompt after the wake: {exc}") from None
+        took = round(self.host.monotonic() - t0, 3)
+        wrong = spare.canary.differs(woken)
+        if wrong is None:
+            return {"checked": True, "equal": True, "tokens": len(woken.tokens),
+                    "max_logprob_drift": round(spare.canary.drift(woken), 6), "took_s": took}
+        path = None
+        try:
+            path = str(incident.write(self.cfg.state.dir, "spare_canary", {
+                "failure": {"kind": "spare_canary", "evidence": wrong}, "pid": spare.pid,
+                "profile": spare.profile.knobs(), "argv": list(spare.argv), "vllm_version": spare.version,
+                "before_sleep": {"tokens": list(spare.canary.tokens), "logprobs": list(spare.canary.logprobs)},
+                "after_wake": {"tokens": list(woken.tokens), "logprobs": list(woken.logprobs)},
+                "log_tail": spare.tail.snapshot()[-50:]}, redact=lambda t: launch.redact(t, self.cfg.engine.secrets())))
+        except OSError as exc:
+            log.error("incident.write_failed", error=str(exc))
+        await self.drop("canary", fault=True, detail=wrong, incident=path)
+        return None
 
     async def check(self, next_rung: Profile | None) -> None:
         """While the engine serves: a spare that died, or that no longer is the rung a failure would pick, goes."""
@@ -242,18 +288,18 @@ class SpareKeeper:
         await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep", fault=True)
         return True
 
-    async def drop(self, reason: str, fault: bool = False) -> None:
+    async def drop(self, reason: str, fault: bool = False, detail: str = "", incident: str | None = None) -> None:
         spare, self.spare = self.spare, None
         if spare is None:
             return
-        self.why = f"dropped: {reason}"
+        self.why = f"dropped: {reason}" + (f" ({detail})" if detail else "")
         await spare.hand_over()
         e = self.cfg.engine
         await self.host.terminate_tree(spare.child, e.stop_timeout_s, e.kill_timeout_s)
         leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
         shutil.rmtree(spare.work, ignore_errors=True)
         self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile, reason=reason,
-                                  fault=fault))
+                                  fault=fault, detail=detail, incident=incident))
 
     async def _snapshot(self) -> list[DeviceSnapshot]:
         return await self.host.gpu_snapshot(self.cfg.engine.devices())
@@ -266,7 +312,8 @@ class SpareKeeper:
         if s is None:
             return {"state": None, "why": self.why}
         return {"state": "asleep", "pid": s.pid, "port": s.port, "profile": s.profile.knobs(),
-                "held_asleep_mib": sum(s.asleep.values()) // 2**20, "why": self.why}
+                "held_asleep_mib": sum(s.asleep.values()) // 2**20, "why": self.why,
+                "canary": s.canary.as_dict() if s.canary else None}
 
     async def close(self) -> None:
         await self.drop("the supervisor stops")

@@ -32,7 +32,10 @@ is steered by env vars:
                           core reports the worker's death, dumps the batch and dies
 
 With ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1 it serves vLLM's /sleep, /wake_up and /is_sleeping
-(a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve. With
+(a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve.
+FAKE_VLLM_CORRUPT_AFTER_WAKE=1: after a wake every answer is garbage (its words upper-cased, other logprobs), as
+vLLM's sleep-mode bugs leave an engine healthy and wrong. A completion asking for ``logprobs`` gets vLLM's shape
+(``tokens``, ``token_logprobs``). With
 VLLM_SUPERVISOR_CONTROL_TOKEN set it guards every route outside VLLM_SUPERVISOR_OPEN_ROUTES as real vLLM does under
 the supervisor's hook.
 
@@ -239,6 +242,7 @@ class Server:
         self.gen_total = 0
         self.running = 0
         self.asleep = False
+        self.corrupted = False
         self.stop = asyncio.Event()
 
     async def start_core(self) -> None:
@@ -344,6 +348,7 @@ class Server:
 
     async def wake_up(self, _: web.Request) -> web.Response:
         self.asleep = False
+        self.corrupted = os.environ.get("FAKE_VLLM_CORRUPT_AFTER_WAKE") == "1"
         self.log.info("It took 0.010000 seconds to wake up tags {'weights', 'kv_cache'}.")
         return web.Response(status=200)
 
@@ -398,14 +403,21 @@ class Server:
             return web.json_response({"error": {"message": str(exc), "type": "InternalServerError",
                                                 "code": 500}}, status=500)
         usage = {"prompt_tokens": n, "completion_tokens": max_tokens, "total_tokens": n + max_tokens}
+        text = out["text"].upper() if self.corrupted else out["text"]
         if chat:
             return web.json_response({"id": "chatcmpl-x", "object": "chat.completion", "model": self.args.model,
                                       "choices": [{"index": 0, "message": {"role": "assistant",
-                                                                           "content": out["text"]},
+                                                                           "content": text},
                                                    "finish_reason": "length"}], "usage": usage})
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": "length"}
+        if body.get("logprobs") is not None:
+            tokens = [" " + w for w in text.split()]
+            shift = 1.5 if self.corrupted else 0.0
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": [-0.01 * (k + 1) - shift
+                                                                       for k in range(len(tokens))],
+                                  "text_offset": [], "top_logprobs": []}
         return web.json_response({"id": "cmpl-x", "object": "text_completion", "model": self.args.model,
-                                  "choices": [{"index": 0, "text": out["text"], "finish_reason": "length"}],
-                                  "usage": usage})
+                                  "choices": [choice], "usage": usage})
 
     async def _stream(self, request: web.Request, n: int, max_tokens: int, stop: list[str],
                       chat: bool, usage: bool, segv: bool = False) -> web.StreamResponse:
@@ -547,6 +559,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--distributed-timeout-seconds", type=int, default=None)
     p.add_argument("--worker-rank", type=int, default=None)
     p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction)  # only for the spare refusal
     return p.parse_args(argv)
 
 

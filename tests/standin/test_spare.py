@@ -71,6 +71,8 @@ def test_a_runtime_oom_wakes_the_spare_instead_of_starting_an_engine(supervise: 
     assert [e["spare"] for e in spawned] == [False, True] and spawned[1]["pid"] == spare["pid"]
     woken = sup.events("spare.woken")
     assert len(woken) == 1 and woken[0]["pid"] == spare["pid"]
+    # Issue 27, item 4: the woken spare answered the canary prompt as it did before it slept.
+    assert woken[0]["canary"]["checked"] is True and woken[0]["canary"]["equal"] is True, woken[0]
     # Nothing was built: the wake and the warm-up, not the stand-in's start delay.
     assert st["timings"]["start_to_ready_s"] < COLD_S / 2, st["timings"]
     recovered = sup.events("engine.recovered")[-1]["recovered_after_s"]
@@ -130,3 +132,36 @@ def test_a_spare_left_by_a_sigkilled_supervisor_is_stopped_by_the_next_one(
     left = following.events("engine.leftover_stopped")
     assert any(e["what"] == "spare" and spare["pid"] in e["pids"] for e in left), left
     assert gone(spare["pid"])
+
+
+def test_a_spare_that_wakes_wrong_is_dropped_by_its_canary_and_no_client_gets_its_garbage(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 27, item 4: vLLM's sleep-mode bugs leave a woken engine healthy and wrong; nothing checked it."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_CORRUPT_AFTER_WAKE": "1"}}})
+    sup.wait_ready(30)
+    spare = asleep(sup)
+    assert sup.gateway is not None
+    assert send_long_prompt(sup) == 500  # the engine dies; the start wants the spare's rung
+    st = sup.wait_ready(60, restarts=1)
+    (dropped,) = sup.events("spare.dropped")
+    assert dropped["pid"] == spare["pid"] and dropped["reason"] == "canary" and dropped["fault"] is True
+    assert "differs after the wake" in dropped["detail"], dropped
+    bundle = json.loads(Path(dropped["incident"]).read_text())
+    assert bundle["failure"]["kind"] == "spare_canary"
+    assert bundle["before_sleep"]["tokens"] != bundle["after_wake"]["tokens"]
+    assert not sup.events("spare.woken") and gone(spare["pid"])
+    # The start went on cold: a fresh engine, never the woken one, serves the clients their real answers.
+    spawned = sup.events("engine.spawned")
+    assert [e["spare"] for e in spawned] == [False, False] and st["engine_pid"] != spare["pid"]
+    code, body = http_json(sup.gateway + "/v1/completions", {"model": "fake-model", "prompt": "hello there",
+                                                               "max_tokens": 3})
+    assert code == 200 and body["choices"][0]["text"] == " x2 x3 x4"
+
+
+def test_no_spare_is_built_for_engine_arguments_a_wake_is_known_to_break(supervise: Callable[..., Sup]) -> None:
+    sup = supervise({"engine": {"args": {"enable_lora": True}}})
+    st = sup.wait_ready(30)
+    st = sup.wait_for(lambda s: "refused" in str((s["next_start"]["spare"] or {}).get("why", "")), 30,
+                      "the spare refused")
+    assert "LoRA adapters (enable_lora)" in st["next_start"]["spare"]["why"]
+    assert not sup.events("spare.asleep")
