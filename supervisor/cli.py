@@ -14,6 +14,7 @@ from typing import Any
 
 from supervisor import config as config_mod
 from supervisor.about import __version__
+from supervisor.bounds import GIB
 from supervisor.engine import launch
 from supervisor.engine_states import ExitCode
 from supervisor.ops import logs, oncall
@@ -337,7 +338,7 @@ def _plan(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"vllm-supervisor: --model {model}: cannot read its config.json: {exc}", file=sys.stderr)
         return ExitCode.BAD_SUPERVISOR_CONFIG
-    card = int(args.gpu_mem * plan.GIB) if args.gpu_mem else None
+    card = int(args.gpu_mem * GIB) if args.gpu_mem else None
     if args.sequences is not None and args.kv_cache_gib is not None:
         print("vllm-supervisor: plan: --sequences asks what memory they need; --kv-cache-gib gives it: pass one",
               file=sys.stderr)
@@ -355,7 +356,7 @@ def _plan(args: argparse.Namespace) -> int:
         card = snaps[0].total if snaps else None
     from supervisor.host.files import weights_on_disk
 
-    weights = int(args.weights_gib * plan.GIB) if args.weights_gib is not None else weights_on_disk(str(model))
+    weights = int(args.weights_gib * GIB) if args.weights_gib is not None else weights_on_disk(str(model))
     if weights is None and args.kv_cache_gib is None:
         print(f"vllm-supervisor: plan: --model {model} has no weight files (*.safetensors, else *.bin / *.pt): "
               "pass --weights-gib GIB", file=sys.stderr)
@@ -369,7 +370,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     try:
         result = plan.make_plan(shape, card_bytes=card, weights_bytes=weights or 0, utilization=args.utilization,
-                                kv_budget=int(args.kv_cache_gib * plan.GIB) if args.kv_cache_gib else None,
+                                kv_budget=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
                                 max_model_len=args.max_model_len, dtype=args.dtype,
                                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, KeyError) as exc:

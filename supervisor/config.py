@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.bounds import GIB
 from supervisor.profile import DEFAULT_CHUNK, Knob, Profile
 
 Scalar = str | int | float | bool
@@ -189,7 +190,7 @@ class GpuConfig:
 
     @property
     def start_headroom_bytes(self) -> int:
-        return int(self.start_headroom_gib * 2**30)
+        return int(self.start_headroom_gib * GIB)
 
 
 @dataclass(frozen=True)

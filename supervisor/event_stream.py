@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 
 import structlog
 
+from supervisor.aio import cancel_and_wait
 from supervisor.engine_states import EngineState, Failure, FailureKind, Phase, TriggerKind
 from supervisor.profile import Profile
 
@@ -685,9 +686,7 @@ class EventBus:
             await asyncio.wait_for(self.drain(), flush_s)
         for sub in self.subscriptions:
             if sub.task is not None:
-                sub.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sub.task
+                await cancel_and_wait(sub.task)
                 sub.task = None
 
     def counters(self) -> dict[str, dict[str, int]]:

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-GIB = 2**30
-MIB = 2**20
+from supervisor.bounds import GIB, MIB
+
 # Chat templates add role markers and a generation prompt: a generous bound per message and per request.
 CHAT_TOKENS_PER_MESSAGE = 16
 CHAT_TOKENS_FIXED = 256

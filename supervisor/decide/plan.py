@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from supervisor.bounds import GIB
 from supervisor.profile import DEFAULT_CHUNK
 
-GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1}
 LADDER = (DEFAULT_CHUNK, 6144, 4096, 2048, 1024, 512)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from supervisor.bounds import GIB
 from supervisor.config import Config, is_local_path
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.engine_states import Failure, FailureKind, TriggerKind
@@ -20,7 +21,6 @@ from supervisor.host import Host
 from supervisor.host.gpu import GpuLost
 from supervisor.profile import Knob, Profile
 
-GIB = 2**30
 Closed = tuple[TriggerKind, str, Failure]
 
 

@@ -24,6 +24,8 @@ import structlog
 from supervisor.child import vllm_hook
 from supervisor.gateway import routes
 
+SOCKET_NAME = "events.sock"  # in each start's (or second engine's) own directory
+
 log = structlog.get_logger("supervisor.engine.ipc")
 HOOK_MODULE = "vllm_supervisor_hook"
 

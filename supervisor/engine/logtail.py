@@ -41,13 +41,11 @@ class LogTail:
         self.on_line = on_line
         self.echo = echo
         self.redact = redact  # masks secrets (vLLM prints its args, --api-key included, at INFO)
-        self.total = 0
 
     def add(self, line: str) -> None:
         if self.redact is not None:
             line = self.redact(line)
         self.lines.append(line)
-        self.total += 1
         if self.echo is not None:
             try:
                 self.echo.write(line + "\n")

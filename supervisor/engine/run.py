@@ -29,6 +29,7 @@ import psutil
 import structlog
 
 from supervisor.about import __version__
+from supervisor.aio import cancel_and_wait
 from supervisor.config import Config, WarmupConfig
 from supervisor.decide import startup
 from supervisor.decide.classify import ExitInfo, classify
@@ -162,7 +163,7 @@ class EngineRun:
         self.phase = Phase.LOADING
         self.seen = Observer(cfg, host, publish, self.secrets, lambda found: self.end(TriggerKind.DEATH, found),
                              echo)
-        self.server = ipc.EventServer(run_dir / "events.sock", self.seen.on_event)
+        self.server = ipc.EventServer(run_dir / ipc.SOCKET_NAME, self.seen.on_event)
         self.child: Child | None = None
         self.standby = standby  # asked for an interpreter that becomes the engine instead of a cold spawn
         self.from_standby = False
@@ -192,9 +193,7 @@ class EngineRun:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
             return getter.result()
-        getter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await getter
+        await cancel_and_wait(getter)
         return task.result()
 
     def _expect(self, seconds: float) -> None:
@@ -245,7 +244,7 @@ class EngineRun:
         """This start takes the woken spare: its profile (the utilization it started at), its port, its events."""
         self.spare = spare
         self.client.base_url = spare.url
-        self.server = ipc.EventServer(spare.work / "events.sock", self.seen.on_event)
+        self.server = ipc.EventServer(spare.work / ipc.SOCKET_NAME, self.seen.on_event)
         self.seen.engine_version = spare.version
         if spare.profile == self.profile:
             return None
@@ -257,7 +256,7 @@ class EngineRun:
         """Spawn (or adopt the woken spare), and wait for /health 200."""
         e = self.cfg.engine
         argv = launch.build_argv(e, self.profile, self.cfg.health.hang_timeout_s)
-        sock = self.run_dir / "events.sock"
+        sock = self.run_dir / ipc.SOCKET_NAME
         ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e), ipc.dev_mode(e.env))
         await self.server.start()
         env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())

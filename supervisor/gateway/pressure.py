@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from supervisor.bounds import MIB
 from supervisor.config import GatewayConfig
 from supervisor.decide import admission
 from supervisor.host import Device, Host
@@ -32,8 +33,8 @@ class PressureWatch:
         self._foreign: list[int] = []
 
     def configure(self, cfg: GatewayConfig) -> None:
-        self.rules = admission.PressureRules(int(cfg.min_free_mib * admission.MIB),
-                                             int(cfg.foreign_growth_mib * admission.MIB),
+        self.rules = admission.PressureRules(int(cfg.min_free_mib * MIB),
+                                             int(cfg.foreign_growth_mib * MIB),
                                              cfg.kv_cache_high, cfg.kv_waiting)
         self.poll_s = cfg.pressure_poll_s
 

@@ -68,7 +68,6 @@ class Child:
 
     proc: asyncio.subprocess.Process
     argv: tuple[str, ...]
-    started_at: float
     known_pids: set[int] = field(default_factory=set)
 
     @property
@@ -110,7 +109,7 @@ class Child:
         return self.proc.returncode
 
 
-async def spawn(argv: Sequence[str], env: Mapping[str, str], started_at: float, stdin: bool = False) -> Child:
+async def spawn(argv: Sequence[str], env: Mapping[str, str], stdin: bool = False) -> Child:
     """Start ``argv`` in a new session with piped output; stdin a pipe only when asked (a standby's order)."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -121,7 +120,7 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], started_at: float, 
         start_new_session=True,
         limit=STREAM_LIMIT,
     )
-    child = Child(proc=proc, argv=tuple(argv), started_at=started_at)
+    child = Child(proc=proc, argv=tuple(argv))
     child.known_pids.add(proc.pid)
     return child
 

@@ -37,7 +37,7 @@ class RealHost:
         await asyncio.sleep(seconds)
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str], stdin: bool = False) -> Child:
-        return await proctree.spawn(argv, env, self.monotonic(), stdin)
+        return await proctree.spawn(argv, env, stdin)
 
     async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
         return await proctree.terminate_tree(child, grace_s, kill_wait_s)

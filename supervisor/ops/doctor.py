@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import config as config_mod
+from supervisor.bounds import GIB, MIB
 from supervisor.config import Config
 from supervisor.engine import launch
 from supervisor.host.gpu import Nvml
 from supervisor.host.real import py_spy
 from supervisor.profile import Knob
 
-GIB = 2**30
 SHM_WANTED = 1 * GIB  # vLLM's processes share tensors through /dev/shm; a container's default is 64 MiB
 ARGCHECK = Path(__file__).resolve().parents[1] / "child" / "vllm_argcheck.py"
 ARGCHECK_TIMEOUT_S = 180.0  # the probe imports vLLM (seconds to a minute on a small host)
@@ -201,7 +201,7 @@ def _shm() -> Iterator[Finding]:
         return
     size = vfs.f_frsize * vfs.f_blocks
     if size < SHM_WANTED:
-        yield Finding("shm", "warn", f"/dev/shm is {size / 2**20:.0f} MiB: vLLM shares tensors between its "
+        yield Finding("shm", "warn", f"/dev/shm is {size / MIB:.0f} MiB: vLLM shares tensors between its "
                                      "processes there (in a container: --ipc=host or --shm-size=8g)")
     else:
         yield Finding("shm", "ok", f"/dev/shm is {size / GIB:.1f} GiB")

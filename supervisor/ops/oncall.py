@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from supervisor.bounds import GIB
 from supervisor.host.files import read_json
 from supervisor.ops import statefile
-
-GIB = 2**30
 
 
 def fmt_s(seconds: float) -> str:

@@ -14,11 +14,11 @@ engine's state.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, StateChanged
@@ -107,10 +107,7 @@ class Recovery:
                 "precompile": self.precompiler.status(), "spare": self.keeper.status()}
 
     async def close(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+        await cancel_and_wait(self._ticker)
         await self.precompiler.close()
         await self.keeper.close()
         await self.pool.close()

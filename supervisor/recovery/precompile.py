@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 import structlog
 
+from supervisor.bounds import GIB, THROWAWAY_STOP_S
 from supervisor.config import Config
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
@@ -34,7 +35,7 @@ from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
-from supervisor.recovery.sizing import GIB, THROWAWAY_SPARE, activation_of
+from supervisor.recovery.sizing import THROWAWAY_SPARE, activation_of
 from supervisor.recovery.spare import SPARE_ENV, Spare, SpareKeeper
 from supervisor.recovery.standby import fingerprint
 
@@ -164,7 +165,8 @@ class Precompiler:
         argv = launch.build_argv(engine, rung, self.cfg.health.hang_timeout_s)
         if shutil.which("nice") and not spare:
             argv = ["nice", "-n", "10", *argv]  # never the engine (nor a spare, which becomes one): niced for good
-        ipc_env = ipc.prepare_child_env(work, str(work / "events.sock"), "INFO", dev_mode=spare or ipc.dev_mode(e.env))
+        ipc_env = ipc.prepare_child_env(work, str(work / ipc.SOCKET_NAME), "INFO",
+                                        dev_mode=spare or ipc.dev_mode(e.env))
         env = launch.build_env(e, ipc_env, str(work), withheld=self.cfg.withheld_env())
         if spare:
             env.update(SPARE_ENV)
@@ -194,7 +196,7 @@ class Precompiler:
         finally:
             if not kept:
                 await client.close()
-                await self.host.terminate_tree(child, 5.0, 5.0)
+                await self.host.terminate_tree(child, THROWAWAY_STOP_S, THROWAWAY_STOP_S)
                 for d in drains:
                     d.cancel()
                 shutil.rmtree(work, ignore_errors=True)
@@ -222,7 +224,7 @@ class Precompiler:
             return await asyncio.shield(spawning)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await self.host.terminate_tree(await spawning, 5.0, 5.0)
+                await self.host.terminate_tree(await spawning, THROWAWAY_STOP_S, THROWAWAY_STOP_S)
             raise
 
     def _record(self, child: Child) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from supervisor.bounds import GIB
 from supervisor.decide import plan
 from supervisor.profile import Profile
 
-GIB = 2**30
 THROWAWAY_SPARE = 3 * GIB  # its CUDA context, CUDA graphs and a minimal KV cache
 
 

@@ -17,7 +17,6 @@ the card has not the memory it needs to wake, or when it dies; the start is then
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +27,8 @@ from typing import Any
 import psutil
 import structlog
 
+from supervisor.aio import cancel_and_wait
+from supervisor.bounds import GIB, MIB
 from supervisor.config import Config
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.engine import launch
@@ -45,8 +46,6 @@ from supervisor.recovery.sizing import THROWAWAY_SPARE, activation_of
 
 log = structlog.get_logger("supervisor.recovery.spare")
 
-GIB = 2**30
-SPARE_FLAG = "--enable-sleep-mode"
 SPARE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /sleep and /wake_up only in its dev mode
 SLEEP_TIMEOUT_S = 300.0  # the 9B shape's 17.6 GiB of weights took 18 s to copy out on the H200
 WAKE_TIMEOUT_S = 120.0
@@ -116,11 +115,7 @@ class Spare:
 
     async def hand_over(self) -> Child:
         """Stop reading its pipes and its client: the run that adopts it reads them from here on."""
-        for d in self.drains:
-            d.cancel()
-        for d in self.drains:
-            with contextlib.suppress(asyncio.CancelledError):
-                await d
+        await cancel_and_wait(*self.drains)
         await self.client.close()
         return self.child
 
@@ -205,8 +200,8 @@ class SpareKeeper:
         self.why = "asleep"
         self.publish(SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
                                  took_s=round(now - spawned_at, 3), sleep_s=round(now - t0, 3),
-                                 held_awake_mib=sum(spare.awake.values()) // 2**20,
-                                 held_asleep_mib=sum(spare.asleep.values()) // 2**20))
+                                 held_awake_mib=sum(spare.awake.values()) // MIB,
+                                 held_asleep_mib=sum(spare.asleep.values()) // MIB))
         return True
 
     async def take(self, profile: Profile) -> Spare | None:
@@ -312,7 +307,7 @@ class SpareKeeper:
         if s is None:
             return {"state": None, "why": self.why}
         return {"state": "asleep", "pid": s.pid, "port": s.port, "profile": s.profile.knobs(),
-                "held_asleep_mib": sum(s.asleep.values()) // 2**20, "why": self.why,
+                "held_asleep_mib": sum(s.asleep.values()) // MIB, "why": self.why,
                 "canary": s.canary.as_dict() if s.canary else None}
 
     async def close(self) -> None:

@@ -25,7 +25,6 @@ the next start at its spawn, discarded when the engine's command or environment 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.aio import cancel_and_wait
+from supervisor.bounds import STANDBY_STOP_S
 from supervisor.child import vllm_standby
 from supervisor.config import Config, EngineConfig
 from supervisor.engine import ipc, launch
@@ -126,7 +127,7 @@ class Standby:
         if entry is None:
             return None
         vllm_env = dict(vllm_env or {})
-        ipc_env = ipc.prepare_child_env(directory, str(directory / "events.sock"), launch.vllm_log_level(engine),
+        ipc_env = ipc.prepare_child_env(directory, str(directory / ipc.SOCKET_NAME), launch.vllm_log_level(engine),
                                         ipc.dev_mode(engine.env))
         shutil.copyfile(vllm_standby.__file__, directory / SCRIPT)
         env = start_env(launch.build_env(engine, ipc_env, str(directory), withheld=withheld), False, vllm_env)
@@ -172,7 +173,7 @@ class Standby:
 
     async def discard(self, host: Host) -> None:
         if self.alive():
-            await host.terminate_tree(self.child, 2.0, 2.0)
+            await host.terminate_tree(self.child, STANDBY_STOP_S, STANDBY_STOP_S)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -247,10 +248,7 @@ class StandbyPool:
             if s is not None and s.alive() else None
 
     async def close(self) -> None:
-        if self._spawning is not None:
-            self._spawning.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._spawning
+        await cancel_and_wait(self._spawning)
         s, self.standby = self.standby, None
         if s is not None:
             await s.discard(self.host)

@@ -31,7 +31,7 @@ TREE = textwrap.dedent("""
 
 
 async def spawn_tree() -> tuple[proctree.Child, int]:
-    child = await proctree.spawn([sys.executable, "-c", TREE], os.environ, 0.0)
+    child = await proctree.spawn([sys.executable, "-c", TREE], os.environ)
     assert child.proc.stdout is not None
     seen: dict[str, list[str]] = {}
     while len(seen) < 2:  # both ready: the grandchild has installed its SIGTERM handler

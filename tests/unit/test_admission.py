@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from supervisor.bounds import GIB, MIB
 from supervisor.decide import admission
-from supervisor.decide.admission import GIB, MIB, Parsed, PressureRules, Quarantine, Rejection
+from supervisor.decide.admission import Parsed, PressureRules, Quarantine, Rejection
 from supervisor.engine_states import EngineState as S
 from supervisor.engine_states import FailureKind
 from supervisor.gateway.gate import EngineGate, Flight, Refused

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.decide.plan import GIB, ModelShape, kv_bytes_per_token, kv_dtype_bytes, make_plan
+from supervisor.bounds import GIB
+from supervisor.decide.plan import ModelShape, kv_bytes_per_token, kv_dtype_bytes, make_plan
 
 TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
         "hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 8192, "dtype": "float32"}

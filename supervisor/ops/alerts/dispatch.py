@@ -30,6 +30,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from supervisor.aio import cancel_and_wait
 from supervisor.config import AlertsConfig, HookConfig
 from supervisor.event_stream import AlertOutcome, Event
 from supervisor.ops.alerts.channels import Channel, SendFailed, make_channel
@@ -204,10 +205,7 @@ class Alerts:
             for q in (h.urgent, h.queue):
                 while not q.empty():
                     left.append(q.get_nowait())
-            for t in h.tasks:
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await cancel_and_wait(*h.tasks)
             h.tasks = []
             for alert in left:
                 log.warning("alert.outcome", channel=h.hook.name, alert=alert.event, severity=alert.severity,
