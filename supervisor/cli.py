@@ -162,11 +162,12 @@ def _load(path: str) -> config_mod.Config | None:
 def _check(cfg: config_mod.Config, strict: bool = False) -> int:
     """Validate what can be seen before a start; print the engine command with secrets masked."""
     from supervisor.decide.policy import clamp_to_configured
+    from supervisor.host import preflight
     from supervisor.ops import statefile
 
     learned = statefile.load(cfg.state.dir)
     profile: Profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
-    errors, warnings = config_mod.preflight(cfg)
+    errors, warnings = preflight.preflight(cfg)
     argv = launch.masked(launch.build_argv(cfg.engine, profile, cfg.health.hang_timeout_s), cfg.engine.secrets())
     # What would stop or slow a start on this machine. Not a bad config: a late mount is waited for, and a
     # missing engine command is the engine's configuration error (exit 3 at run).

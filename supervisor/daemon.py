@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import shutil
 import signal
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ import structlog
 from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.decide.policy import Policy, clamp_to_configured
+from supervisor.decide.reload import reload_plan
 from supervisor.engine.run import EngineRun, StandbySource
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
@@ -265,13 +265,10 @@ class Daemon:
             if path is None:
                 raise ConfigError([("(file)", "this supervisor was started without a config file path")])
             new = config_mod.load(path)
-            fixed = [name for name in ("admin", "state") if getattr(new, name) != getattr(self.cfg, name)]
-            old_gw, new_gw = self.cfg.gateway, new.gateway
-            if (old_gw is None) != (new_gw is None) or (old_gw and new_gw and old_gw.listen != new_gw.listen):
-                fixed.append("gateway.listen")  # the public port itself; its other settings apply at once
-            if fixed:
-                raise ConfigError([(name, "changes only with a restart of the supervisor") for name in fixed])
-            alerts = self._alerts_for(new) if new.alerts != self.cfg.alerts else None
+            plan = reload_plan(self.cfg, new)
+            if plan.refused:
+                raise ConfigError(list(plan.refused))
+            alerts = self._alerts_for(new) if plan.alerts else None
         except (ConfigError, MissingSecret) as exc:
             publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
             return False, f"reload refused, still running on the old config:\n{exc}"
@@ -280,8 +277,8 @@ class Daemon:
             publish(ReloadFailed(at=self.host.wall(), error=f"{type(exc).__name__}: {exc}"))
             return False, f"reload refused (reading the file failed: {type(exc).__name__}: {exc}), " \
                           "still running on the old config"
-        old, self.cfg = self.cfg, new
-        changed = tuple(f.name for f in dataclasses.fields(Config) if getattr(old, f.name) != getattr(new, f.name))
+        self.cfg = new
+        changed = plan.changed
         self.lifecycle.reconfigure(new)
         if alerts is not None:
             await self.alerts.close()
@@ -290,10 +287,9 @@ class Daemon:
         if self.gateway is not None and new.gateway is not None:
             self.gateway.reconfigure(new.gateway)
         self.recovery.configure(new)
-        engine_restart = new.engine != old.engine or new.profile != old.profile
-        publish(Reloaded(at=self.host.wall(), changed=changed, engine_restart=engine_restart,
+        publish(Reloaded(at=self.host.wall(), changed=changed, engine_restart=plan.engine_restart,
                          configured_profile=new.profile))
-        if not engine_restart:
+        if not plan.engine_restart:
             return True, f"reloaded ({', '.join(changed) or 'nothing'} changed); the engine keeps running"
         ok, message = self.lifecycle.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile),
                                                 "config reloaded: engine settings changed")

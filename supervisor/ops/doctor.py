@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import config as config_mod
 from supervisor.bounds import GIB, MIB
 from supervisor.config import Config
 from supervisor.engine import launch
+from supervisor.host import preflight
 from supervisor.host.gpu import Nvml
 from supervisor.host.real import py_spy
 from supervisor.profile import Knob
@@ -68,7 +68,7 @@ def supervisor_running(cfg: Config) -> bool:
 
 
 def _preflight(cfg: Config) -> Iterator[Finding]:
-    errors, warnings = config_mod.preflight(cfg)
+    errors, warnings = preflight.preflight(cfg)
     for name, msg in errors:
         yield Finding("config", "fail", f"{name}: {msg}")
     for name, msg in warnings:
