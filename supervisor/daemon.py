@@ -40,7 +40,7 @@ from supervisor.heartbeat import Heartbeat
 from supervisor.host import Host, leftovers, reaper, rundir
 from supervisor.host.gpu import GpuLost
 from supervisor.host.vllm_http import EngineClient, EngineError
-from supervisor.lifecycle import Lifecycle, engine_url
+from supervisor.lifecycle import Lifecycle
 from supervisor.loop_lag import LoopLag
 from supervisor.ops import control, statefile
 from supervisor.ops.admin import AdminServer, make_app, metrics_app
@@ -209,7 +209,7 @@ class Daemon:
     def _engine_view(self) -> EngineView:
         life = self.lifecycle
         return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
-                          life.restart_eta_s(), life.kept.slowest_start_s, life.restarting(), engine_url(life))
+                          life.restart_eta_s(), life.kept.slowest_start_s, life.restarting())
 
     async def engine_metrics(self) -> tuple[int, bytes, str]:
         """The serving engine's own /metrics for /metrics/engine; 503 with the reason while none serves."""

@@ -72,6 +72,7 @@ class Ready:
     engine_version: str | None = None
     from_standby: bool = False
     from_spare: bool = False  # a spare engine was woken: nothing was built
+    engine_url: str = ""  # where this start's engine listens (a woken spare has a port of its own)
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.timings, "phases": dict(self.phases)}

@@ -253,7 +253,7 @@ class Lifecycle:
             "failures_in_a_row": self.policy.in_a_row,
             "last_failure": self.last_failure,
             "engine_pid": run_status["engine_pid"],
-            "engine_url": engine_url(self),
+            "engine_url": (self.last_ready and self.last_ready.engine_url) or self.cfg.engine.base_url,
             "start": self.starts,
             "phase": run_status["phase"],
             "startup": run_status["startup"],
@@ -447,11 +447,6 @@ async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], Non
         publish(IncidentWriteFailed(at=host.wall(), error=str(exc)))
         return None
     return str(path)
-
-
-def engine_url(life: Lifecycle) -> str:
-    """Where the current engine listens: engine.port, or the port of a spare that became the engine."""
-    return life.run.client.base_url if life.run is not None else life.cfg.engine.base_url
 
 
 def judge(policy: Policy, raw: Failure, profile: Profile, now: float, blame: Blame, ladder: LadderConfig) -> Decision:

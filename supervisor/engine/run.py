@@ -336,7 +336,7 @@ class EngineRun:
         assert t.healthy is not None
         phases = startup.phases(t.started, t.spawned, self.seen.steps, t.healthy, t.ready)
         return Ready(t.timings(), phases, tuple(sizes), self.seen.engine_version, self.from_standby,
-                     self.spare is not None)
+                     self.spare is not None, engine_url=self.client.base_url)
 
     async def _warm(self, w: WarmupConfig, sizes: list[int]) -> None:
         await warmup.run(self.client, sizes, w)

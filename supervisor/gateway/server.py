@@ -74,7 +74,6 @@ class EngineView:
     restart_eta_s: float = 30.0
     slowest_start_s: float | None = None  # start -> READY, the slowest this host has measured (state.json)
     restarting: bool = False  # the supervisor is bringing the engine back (a restart it began is under way)
-    url: str | None = None  # where the engine listens now (a spare that became the engine has its own port)
 
 
 class Gateway:
@@ -158,11 +157,10 @@ class Gateway:
     # ---- the event stream ------------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         if isinstance(event, StateChanged):
-            # Before the gate opens: a spare that became the engine listens on a port of its own.
-            self.client.base_url = self.view().url or self.cfg.engine.base_url
-            self.gate.on_state(event.old, event.new)
-            if event.ready is not None:
+            if event.ready is not None:  # before the gate opens: where this start's engine listens (a spare's port)
+                self.client.base_url = event.ready.engine_url or self.cfg.engine.base_url
                 self.proven_tokens = max(event.ready.warmup_prompts, default=0)
+            self.gate.on_state(event.old, event.new)
 
     async def blame(self, kind: FailureKind, suspect_request: str | None, at_floor: bool, chunk: int | None) -> Blame:
         """Asked by the lifecycle after a death, before its policy decides: who goes alone, who is quarantined,
