@@ -242,6 +242,9 @@ DEFAULT_MIN_SEVERITY = {"webhook": "info", "slack": "warning", "pagerduty": "err
 DEFAULT_URL = {"pagerduty": "https://events.pagerduty.com/v2/enqueue", "twilio": "https://api.twilio.com"}
 # TOML keys that are Python keywords.
 TOML_KEYS = {"from_": "from"}
+# Why a spare needs the gateway (said by the config check and by /status when "auto" keeps none).
+SPARE_NEEDS_GATEWAY = ("a spare engine listens on a port of its own, which only the gateway follows (clients "
+                       "talking to engine.port directly would lose it)")
 
 
 @dataclass(frozen=True)
@@ -742,8 +745,7 @@ def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
     out.extend(_port_clashes(built))
     recovery = built.get("recovery")
     if recovery is not None and recovery.spare == "on" and built.get("gateway") is None:
-        out.append(("recovery.spare", '"on" needs a [gateway] table: a spare engine listens on a port of its own, '
-                    'which only the gateway follows (clients talking to engine.port directly would lose it)'))
+        out.append(("recovery.spare", f'"on" needs a [gateway] table: {SPARE_NEEDS_GATEWAY}'))
     return out
 
 

@@ -24,7 +24,7 @@ from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.decide.reload import reload_plan
-from supervisor.engine.run import EngineRun, StandbySource
+from supervisor.engine.run import EngineRun, PreparedSource
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
     Event,
@@ -82,7 +82,7 @@ class Daemon:
         self.loop_lag = LoopLag()
         self.run_dir = Path()
 
-        def new_run(p: Profile, number: int, standby: StandbySource) -> EngineRun:
+        def new_run(p: Profile, number: int, standby: PreparedSource) -> EngineRun:
             return EngineRun(self.cfg, host, p, number, self.run_dir / f"start-{number}", publish, echo=echo,
                              client=client_factory() if client_factory else None, standby=standby)
 
@@ -209,7 +209,7 @@ class Daemon:
     def _engine_view(self) -> EngineView:
         life = self.lifecycle
         return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
-                          life.restart_eta_s(), life.kept.slowest_start_s, life.restarting())
+                          life.restart_eta_s(), life.remembered.slowest_start_s, life.restarting())
 
     async def engine_metrics(self) -> tuple[int, bytes, str]:
         """The serving engine's own /metrics for /metrics/engine; 503 with the reason while none serves."""

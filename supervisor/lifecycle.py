@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from supervisor.config import Config, LadderConfig
 from supervisor.decide.policy import Decision, Policy, floor_of
 from supervisor.engine import launch
-from supervisor.engine.run import EngineRun, Healthy, StandbySource, Trigger, Verdict
+from supervisor.engine.run import EngineRun, Healthy, PreparedSource, Trigger, Verdict
 from supervisor.engine_states import (
     Blame,
     EngineState,
@@ -73,7 +73,7 @@ class Front(Protocol):
     def shutdown(self) -> None: ...
 
 
-class RecoveryPort(StandbySource, Protocol):
+class RecoveryPort(PreparedSource, Protocol):
     """What the lifecycle asks of recovery: the standby (through the run), and no throwaway engine left."""
 
     async def settled(self) -> None: ...
@@ -81,7 +81,7 @@ class RecoveryPort(StandbySource, Protocol):
 
 
 @dataclass
-class Kept:
+class Remembered:
     """What outlives this supervisor process (state.json): restarts, the last failure, the slowest start."""
 
     restarts_total: int = 0
@@ -129,7 +129,7 @@ class Serving:
 
 class Lifecycle:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], heartbeat: Heartbeat,
-                 policy: Policy, profile: Profile, new_run: Callable[[Profile, int, StandbySource], EngineRun],
+                 policy: Policy, profile: Profile, new_run: Callable[[Profile, int, PreparedSource], EngineRun],
                  *, recovery: RecoveryPort, front: Front | None = None, learned: dict[str, Any] | None = None) -> None:
         self.cfg, self.host, self.publish, self.heartbeat = cfg, host, publish, heartbeat
         self.policy, self.new_run, self.recovery, self.front = policy, new_run, recovery, front
@@ -137,7 +137,7 @@ class Lifecycle:
         self.state = S.STOPPED
         self.state_since = host.monotonic()
         self.restarts = 0
-        self.kept = Kept(**(learned or {}))
+        self.remembered = Remembered(**(learned or {}))
         self.starts = 0
         self.run: EngineRun | None = None
         self.outage: Outage | None = Outage(host.monotonic())  # not READY since the supervisor started
@@ -174,15 +174,15 @@ class Lifecycle:
         self.publish(LearnedChanged(at=self.host.wall(), profile=self.profile,
                                     rung_failures=dict(self.policy.rung_failures),
                                     last_failure=self.last_failure, restarts_total=self.restarts_total,
-                                    slowest_start_s=self.kept.slowest_start_s, fatal=self.kept.fatal))
+                                    slowest_start_s=self.remembered.slowest_start_s, fatal=self.remembered.fatal))
 
     @property
     def restarts_total(self) -> int:
-        return self.kept.restarts_total
+        return self.remembered.restarts_total
 
     @property
     def last_failure(self) -> dict[str, Any] | None:
-        return self.kept.last_failure
+        return self.remembered.last_failure
 
     # ---- intent ----------------------------------------------------------------------------------------
     def request_stop(self, why: str = "stop requested") -> None:
@@ -262,7 +262,7 @@ class Lifecycle:
             "state_for_s": round(now - self.state_since, 3),
             "outage_s": self._outage_s(),
             "timings": self.last_ready.as_dict() if self.last_ready else {},
-            "fatal": self.kept.fatal,
+            "fatal": self.remembered.fatal,
         }
 
     # ---- the main loop -------------------------------------------------------------------------------------
@@ -307,16 +307,16 @@ class Lifecycle:
         if not isinstance(ready, Ready):
             return ready
         self.last_ready = ready
-        slower = self.kept.note_start(float(ready.timings.get("start_to_ready_s") or 0.0))
+        slower = self.remembered.note_start(float(ready.timings.get("start_to_ready_s") or 0.0))
         self.serving = Serving(self.host.monotonic())
         self.policy.on_ready()
-        recovered = self.kept.recovered(self.outage, self.host.monotonic())
+        recovered = self.remembered.recovered(self.outage, self.host.monotonic())
         self.change_state(S.READY, ready=ready)  # WARMING -> READY
         if recovered is not None:
             self.publish(Recovered(at=self.host.wall(), kind=recovered[0], recovered_after_s=recovered[1],
                                    profile=self.profile))
-        if recovered is not None or slower or self.kept.fatal is not None:
-            self.kept.fatal = None  # an earlier supervisor's FATAL is over
+        if recovered is not None or slower or self.remembered.fatal is not None:
+            self.remembered.fatal = None  # an earlier supervisor's FATAL is over
             self.learned()
         return await self.heartbeat.wait(run.serve(), run.deadline_at, on_tick=lambda: self._tick_ready(run))
 
@@ -393,7 +393,7 @@ class Lifecycle:
         failure = decision.failure
         path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before, decision.profile,
                                     decision.reason, detected_after)
-        self.kept.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
+        self.remembered.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
                                   "phase": verdict.phase.value, "profile": before.knobs(),
                                   **({"incident": path} if path else {})}
         self.publish(FailureClassified(at=self.host.wall(), kind=failure.kind, evidence=failure.evidence,
@@ -405,12 +405,12 @@ class Lifecycle:
             self.change_state(S.FATAL, reason=decision.reason, exit_code=int(decision.exit_code))  # STOPPING -> FATAL
             self.publish(Fatal(at=self.host.wall(), reason=decision.reason, exit_code=int(decision.exit_code),
                                failure=failure))
-            self.kept.gave_up(decision, self.host.wall())
+            self.remembered.gave_up(decision, self.host.wall())
             self.learned()
             return decision.exit_code
         self.change_profile(decision.profile, decision.reason, failure=failure)
         self.restarts += 1
-        self.kept.restarts_total += 1
+        self.remembered.restarts_total += 1
         self.learned()
         self.change_state(S.BACKOFF, delay_s=round(decision.delay_s, 3), reason=decision.reason)  # STOPPING -> BACKOFF
         if await self._sleep_or_stop(decision.delay_s):

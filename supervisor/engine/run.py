@@ -139,7 +139,7 @@ class Woken(Protocol):
     async def hand_over(self) -> Child: ...
 
 
-class StandbySource(Protocol):
+class PreparedSource(Protocol):
     """Where a start takes its standby (at the moment it spawns) or its spare (at its gates) from: recovery."""
 
     def take(self) -> Prepared | None: ...
@@ -150,7 +150,7 @@ class StandbySource(Protocol):
 class EngineRun:
     def __init__(self, cfg: Config, host: Host, profile: Profile, number: int, run_dir: Path,
                  publish: Callable[[Event], None], *, echo: TextIO | None = None,
-                 client: EngineClient | None = None, standby: StandbySource | None = None) -> None:
+                 client: EngineClient | None = None, standby: PreparedSource | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.profile = profile

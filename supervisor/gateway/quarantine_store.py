@@ -46,13 +46,13 @@ def save(path: Path, q: Quarantine) -> None:
 
 
 @dataclass
-class Kept(Quarantine):
+class StoredQuarantine(Quarantine):
     """The gateway's live quarantine, with the file it is kept in."""
 
     path: Path = field(default_factory=Path)
 
     @classmethod
-    def open(cls, path: Path, now: float) -> Kept:
+    def open(cls, path: Path, now: float) -> StoredQuarantine:
         """What the file holds (empty, with a warning, when it cannot be read); expired entries dropped."""
         try:
             q, dropped = load(path)

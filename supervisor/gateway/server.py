@@ -87,7 +87,7 @@ class Gateway:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.client = EngineClient(cfg.engine.base_url, cfg.engine.api_key())
         self.intake = intake.Intake(self.g, cfg.engine.api_keys())
-        self.quarantine = quarantine_store.Kept.open(quarantine_store.path_in(cfg.state.dir), host.wall())
+        self.quarantine = quarantine_store.StoredQuarantine.open(quarantine_store.path_in(cfg.state.dir), host.wall())
         self.vocab = self.g.vocab_size or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB
         self.pressure: admission.Pressure | None = None
         self.proven_tokens = 0  # the longest prompt the current engine ran (its warm-up's): its memory is held

@@ -35,11 +35,11 @@ from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
-from supervisor.recovery.sizing import THROWAWAY_SPARE, activation_of
+from supervisor.recovery.sizing import SECOND_ENGINE_RESERVE, activation_of
 from supervisor.recovery.spare import SPARE_ENV, Spare, SpareKeeper
 from supervisor.recovery.standby import fingerprint
 
-log = structlog.get_logger("supervisor.engine.next_start")
+log = structlog.get_logger("supervisor.recovery.precompile")
 RECORD = "compiled.json"
 # Not part of vLLM's compile hash: what lets a precompile be cheap (dummy weights) and fit beside the engine.
 PRECOMPILE_ARGS = {"load_format": "dummy"}
@@ -301,7 +301,7 @@ def room_for_throwaway(snaps: Sequence[DeviceSnapshot], model: str, rung: Profil
     if weights is None:
         return False, "auto: the model is not a local directory with weights, so their size is unknown"
     weights //= max(1, ranks)
-    need = weights + activation_of(model, rung) // max(1, ranks) + THROWAWAY_SPARE
+    need = weights + activation_of(model, rung) // max(1, ranks) + SECOND_ENGINE_RESERVE
     half = min(s.free for s in snaps) // 2
     if half < need:
         return False, (f"auto: the card has {2 * half / GIB:.1f} GiB free beside the engine; a throwaway needs "

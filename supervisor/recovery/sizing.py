@@ -9,7 +9,7 @@ from supervisor.bounds import GIB
 from supervisor.decide import plan
 from supervisor.profile import Profile
 
-THROWAWAY_SPARE = 3 * GIB  # its CUDA context, CUDA graphs and a minimal KV cache
+SECOND_ENGINE_RESERVE = 3 * GIB  # its CUDA context, CUDA graphs and a minimal KV cache
 
 
 def activation_of(model: str, rung: Profile) -> int:

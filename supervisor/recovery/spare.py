@@ -29,7 +29,7 @@ import structlog
 
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import GIB, MIB
-from supervisor.config import Config
+from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.engine import launch
 from supervisor.engine.logtail import LogTail
@@ -42,7 +42,7 @@ from supervisor.ops import incident
 from supervisor.profile import Knob, Profile
 from supervisor.recovery import canary
 from supervisor.recovery.canary import Canary
-from supervisor.recovery.sizing import THROWAWAY_SPARE, activation_of
+from supervisor.recovery.sizing import SECOND_ENGINE_RESERVE, activation_of
 
 log = structlog.get_logger("supervisor.recovery.spare")
 
@@ -153,7 +153,7 @@ class SpareKeeper:
             self.why = f"refused: {broken}"
             return None
         if mode == "auto" and self.cfg.gateway is None:
-            self.why = "auto: no [gateway]: a spare listens on a port of its own, which only the gateway follows"
+            self.why = f"auto: no [gateway]: {SPARE_NEEDS_GATEWAY}"
             return None
         try:
             snaps = await self._snapshot()
@@ -333,7 +333,7 @@ def room_for_spare(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile, r
                       f"keeps its {weights / GIB:.1f} GiB of weights there")
     util = fits_beside(snaps, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9, headroom)
     total = min(s.total for s in snaps)
-    need = (weights + activation_of(model, rung)) // max(1, ranks) + THROWAWAY_SPARE
+    need = (weights + activation_of(model, rung)) // max(1, ranks) + SECOND_ENGINE_RESERVE
     if util < floor or util * total < need:
         return None, (f"auto: a spare beside the engine could start at gpu_memory_utilization {util:g} "
                       f"({util * total / GIB:.1f} GiB); it needs at least {floor:g} and about {need / GIB:.1f} GiB "
