@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from supervisor.config import Config, LadderConfig
+from supervisor.config import Config
 from supervisor.decide.policy import Decision, Policy, floor_of
 from supervisor.engine import launch
 from supervisor.engine.run import EngineRun, Healthy, PreparedSource, Trigger, Verdict
@@ -208,7 +208,7 @@ class Lifecycle:
         return True, f"{why}: the engine restarts at {target.knobs()}"
 
     def reset_profile(self) -> tuple[bool, str]:
-        self.policy.rung_failures.clear()
+        self.policy.forget_failed_rungs()
         self.learned()
         if self.profile == self.cfg.profile:
             return True, "the profile already is the configured one; failed rungs forgotten"
@@ -217,7 +217,7 @@ class Lifecycle:
     def reconfigure(self, cfg: Config) -> None:
         """A reload: the policy's settings apply to its next decision."""
         self.cfg = cfg
-        self.policy.restart, self.policy.ladder, self.policy.configured = cfg.restart, cfg.ladder, cfg.profile
+        self.policy.reconfigure(cfg.restart, cfg.ladder, cfg.profile)
 
     # ---- what others may read ----------------------------------------------------------------------------
     def pids(self) -> set[int]:
@@ -389,7 +389,7 @@ class Lifecycle:
         at_floor = floor_of(before, self.cfg.ladder) == before
         blame = Blame() if self.front is None else \
             await self.front.blame(verdict.failure.kind, verdict.failure.suspect_request, at_floor, before.chunk())
-        decision = judge(self.policy, verdict.failure, before, self.host.monotonic(), blame, self.cfg.ladder)
+        decision = self.policy.judge(verdict.failure, before, self.host.monotonic(), blame)
         failure = decision.failure
         path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before, decision.profile,
                                     decision.reason, detected_after)
@@ -448,24 +448,3 @@ async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], Non
         return None
     return str(path)
 
-
-def judge(policy: Policy, raw: Failure, profile: Profile, now: float, blame: Blame, ladder: LadderConfig) -> Decision:
-    """The policy's decision after ``raw``, with what the gateway found (``blame``)."""
-    # A death one request alone was proven to cause is that request's (the gateway quarantines it), never read
-    # as the engine's memory signature.
-    failure = raw if blame.proven else policy.explain(raw, profile)
-    policy.forgive(blame.explained)
-    decision = policy.decide(failure, profile, now, proven=blame.proven)
-    if decision.restart and failure.kind.memory and blame.floor:
-        decision = floor_trial(decision, ladder)
-    return decision
-
-
-def floor_trial(decision: Decision, ladder: LadderConfig) -> Decision:
-    """The restart goes to the ladder's lowest rung: a request that killed the engine twice is tried there alone."""
-    floor = floor_of(decision.profile, ladder)
-    if floor == decision.profile:
-        return decision
-    rung = f"max_num_batched_tokens {floor.chunk()}, max_num_seqs {floor.effective(Knob.MAX_NUM_SEQS)}"
-    return replace(decision, profile=floor, reason=f"{decision.reason}; then to the lowest rung ({rung}): a request "
-                   "that killed the engine twice is tried there alone before it is quarantined")

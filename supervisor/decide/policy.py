@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from supervisor.config import LadderConfig, RestartConfig
 from supervisor.decide.evidence import request_stem
-from supervisor.engine_states import ExitCode, Failure, FailureKind
+from supervisor.engine_states import Blame, ExitCode, Failure, FailureKind
 from supervisor.profile import Knob, Profile
 
 
@@ -279,6 +279,35 @@ class Policy:
     def on_stable(self) -> None:
         """The engine served for a stable period: later failures start the backoff from scratch."""
         self.consecutive = 0
+
+    def reconfigure(self, restart: RestartConfig, ladder: LadderConfig, configured: Profile) -> None:
+        """A reload: these settings apply from the next decision; the memory of failures stays."""
+        self.restart, self.ladder, self.configured = restart, ladder, configured
+
+    def forget_failed_rungs(self) -> None:
+        """`reset-profile`: every rung may be tried again."""
+        self.rung_failures.clear()
+
+    def judge(self, raw: Failure, profile: Profile, now: float, blame: Blame) -> Decision:
+        """The decision after ``raw``, with what the gateway found (``blame``)."""
+        # A death one request alone was proven to cause is that request's (the gateway quarantines it), never read
+        # as the engine's memory signature.
+        failure = raw if blame.proven else self.explain(raw, profile)
+        self.forgive(blame.explained)
+        decision = self.decide(failure, profile, now, proven=blame.proven)
+        if decision.restart and failure.kind.memory and blame.floor:
+            decision = self.to_floor(decision)
+        return decision
+
+    def to_floor(self, decision: Decision) -> Decision:
+        """The restart goes to the ladder's lowest rung: a request that killed the engine twice is tried there
+        alone."""
+        floor = floor_of(decision.profile, self.ladder)
+        if floor == decision.profile:
+            return decision
+        rung = f"max_num_batched_tokens {floor.chunk()}, max_num_seqs {floor.effective(Knob.MAX_NUM_SEQS)}"
+        return replace(decision, profile=floor, reason=f"{decision.reason}; then to the lowest rung ({rung}): a "
+                       "request that killed the engine twice is tried there alone before it is quarantined")
 
     def climb_target(self, profile: Profile) -> Profile | None:
         """The next rung up, unless it already failed ``max_rung_failures`` times."""

@@ -265,3 +265,20 @@ def test_the_budget_left_is_the_lesser_of_the_window_and_the_crash_loop() -> Non
         pol.on_ready()
     assert pol.budget_left(6) == 1  # four restarts in the window of five
     assert pol.budget_left(200) == 2  # they left the window
+
+
+def test_judge_sends_a_memory_death_to_the_floor_when_the_gateway_asks_and_a_reload_keeps_the_memory() -> None:
+    """Issue 26: the floor trial and the policy's settings were the lifecycle's to set; they are the policy's."""
+    from supervisor.engine_states import Blame
+
+    p = policy(max_restarts=10)
+    plain = p.judge(OOM, P, 1.0, Blame())
+    assert plain.restart and plain.profile.max_num_batched_tokens == 6144
+    floor = p.judge(OOM, P, 2.0, Blame(floor=True))
+    assert floor.profile.max_num_batched_tokens == min(LADDER.max_num_batched_tokens)
+    assert "then to the lowest rung" in floor.reason
+    failed = dict(p.rung_failures)
+    p.reconfigure(RestartConfig(max_restarts=3), LADDER, P.with_(max_num_seqs=8))
+    assert p.configured.max_num_seqs == 8 and p.restart.max_restarts == 3 and p.rung_failures == failed
+    p.forget_failed_rungs()
+    assert p.rung_failures == {}
