@@ -171,10 +171,10 @@ class Lifecycle:
             self.publish(ProfileChanged(at=at, diff=diff, profile=new, reason=reason))
 
     def learned(self) -> None:
-        self.publish(LearnedChanged(at=self.host.wall(), profile=self.profile,
-                                    rung_failures=dict(self.policy.rung_failures),
-                                    last_failure=self.last_failure, restarts_total=self.restarts_total,
-                                    slowest_start_s=self.remembered.slowest_start_s, fatal=self.remembered.fatal))
+        r, failed = self.remembered, dict(self.policy.rung_failures)
+        self.publish(LearnedChanged(at=self.host.wall(), profile=self.profile, rung_failures=failed,
+                                    last_failure=_copy(self.last_failure), restarts_total=self.restarts_total,
+                                    slowest_start_s=r.slowest_start_s, fatal=_copy(r.fatal)))
 
     @property
     def restarts_total(self) -> int:
@@ -448,3 +448,7 @@ async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], Non
         return None
     return str(path)
 
+
+def _copy(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Events are frozen records: they carry copies, never the lifecycle's own dicts."""
+    return dict(doc) if doc is not None else None
