@@ -394,3 +394,26 @@ def test_the_profile_condition_ends_at_ready_back_at_the_configured_profile_by_a
     # Below the configured profile on any knob: not over.
     low = P.with_(max_num_seqs=8)
     assert not low.reaches(P) and climbed.reaches(P) and P.with_(max_model_len=None).reaches(P)
+
+
+async def test_a_refused_reload_page_resolves_when_a_supervisor_starts_on_a_good_file(
+        receiver: Callable[..., Receiver], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 28, item 2: the operator fixes the file and restarts the service instead of reloading it."""
+    from supervisor.event_stream import ReloadFailed, SupervisorStarted
+    from tests.helpers.events import P
+
+    monkeypatch.setenv("PD_ROUTING", "rk")
+    pd = receiver(status=202)
+    hook = HookConfig(type="pagerduty", url=pd.url, routing_key_env="PD_ROUTING", min_severity="warning")
+    first = Alerts(AlertsConfig(), [(hook, make_channel(hook))], lambda _: None, state_dir=str(tmp_path))
+    first.start()
+    first.on_event(ReloadFailed(at=1.0, error="gateway.listen: must be HOST:PORT"))
+    await first.close()
+    second = Alerts(AlertsConfig(), [(hook, make_channel(hook))], lambda _: None, state_dir=str(tmp_path))
+    second.start()
+    second.on_event(SupervisorStarted(at=2.0, admin="127.0.0.1:8001", engine="http://127.0.0.1:18000", profile=P,
+                                      state_dir=str(tmp_path)))
+    await second.close()
+    trigger, resolve = (r.json() for r in pd.requests)
+    assert trigger["event_action"] == "trigger" and trigger["payload"]["class"] == "config_reload_failed"
+    assert resolve["event_action"] == "resolve" and resolve["dedup_key"] == trigger["dedup_key"]

@@ -6,7 +6,8 @@ keep repeating become an ``error``), and to give each outage a stable ``dedup_ke
 
 Every alert that can page names the condition whose end clears it (``clears_on``): ``ready`` (the
 engine READY again: a restart, a hang, an outage, a FATAL of an earlier supervisor), ``profile``
-(back at the configured profile) or ``reload`` (a reload that succeeded). ``cleared`` says which
+(back at the configured profile) or ``reload`` (a reload that succeeded, or a supervisor that started on the
+file). ``cleared`` says which
 conditions an event ends; the dispatcher resolves every open page waiting on them. An alert with
 no ``clears_on`` only notifies: it never opens a page (PagerDuty never gets it as a trigger).
 """
@@ -31,6 +32,7 @@ from supervisor.event_stream import (
     ReloadFailed,
     RequestQuarantined,
     StateChanged,
+    SupervisorStarted,
 )
 from supervisor.profile import Profile
 
@@ -106,6 +108,8 @@ class AlertRules:
             if ev.configured_profile is not None:
                 self.configured = ev.configured_profile
             return ["reload", "profile"] if self._back_at_configured() else ["reload"]
+        if isinstance(ev, SupervisorStarted):
+            return ["reload"]  # a supervisor started on this file: the refused reload an earlier one paged is moot
         return []
 
     def _back_at_configured(self) -> bool:
