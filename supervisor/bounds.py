@@ -9,3 +9,10 @@ GIB = 2**30
 THROWAWAY_STOP_S = 5.0
 # A standby interpreter (vLLM imported, nothing on the GPU yet).
 STANDBY_STOP_S = 2.0
+
+# What a step's own timeout leaves the watchdog before the supervisor counts the step stuck (heartbeat.py): the
+# bounds below are added to the configured timeouts of a start, a warm-up, a probe round, a stop, the leftovers'.
+STEP_SLACK_S = 10.0
+GATE_SLACK_S = 30.0  # the GPU gate: NVML polls and the utilization it adapts, past its configured waits
+STACK_DUMP_S = 30.0  # py-spy's dumps of a hung engine's processes
+SHORT_SLACK_S = 5.0  # after the dead-engine grace, and after a drain's own bound

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from supervisor.bounds import SHORT_SLACK_S
 from supervisor.config import Config
 from supervisor.decide.policy import Decision, Policy, floor_of
 from supervisor.engine import launch
@@ -371,7 +372,7 @@ class Lifecycle:
         self.change_state(S.DRAINING, reason=why, target=target)  # READY -> DRAINING
         if self.front is not None:
             bound = self.cfg.gateway.drain_timeout_s if self.cfg.gateway else 0.0
-            await self.heartbeat.wait(self.front.drain(why), self.heartbeat.within(bound + 5.0))
+            await self.heartbeat.wait(self.front.drain(why), self.heartbeat.within(bound + SHORT_SLACK_S))
 
     async def _fail(self, run: EngineRun, trigger: Trigger) -> ExitCode | None:
         """STOPPING, classify, ask the policy; BACKOFF and None to go on, or FATAL and its exit code."""

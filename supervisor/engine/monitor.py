@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from supervisor.bounds import STEP_SLACK_S
 from supervisor.config import HealthConfig
 from supervisor.decide.liveness import Liveness
 from supervisor.engine_states import TriggerKind
@@ -29,7 +30,7 @@ class Monitor:
 
     def round_bound_s(self) -> float:
         """How long one probe round may take (the watchdog's measure)."""
-        return self.h.probe_interval_s + 2 * min(self.h.hang_timeout_s, 5.0) + 10.0
+        return self.h.probe_interval_s + 2 * min(self.h.hang_timeout_s, 5.0) + STEP_SLACK_S
 
     async def until_fired(self, on_round: Callable[[], None]) -> Fired:
         """Probe until a rule fires; ``on_round`` runs at the start of each round."""

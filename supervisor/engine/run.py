@@ -30,6 +30,7 @@ import structlog
 
 from supervisor.about import __version__
 from supervisor.aio import cancel_and_wait
+from supervisor.bounds import GATE_SLACK_S, SHORT_SLACK_S, STACK_DUMP_S, STEP_SLACK_S
 from supervisor.config import Config, WarmupConfig
 from supervisor.decide import startup
 from supervisor.decide.classify import ExitInfo, classify
@@ -232,7 +233,7 @@ class EngineRun:
                 return spare
             if spare is not None:
                 return self._adopting(spare)
-        self._expect(e.model_wait_s + self.cfg.gpu.free_wait_s + 30.0)
+        self._expect(e.model_wait_s + self.cfg.gpu.free_wait_s + GATE_SLACK_S)
         gated = await self._race(gates.every_gate(self.cfg, self.host, self.publish, self.profile))
         if isinstance(gated, tuple):
             return self.trigger(*gated)
@@ -281,7 +282,7 @@ class EngineRun:
         self.t.spawned = spawned = self.host.monotonic()
         self.monitor = Monitor(self.cfg.health, self.host, self.client, self.publish,
                                Liveness(self.cfg.health, e.start_timeout_s, spawned), f"canary-{self.number}")
-        self._expect(e.start_timeout_s + 10.0)
+        self._expect(e.start_timeout_s + STEP_SLACK_S)
         healthy = await self._race(self._wait_healthy())
         if healthy is not None:
             return healthy
@@ -324,7 +325,7 @@ class EngineRun:
         """Mid-length prompts before traffic (a failure is a startup failure); the READY record."""
         w = self.cfg.warmup
         sizes = warmup.plan(self.profile, w)
-        self._expect(w.timeout_s + 10.0)
+        self._expect(w.timeout_s + STEP_SLACK_S)
         try:
             warmed = await self._race(self._warm(w, sizes))
         except warmup.WarmupFailed as exc:
@@ -376,12 +377,12 @@ class EngineRun:
         rc: int | None = child.proc.returncode if child else None
         if trigger.kind is TriggerKind.DEATH and child is not None and rc is None:
             # vLLM exits by itself within seconds of its engine dying; let it finish logging.
-            self._expect(self.cfg.engine.dead_grace_s + 5.0)
+            self._expect(self.cfg.engine.dead_grace_s + SHORT_SLACK_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 rc = await asyncio.wait_for(child.wait_exit(), self.cfg.engine.dead_grace_s)
         stacks: dict[int, str] = {}
         if trigger.kind is TriggerKind.HANG and child is not None:
-            self._expect(30.0)
+            self._expect(STACK_DUMP_S)
             stacks = await self.host.dump_stacks(self.host.tree_pids(child))
             if not stacks:
                 self.publish(NoStackDump(at=self.host.wall()))
@@ -461,4 +462,4 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
 def stop_bound(cfg: Config, planned: bool) -> float:
     e = cfg.engine
     grace = e.stop_timeout_s if planned else e.failed_stop_timeout_s
-    return grace + e.kill_timeout_s + DRAIN_S + cfg.gpu.release_timeout_s + 10.0
+    return grace + e.kill_timeout_s + DRAIN_S + cfg.gpu.release_timeout_s + STEP_SLACK_S

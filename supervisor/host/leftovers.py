@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import structlog
 
+from supervisor.bounds import STEP_SLACK_S
 from supervisor.config import Config
 from supervisor.event_stream import Event, GpuNotReleased, LeftoverEngineStopped
 from supervisor.host import Host
@@ -88,7 +89,7 @@ def clear(state_dir: str | Path, name: str = FILENAME) -> None:
 def stop_bound_s(cfg: Config) -> float:
     """How long ``stop_engine_left`` may take (the watchdog's measure)."""
     e = cfg.engine
-    return len(WHAT) * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) + 10.0
+    return len(WHAT) * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) + STEP_SLACK_S
 
 
 async def stop_engine_left(cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
