@@ -184,11 +184,9 @@ def _check(cfg: config_mod.Config, strict: bool = False) -> int:
 
 
 def _alerts_test(cfg: config_mod.Config, resolve: bool) -> int:
-    import socket
-
     from supervisor.ops.alerts import trial
 
-    outcomes = asyncio.run(trial.send_trial(cfg.alerts, cfg.alerts.host or socket.gethostname(), resolve))
+    outcomes = asyncio.run(trial.send_trial(cfg.alerts, cfg.alerts.hostname(), resolve))
     print(trial.render(outcomes))
     failed = not outcomes or any(not o.sent or o.resolved is False for o in outcomes)
     return 1 if failed else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 import tomllib
 import types
@@ -15,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from supervisor.bounds import GIB
 from supervisor.profile import DEFAULT_CHUNK, Knob, Profile
@@ -86,6 +87,12 @@ class EngineConfig:
     @property
     def argv_prefix(self) -> tuple[str, ...]:
         return self.command or _default_command()
+
+    @property
+    def module_python(self) -> str | None:
+        """The interpreter of a ``PYTHON -m vllm...`` command (where vLLM must be importable), else None."""
+        prefix = self.argv_prefix
+        return prefix[0] if len(prefix) >= 3 and prefix[1] == "-m" and prefix[2].startswith("vllm") else None
 
     @property
     def base_url(self) -> str:
@@ -279,11 +286,14 @@ class HookConfig:
     def name(self) -> str:
         return self.type
 
+    # The keys naming a variable (or systemd credential) that holds one of the hook's secrets.
+    SECRET_KEYS: ClassVar[tuple[str, ...]] = ("routing_key_env", "auth_token_env", "auth_header_env",
+                                              "hmac_secret_env")
+
     @property
     def secret_envs(self) -> tuple[str, ...]:
         """The variables (or systemd credentials) holding this hook's secrets."""
-        return tuple(n for n in (self.routing_key_env, self.auth_token_env, self.auth_header_env,
-                                 self.hmac_secret_env) if n)
+        return tuple(n for n in (getattr(self, k) for k in self.SECRET_KEYS) if n)
 
 
 @dataclass(frozen=True)
@@ -295,6 +305,10 @@ class AlertsConfig:
     flush_s: float = 5.0
     host: str = ""
     hooks: tuple[HookConfig, ...] = ()
+
+    def hostname(self) -> str:
+        """What every alert names as its host (``host``, else the machine's name)."""
+        return self.host or socket.gethostname()
 
     def withheld(self) -> tuple[str, ...]:
         """Every hook's secret variables and systemd's credentials directory: what a command hook never inherits."""

@@ -25,7 +25,6 @@ from typing import Any, Protocol
 from supervisor.bounds import SHORT_SLACK_S
 from supervisor.config import Config
 from supervisor.decide.policy import Decision, Policy, floor_of
-from supervisor.engine import launch
 from supervisor.engine.run import EngineRun, Healthy, PreparedSource, Trigger, Verdict
 from supervisor.engine_states import (
     Blame,
@@ -42,7 +41,6 @@ from supervisor.event_stream import (
     FailureClassified,
     FailureDetected,
     Fatal,
-    IncidentWriteFailed,
     LearnedChanged,
     PlannedRestart,
     ProfileChanged,
@@ -440,14 +438,7 @@ async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], Non
     except GpuLost as exc:
         gpu = {"error": str(exc)}
     bundle = incident.bundle(verdict, failure, before, after, decision, detected_after, gpu)
-    secrets = cfg.engine.secrets()
-    try:
-        path = incident.write(cfg.state.dir, failure.kind.value, bundle,
-                              redact=lambda text: launch.redact(text, secrets))
-    except OSError as exc:
-        publish(IncidentWriteFailed(at=host.wall(), error=str(exc)))
-        return None
-    return str(path)
+    return incident.keep(cfg.state.dir, failure.kind.value, bundle, cfg.engine.secrets(), publish, host.wall)
 
 
 def _copy(doc: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -27,14 +27,14 @@ def preflight(cfg: Config, which: Any = None, exists: Any = None, has_module: An
     exe = prefix[0]
     if not which(exe):
         errors.append(("engine.command", f"{exe!r} is not an executable file nor found on PATH"))
-    elif len(prefix) >= 3 and prefix[1] == "-m" and prefix[2].startswith("vllm") and not has_module(exe, "vllm"):
+    elif cfg.engine.module_python is not None and not has_module(exe, "vllm"):
         errors.append(("engine.command", f"{exe!r} cannot import vllm: install vLLM in that interpreter's "
                                          "environment, or point engine.command at one that has it"))
     if is_local_path(cfg.engine.model) and not exists(cfg.engine.model):
         errors.append(("engine.model", f"local model path {cfg.engine.model!r} does not exist "
                                        f"(`run` waits up to engine.model_wait_s={cfg.engine.model_wait_s:g}s for it)"))
     for i, hook in enumerate(cfg.alerts.hooks):
-        for key in ("routing_key_env", "auth_token_env", "auth_header_env", "hmac_secret_env"):
+        for key in hook.SECRET_KEYS:
             name = getattr(hook, key)
             if name and not read_secret(name):
                 errors.append((f"alerts.hooks[{i}].{key}", f"${name} is not set and no systemd credential "

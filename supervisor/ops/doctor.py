@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.bounds import GIB, MIB
-from supervisor.config import Config
+from supervisor.config import Config, EngineConfig
 from supervisor.engine import launch
 from supervisor.host import preflight
 from supervisor.host.gpu import Nvml
@@ -210,20 +210,22 @@ def _shm() -> Iterator[Finding]:
 def _engine_args(cfg: Config) -> Iterator[Finding]:
     """[engine.args] and the managed flags, read by the installed vLLM's own serve parser."""
     prefix = cfg.engine.argv_prefix
-    python = engine_python(prefix)
+    python = engine_python(cfg.engine)
     if python is None:
         yield Finding("engine_args", "skip", f"engine.command {' '.join(prefix[:3])!r} is neither `PYTHON -m "
-                                             "vllm.entrypoints...` nor `vllm serve`: its arguments are not checked")
+                                             "vllm...` nor `vllm serve`: its arguments are not checked")
         return
     argv = launch.build_argv(cfg.engine, cfg.profile, cfg.health.hang_timeout_s)[len(prefix):]
     if launch.takes_model_positionally(prefix):
         argv = ["--model", *argv]  # `vllm serve MODEL`: the serve parser alone reads it as --model
     secrets = cfg.engine.secrets()
     try:
+        # The engine's own environment, the alert hooks' secrets withheld as from the engine itself.
+        env = launch.build_env(cfg.engine, {}, "", withheld=cfg.withheld_env())
         r = subprocess.run([python, str(ARGCHECK)], input=json.dumps(argv), capture_output=True, text=True,
-                           timeout=ARGCHECK_TIMEOUT_S, env=cfg.engine.environment())
+                           timeout=ARGCHECK_TIMEOUT_S, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        yield Finding("engine_args", "fail", f"could not run {prefix[0]!r}: {exc}")
+        yield Finding("engine_args", "fail", f"could not run {python!r}: {exc}")
         return
     said = launch.redact((r.stderr.strip().splitlines() or [""])[-1], secrets)
     if r.returncode == 0:
@@ -234,10 +236,11 @@ def _engine_args(cfg: Config) -> Iterator[Finding]:
         yield Finding("engine_args", "fail", f"the installed vLLM refuses the engine's command line: {said}")
 
 
-def engine_python(prefix: tuple[str, ...]) -> str | None:
+def engine_python(engine: EngineConfig) -> str | None:
     """The interpreter vLLM runs in: ``PYTHON -m vllm...``, or the `vllm` script's own (its shebang)."""
-    if len(prefix) >= 3 and prefix[1] == "-m" and prefix[2].startswith("vllm.entrypoints"):
-        return prefix[0]
+    prefix = engine.argv_prefix
+    if engine.module_python is not None:
+        return engine.module_python
     if not launch.takes_model_positionally(prefix):
         return None
     script = shutil.which(prefix[-2])

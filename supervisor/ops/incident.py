@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from supervisor.engine.launch import redact
 from supervisor.engine_states import Failure
+from supervisor.event_stream import Event, IncidentWriteFailed
 from supervisor.host.files import write_private
 from supervisor.profile import Profile
 
@@ -27,6 +29,16 @@ def write(state_dir: str | Path, kind: str, bundle: dict[str, Any],
     for old in sorted(d.glob("*.json"))[:-MAX_KEPT]:
         old.unlink(missing_ok=True)
     return path
+
+
+def keep(state_dir: str | Path, kind: str, doc: dict[str, Any], secrets: Sequence[str],
+         publish: Callable[[Event], None], wall: Callable[[], float]) -> str | None:
+    """Write ``doc`` with the engine's secrets masked; its path, or None and an ``incident.write_failed`` event."""
+    try:
+        return str(write(state_dir, kind, doc, redact=lambda text: redact(text, secrets)))
+    except OSError as exc:
+        publish(IncidentWriteFailed(at=wall(), error=str(exc)))
+        return None
 
 
 def bundle(verdict: Any, failure: Failure, before: Profile, after: Profile, decision: str,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.host.vllm_http import EngineClient
+from supervisor.host.vllm_http import EngineClient, EngineError
 
 PROMPT = ("The following is a list of the first ten prime numbers, written in words, separated by commas: two, "
           "three, five,")
@@ -55,13 +55,18 @@ class Canary:
 
 
 async def ask(client: EngineClient) -> Canary:
-    """The engine's greedy answer to the canary prompt; raises EngineError when it gives none."""
+    """The engine's greedy answer to the canary prompt; raises EngineError when it gives none, or one that is not
+    a completion."""
     body = await client.complete(PROMPT, TOKENS, TIMEOUT_S, request_id="sup-canary", logprobs=1)
-    lp = body["choices"][0].get("logprobs") or {}
-    tokens = tuple(str(t) for t in lp.get("tokens") or ())
-    logprobs = tuple(float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or ())
-    if not tokens:  # an engine that returns no logprobs: compare the text alone
-        tokens = (str(body["choices"][0].get("text", "")),)
+    try:
+        choice = body["choices"][0]
+        lp = choice.get("logprobs") or {}
+        tokens = tuple(str(t) for t in lp.get("tokens") or ())
+        logprobs = tuple(float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or ())
+        if not tokens:  # an engine that returns no logprobs: compare the text alone
+            tokens = (str(choice.get("text", "")),)
+    except (LookupError, TypeError, ValueError, AttributeError) as exc:
+        raise EngineError(f"the canary's answer is not a completion: {type(exc).__name__}: {exc}") from None
     return Canary(tokens, logprobs)
 
 

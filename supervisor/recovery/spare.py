@@ -31,7 +31,6 @@ from supervisor.aio import cancel_and_wait
 from supervisor.bounds import GIB, MIB
 from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
-from supervisor.engine import launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, SpareAsleep, SpareDropped, SpareWoken
 from supervisor.host import Host, files, leftovers
@@ -180,7 +179,7 @@ class SpareKeeper:
         try:
             try:
                 spare.canary = await canary.ask(spare.client)
-            except (EngineError, LookupError, TypeError, ValueError) as exc:
+            except EngineError as exc:
                 raise SpareFailed(f"no answer to the canary prompt before sleeping: {exc}") from None
             spare.awake = held_by(await self._snapshot(), pids)
             await spare.fall_asleep()
@@ -248,23 +247,19 @@ class SpareKeeper:
         t0 = self.host.monotonic()
         try:
             woken = await canary.ask(spare.client)
-        except (EngineError, LookupError, TypeError, ValueError) as exc:
+        except EngineError as exc:
             raise SpareFailed(f"no answer to the canary prompt after the wake: {exc}") from None
         took = round(self.host.monotonic() - t0, 3)
         wrong = spare.canary.differs(woken)
         if wrong is None:
             return {"checked": True, "equal": True, "tokens": len(woken.tokens),
                     "max_logprob_drift": round(spare.canary.drift(woken), 6), "took_s": took}
-        path = None
-        try:
-            path = str(incident.write(self.cfg.state.dir, "spare_canary", {
-                "failure": {"kind": "spare_canary", "evidence": wrong}, "pid": spare.pid,
-                "profile": spare.profile.knobs(), "argv": list(spare.argv), "vllm_version": spare.version,
-                "before_sleep": {"tokens": list(spare.canary.tokens), "logprobs": list(spare.canary.logprobs)},
-                "after_wake": {"tokens": list(woken.tokens), "logprobs": list(woken.logprobs)},
-                "log_tail": spare.tail.snapshot()[-50:]}, redact=lambda t: launch.redact(t, self.cfg.engine.secrets())))
-        except OSError as exc:
-            log.error("incident.write_failed", error=str(exc))
+        path = incident.keep(self.cfg.state.dir, "spare_canary", {
+            "failure": {"kind": "spare_canary", "evidence": wrong}, "pid": spare.pid,
+            "profile": spare.profile.knobs(), "argv": list(spare.argv), "vllm_version": spare.version,
+            "before_sleep": {"tokens": list(spare.canary.tokens), "logprobs": list(spare.canary.logprobs)},
+            "after_wake": {"tokens": list(woken.tokens), "logprobs": list(woken.logprobs)},
+            "log_tail": spare.tail.snapshot()[-50:]}, self.cfg.engine.secrets(), self.publish, self.host.wall)
         await self.drop("canary", fault=True, detail=wrong, incident=path)
         return None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,7 +71,7 @@ class Alerts:
         self.cfg = cfg
         self.publish = publish
         self.monotonic, self.wall, self.tick_s, self.retry_wait_s = monotonic, wall, tick_s, retry_wait_s
-        self.host = cfg.host or socket.gethostname()
+        self.host = cfg.hostname()
         self.rules = AlertRules(cfg, self.host, monotonic(), configured)
         self.hooks = [HookState(h, c) for h, c in channels]
         self.pages = OpenPages(state_dir)

@@ -13,7 +13,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from supervisor.config import AlertsConfig, HookConfig
-from supervisor.ops.alerts.channels import MissingSecret, SendFailed, make_channel
+from supervisor.ops.alerts.channels import Channel, MissingSecret, SendFailed, make_channel
 from supervisor.ops.alerts.rules import Alert
 
 
@@ -52,22 +52,24 @@ async def send_trial(cfg: AlertsConfig, host: str, resolve: bool, now: float | N
             out.append(Outcome(where(hook), False, None, str(exc)))
             continue
         try:
-            await channel.send(trial_alert(host, hook, at))
-        except SendFailed as exc:
-            out.append(Outcome(where(hook), False, None, str(exc)))
+            out.append(await _try(channel, hook, host, at, resolve))
+        finally:
             await channel.close()
-            continue
-        resolved: bool | None = None
-        error = None
-        if resolve:
-            try:
-                await channel.send(trial_alert(host, hook, at, resolves=True))
-                resolved = True
-            except SendFailed as exc:
-                resolved, error = False, f"the resolve: {exc}"
-        await channel.close()
-        out.append(Outcome(where(hook), True, resolved, error))
     return out
+
+
+async def _try(channel: Channel, hook: HookConfig, host: str, at: float, resolve: bool) -> Outcome:
+    try:
+        await channel.send(trial_alert(host, hook, at))
+    except SendFailed as exc:
+        return Outcome(where(hook), False, None, str(exc))
+    if not resolve:
+        return Outcome(where(hook), True, None, None)
+    try:
+        await channel.send(trial_alert(host, hook, at, resolves=True))
+    except SendFailed as exc:
+        return Outcome(where(hook), True, False, f"the resolve: {exc}")
+    return Outcome(where(hook), True, True, None)
 
 
 def render(outcomes: list[Outcome]) -> str:
