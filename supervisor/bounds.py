@@ -16,3 +16,8 @@ STEP_SLACK_S = 10.0
 GATE_SLACK_S = 30.0  # the GPU gate: NVML polls and the utilization it adapts, past its configured waits
 STACK_DUMP_S = 30.0  # py-spy's dumps of a hung engine's processes
 SHORT_SLACK_S = 5.0  # after the dead-engine grace, and after a drain's own bound
+
+# Waking a spare (recovery/spare.py), a step of a start: vLLM's /wake_up, then /health, then the canary's answer.
+SPARE_WAKE_S = 120.0
+SPARE_HEALTH_S = 10.0
+SPARE_CANARY_S = 30.0

@@ -30,7 +30,15 @@ import structlog
 
 from supervisor.about import __version__
 from supervisor.aio import cancel_and_wait
-from supervisor.bounds import GATE_SLACK_S, SHORT_SLACK_S, STACK_DUMP_S, STEP_SLACK_S
+from supervisor.bounds import (
+    GATE_SLACK_S,
+    SHORT_SLACK_S,
+    SPARE_CANARY_S,
+    SPARE_HEALTH_S,
+    SPARE_WAKE_S,
+    STACK_DUMP_S,
+    STEP_SLACK_S,
+)
 from supervisor.config import Config, WarmupConfig
 from supervisor.decide import startup
 from supervisor.decide.classify import ExitInfo, classify
@@ -59,7 +67,8 @@ from supervisor.profile import Profile
 R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
-SPARE_WAKE_BOUND_S = 140.0  # recovery/spare.py: its /wake_up (WAKE_TIMEOUT_S) and the /health after it
+# recovery/spare.py's wake: its /wake_up, the /health after it and the canary's answer, each bounded
+SPARE_WAKE_BOUND_S = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S + STEP_SLACK_S
 
 
 SPAWN_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.bounds import SPARE_CANARY_S
 from supervisor.host.vllm_http import EngineClient, EngineError
 
 PROMPT = ("The following is a list of the first ten prime numbers, written in words, separated by commas: two, "
@@ -21,7 +22,6 @@ TOKENS = 8
 # Greedy decoding of one request repeats on the same engine; its logprobs may move in the last digits (another
 # kernel choice after a wake). Corruption moves them by whole units, or changes the tokens.
 LOGPROB_TOLERANCE = 0.05
-TIMEOUT_S = 30.0
 # [engine.args] with which a wake is known to break the engine (the issues above): no spare is built for them.
 BREAKS_ON_WAKE = {"enable_lora": "LoRA adapters", "lora_modules": "LoRA adapters",
                   "speculative_config": "speculative decoding", "kv_offloading_size": "native KV offload",
@@ -57,7 +57,7 @@ class Canary:
 async def ask(client: EngineClient) -> Canary:
     """The engine's greedy answer to the canary prompt; raises EngineError when it gives none, or one that is not
     a completion."""
-    body = await client.complete(PROMPT, TOKENS, TIMEOUT_S, request_id="sup-canary", logprobs=1)
+    body = await client.complete(PROMPT, TOKENS, SPARE_CANARY_S, request_id="sup-canary", logprobs=1)
     try:
         choice = body["choices"][0]
         lp = choice.get("logprobs") or {}

@@ -28,7 +28,7 @@ import psutil
 import structlog
 
 from supervisor.aio import cancel_and_wait
-from supervisor.bounds import GIB, MIB
+from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_WAKE_S
 from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.engine.logtail import LogTail
@@ -47,7 +47,6 @@ log = structlog.get_logger("supervisor.recovery.spare")
 
 SPARE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /sleep and /wake_up only in its dev mode
 SLEEP_TIMEOUT_S = 300.0  # the 9B shape's 17.6 GiB of weights took 18 s to copy out on the H200
-WAKE_TIMEOUT_S = 120.0
 
 
 class SpareFailed(Exception):
@@ -106,10 +105,10 @@ class Spare:
 
     async def wake(self) -> None:
         try:
-            await self.client.command("/wake_up", WAKE_TIMEOUT_S)
+            await self.client.command("/wake_up", SPARE_WAKE_S)
         except EngineError as exc:
             raise SpareFailed(f"/wake_up failed: {exc}") from None
-        if await self.client.health(timeout=10.0) != 200:
+        if await self.client.health(timeout=SPARE_HEALTH_S) != 200:
             raise SpareFailed("no /health 200 after /wake_up")
 
     async def hand_over(self) -> Child:
