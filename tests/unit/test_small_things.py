@@ -103,6 +103,26 @@ async def test_alertmanager_gets_a_page_and_its_resolve_with_the_same_labels(
     assert res["startsAt"] == f["startsAt"]
 
 
+async def test_a_resolve_never_overtakes_its_page_when_the_page_is_retried(
+        receiver: Callable[..., Receiver], tmp_path: Path) -> None:
+    """A critical page went on the urgent lane and its resolve (info) on the normal one: when the page's first
+    send failed and was retried, the resolve arrived first, and the page then opened for good (Alertmanager kept
+    it 24 h; PagerDuty ignores a resolve of nothing). A resolve goes on its page's lane."""
+    answers = iter([503])
+    am = receiver(answer=lambda _: (next(answers, 200), {}))
+    hook = HookConfig(type="alertmanager", url=am.url, min_severity="warning")
+    alerts = Alerts(AlertsConfig(host="gpu-7"), [(hook, make_channel(hook))], lambda _: None,
+                    state_dir=str(tmp_path), configured=P)
+    alerts.start()
+    alerts.on_event(Fatal(at=time.time() - 60, reason="restart budget spent", exit_code=4, failure=None))
+    alerts.on_event(sc("WARMING", "READY", profile=P))
+    await alerts.close()
+    sent = [r.json()[0] for r in am.requests]
+    assert len(sent) == 3, sent  # the page, its retry, the resolve: in that order
+    page, retry, resolve = sent
+    assert page == retry and resolve["endsAt"] < page["endsAt"]
+
+
 def test_every_third_party_import_of_the_package_is_a_declared_dependency() -> None:
     """`multidict` was imported by the gateway but not declared (it came with aiohttp, until it might not)."""
     import tomllib

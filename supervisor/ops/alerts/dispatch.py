@@ -101,7 +101,9 @@ class Alerts:
                 alert = Alert(f"{page.get('event', 'page')}_resolved", "info", self.host,
                               f"resolved: {page.get('event', 'the condition')} is over ({', '.join(conditions)})",
                               self.wall(), key, details={"opened_as": page}, resolves=True)
-                self._enqueue(h, alert)
+                # In the page's own lane: a resolve overtaking its trigger on another lane would leave PagerDuty
+                # (or Alertmanager, for 24 h) with a page opened after it was resolved.
+                self._enqueue(h, alert, lane_of=str(page.get("severity", "info")))
 
     def fan_out(self, alert: Alert) -> None:
         now = self.monotonic()
@@ -121,8 +123,8 @@ class Alerts:
                     self.pages.opened(h.page_key, alert.dedup_key, alert.clears_on, alert.event, alert.at,
                                       alert.severity)
 
-    def _enqueue(self, h: HookState, alert: Alert) -> bool:
-        lane = h.urgent if alert.severity == "critical" else h.queue
+    def _enqueue(self, h: HookState, alert: Alert, lane_of: str | None = None) -> bool:
+        lane = h.urgent if (lane_of or alert.severity) == "critical" else h.queue
         try:
             lane.put_nowait(alert)
         except asyncio.QueueFull:
