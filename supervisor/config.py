@@ -13,7 +13,7 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -69,20 +69,81 @@ def _default_command() -> tuple[str, ...]:
     return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 
 
+Message = str | Callable[[Any], str]
+
+
+def checked(default: Any, ok: Callable[[Any], bool], message: Message) -> Any:
+    """A field with its constraint beside it: a value for which ``ok`` is false is reported with ``message``
+    (a string, or a function of the value). Rules over several fields are each class's ``problems()``."""
+    return field(default=default, metadata={"check": (ok, message)})
+
+
+def seconds(default: float, zero_ok: bool = False) -> Any:
+    if zero_ok:
+        return checked(default, lambda v: v >= 0, "must be >= 0 seconds")
+    return checked(default, lambda v: v > 0, "must be > 0 seconds")
+
+
+def at_least(default: float, low: float, why: str = "") -> Any:
+    return checked(default, lambda v: v >= low, f"must be >= {low:g}" + (f" {why}" if why else ""))
+
+
+def fraction(default: float, why: str = "") -> Any:
+    return checked(default, lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]" + (f" {why}" if why else ""))
+
+
+def one_of(default: str, choices: tuple[str, ...]) -> Any:
+    return checked(default, lambda v: v in choices, f"must be one of {', '.join(choices)}")
+
+
+def field_problems(obj: Any) -> list[tuple[str, str]]:
+    """(key, message) for every field of ``obj`` whose own constraint (``checked``) it breaks."""
+    out = []
+    for f in dataclasses.fields(obj):
+        check = f.metadata.get("check")
+        if check is None:
+            continue
+        ok, message = check
+        value = getattr(obj, f.name)
+        if not ok(value):
+            out.append((f.name, message(value) if callable(message) else message))
+    return out
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    host: str = "127.0.0.1"
-    port: int = 18000
-    command: tuple[str, ...] = ()
+    host: str = checked("127.0.0.1", lambda v: v in LOOPBACK, lambda v: "must be a loopback address (the engine "
+                        f"is internal; the public port is the gateway's), got {v!r}")
+    port: int = checked(18000, lambda v: 1 <= v <= 65535, lambda v: f"must be a TCP port 1-65535, got {v}")
+    command: tuple[str, ...] = checked((), lambda v: all(bool(x) for x in v), "must not contain empty strings")
     env: dict[str, str] = field(default_factory=dict)
     args: dict[str, ArgValue] = field(default_factory=dict)
-    start_timeout_s: float = 900.0
-    model_wait_s: float = 300.0
-    stop_timeout_s: float = 20.0
-    failed_stop_timeout_s: float = 3.0
-    kill_timeout_s: float = 10.0
-    dead_grace_s: float = 2.0
+    start_timeout_s: float = seconds(900.0)
+    model_wait_s: float = seconds(300.0, zero_ok=True)
+    stop_timeout_s: float = seconds(20.0)
+    failed_stop_timeout_s: float = seconds(3.0)
+    kill_timeout_s: float = seconds(10.0)
+    dead_grace_s: float = seconds(2.0)
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = [] if self.model.strip() else [("model", "must not be empty")]
+        out += [(f"env.{var}", "refused: it would switch off the logging config that carries vLLM's error events "
+                 "to the supervisor; set vLLM's log level with [engine.args] log_level or env VLLM_LOGGING_LEVEL")
+                for var in IPC_ENV if var in self.env]
+        out += [(f"args.{key}", "refused: the supervisor owns vLLM's logging config (it carries the error events); "
+                 "use log_level to change vLLM's verbosity")
+                for key in self.args if key.split(".")[0].replace("-", "_") in IPC_ARGS]
+        out += [(f"args.{reserved}", f"set [engine] {reserved} instead")
+                for reserved in ("model", "host", "port") if reserved in self.args]
+        for knob in (*Profile.MANAGED, "enable_chunked_prefill"):  # the ladder sets it with the chunk
+            for spelled in (knob, knob.replace("_", "-"), "no_" + knob, "no-" + knob.replace("_", "-")):
+                if spelled in self.args:
+                    out.append((f"args.{spelled}", f"managed knob: set it in [profile] {knob}"))
+        return out
 
     @property
     def argv_prefix(self) -> tuple[str, ...]:
@@ -142,56 +203,71 @@ class EngineConfig:
 @dataclass(frozen=True)
 class LadderConfig:
     max_num_batched_tokens: tuple[int, ...] = (DEFAULT_CHUNK, 6144, 4096, 2048)
-    max_num_batched_tokens_floor: int = 512
-    max_num_seqs_floor: int = 1
-    gpu_memory_utilization_step: float = 0.05
-    gpu_memory_utilization_floor: float = 0.3
-    max_model_len_floor: int = 256
-    climb_after_s: float = 1800.0
-    max_rung_failures: int = 2
+    max_num_batched_tokens_floor: int = at_least(512, 1)
+    max_num_seqs_floor: int = at_least(1, 1)
+    gpu_memory_utilization_step: float = checked(0.05, lambda v: 0 < v < 1, "must be in (0, 1)")
+    gpu_memory_utilization_floor: float = checked(0.3, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    max_model_len_floor: int = at_least(256, 1)
+    climb_after_s: float = at_least(1800.0, 0, "(0 disables climbing back)")
+    max_rung_failures: int = at_least(2, 1)
     # Which knob a memory failure lowers first, then next; the evidence may put one knob first.
-    order: tuple[str, ...] = ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization")
+    order: tuple[str, ...] = checked(
+        ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization"),
+        lambda v: 0 < len(v) == len(set(v)) and all(k in {x.value for x in Knob} for k in v),
+        lambda v: f"must list distinct knobs among {', '.join(k.value for k in Knob)}; got {list(v)}")
 
     @property
     def knob_order(self) -> tuple[Knob, ...]:
         return tuple(Knob(k) for k in self.order)
 
+    def problems(self) -> list[tuple[str, str]]:
+        rungs, out = self.max_num_batched_tokens, []
+        if not (len(rungs) > 0 and all(r > 0 for r in rungs)):
+            out.append(("max_num_batched_tokens", "must be a non-empty list of positive token counts"))
+        if list(rungs) != sorted(rungs, reverse=True):
+            out.append(("max_num_batched_tokens", f"must be in descending order, got {list(rungs)}"))
+        return out
+
 
 @dataclass(frozen=True)
 class RestartConfig:
-    max_restarts: int = 5
-    window_s: float = 600.0
-    backoff_initial_s: float = 1.0
+    max_restarts: int = at_least(5, 0)
+    window_s: float = seconds(600.0)
+    backoff_initial_s: float = seconds(1.0, zero_ok=True)
     backoff_max_s: float = 60.0
-    backoff_jitter: float = 0.2
-    device_fatal_retries: int = 1
-    max_consecutive_failures: int = 5
+    backoff_jitter: float = fraction(0.2)
+    device_fatal_retries: int = at_least(1, 0)
+    max_consecutive_failures: int = at_least(5, 1, "(failures in a row without a READY between them before FATAL)")
+
+    def problems(self) -> list[tuple[str, str]]:
+        ok = self.backoff_max_s >= self.backoff_initial_s
+        return [] if ok else [("backoff_max_s", "must be >= backoff_initial_s")]
 
 
 @dataclass(frozen=True)
 class HealthConfig:
-    hang_timeout_s: float = 60.0
-    probe_interval_s: float = 2.0
-    canary_interval_s: float = 30.0
-    canary_max_tokens: int = 1
-    unhealthy_probes: int = 2
+    hang_timeout_s: float = seconds(60.0)
+    probe_interval_s: float = seconds(2.0)
+    canary_interval_s: float = seconds(30.0)
+    canary_max_tokens: int = at_least(1, 1)
+    unhealthy_probes: int = at_least(2, 1)
 
 
 @dataclass(frozen=True)
 class WarmupConfig:
     enabled: bool = True
-    requests: int = 4
-    concurrency: int = 2
-    prompt_tokens: tuple[int, ...] = ()
-    max_tokens: int = 8
-    timeout_s: float = 300.0
+    requests: int = at_least(4, 0)
+    concurrency: int = at_least(2, 1)
+    prompt_tokens: tuple[int, ...] = checked((), lambda v: all(t > 0 for t in v), "token counts must be > 0")
+    max_tokens: int = at_least(8, 1)
+    timeout_s: float = seconds(300.0)
 
 
 @dataclass(frozen=True)
 class GpuConfig:
-    release_timeout_s: float = 60.0
-    free_wait_s: float = 120.0
-    start_headroom_gib: float = 1.0
+    release_timeout_s: float = seconds(60.0, zero_ok=True)
+    free_wait_s: float = seconds(120.0, zero_ok=True)
+    start_headroom_gib: float = checked(1.0, lambda v: v >= 0, "must be >= 0 GiB")
 
     @property
     def start_headroom_bytes(self) -> int:
@@ -200,13 +276,21 @@ class GpuConfig:
 
 @dataclass(frozen=True)
 class StateConfig:
-    dir: str = "/var/lib/vllm-supervisor"
+    dir: str = checked("/var/lib/vllm-supervisor", lambda v: bool(v.strip()), "must be a directory path")
 
 
 @dataclass(frozen=True)
 class AdminConfig:
-    listen: str = "127.0.0.1:8001"
-    metrics_listen: str = ""  # optional: /metrics alone on any address, for a central Prometheus
+    listen: str = checked("127.0.0.1:8001", lambda v: parse_listen(v) is not None,
+                          lambda v: f"must be HOST:PORT, e.g. \"127.0.0.1:8001\", got {v!r}")
+    # optional: /metrics alone on any address, for a central Prometheus
+    metrics_listen: str = checked("", lambda v: not v or parse_listen(v) is not None,
+                                  lambda v: f"must be HOST:PORT, e.g. \"0.0.0.0:9400\", got {v!r}")
+
+    def problems(self) -> list[tuple[str, str]]:
+        admin = parse_listen(self.listen)
+        ok = admin is None or admin[0] in LOOPBACK
+        return [] if ok else [("listen", "must be a loopback address: the admin API is not authenticated")]
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -236,9 +320,9 @@ def parse_listen(listen: str, lowest_port: int = 0) -> tuple[str, int] | None:
 
 @dataclass(frozen=True)
 class LogConfig:
-    format: str = "auto"
-    level: str = "info"
-    tail_lines: int = 2000
+    format: str = one_of("auto", ("auto", "json", "console"))
+    level: str = one_of("info", ("debug", "info", "warning", "error"))
+    tail_lines: int = checked(2000, lambda v: v >= 100, "must be >= 100 lines")
 
 
 SEVERITIES = ("info", "warning", "error", "critical")
@@ -298,11 +382,11 @@ class HookConfig:
 
 @dataclass(frozen=True)
 class AlertsConfig:
-    page_after_s: float = 600.0
-    dedup_window_s: float = 300.0
-    escalate_after: int = 3
-    escalate_window_s: float = 900.0
-    flush_s: float = 5.0
+    page_after_s: float = seconds(600.0, zero_ok=True)
+    dedup_window_s: float = seconds(300.0, zero_ok=True)
+    escalate_after: int = at_least(3, 1)
+    escalate_window_s: float = seconds(900.0, zero_ok=True)
+    flush_s: float = seconds(5.0, zero_ok=True)
     host: str = ""
     hooks: tuple[HookConfig, ...] = ()
 
@@ -315,49 +399,56 @@ class AlertsConfig:
         return tuple(sorted({"CREDENTIALS_DIRECTORY", *(n for h in self.hooks for n in h.secret_envs)}))
 
 
+PRECOMPILE_MODES = ("auto", "on", "off")
+SWITCH_OFF = "(0 switches the rule off)"
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """[gateway]: the public OpenAI port in front of the engine (absent: clients talk to vLLM directly)."""
 
-    listen: str = "127.0.0.1:8000"
+    listen: str = checked("127.0.0.1:8000", lambda v: parse_listen(v, lowest_port=1) is not None,
+                          lambda v: f"must be HOST:PORT, e.g. \"0.0.0.0:8000\", got {v!r}")
     # How long a request may wait for the engine to be READY: seconds, or "auto": as long as the slowest start this
     # host has measured plus the gates, and never cut short while a restart the supervisor began is under way.
-    hold_timeout_s: float | str = "auto"
-    max_held: int = 256  # requests waiting at once; beyond: 503 (engine away) or 429 (caps full)
-    max_in_flight: int = 0  # requests at the engine at once; 0 = no cap
-    max_body_bytes: int = 16 * 2**20
-    max_body_bytes_in_flight: int = 256 * 2**20  # every body the gateway holds at once (read, parsed, held); 0: no cap
-    body_timeout_s: float = 60.0  # a request's whole body must arrive within this (a trickle gets 408)
-    header_timeout_s: float = 10.0  # a connection's request head must arrive within this (else 408, closed)
-    idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
-    max_connections: int = 1024  # open client connections; beyond, a new one gets 503 and is closed
+    hold_timeout_s: float | str = checked(
+        "auto", lambda v: v == "auto" or (not isinstance(v, str) and v > 0),
+        lambda v: f"must be \"auto\" or a number of seconds > 0, got {v!r}")
+    max_held: int = at_least(256, 1)  # requests waiting at once; beyond: 503 (engine away) or 429 (caps full)
+    max_in_flight: int = at_least(0, 0)  # requests at the engine at once; 0 = no cap
+    max_body_bytes: int = at_least(16 * 2**20, 1)
+    # every body the gateway holds at once (read, parsed, held); 0: no cap
+    max_body_bytes_in_flight: int = at_least(256 * 2**20, 0)
+    body_timeout_s: float = seconds(60.0)  # a request's whole body must arrive within this (a trickle gets 408)
+    header_timeout_s: float = seconds(10.0)  # a connection's request head must arrive within this (else 408, closed)
+    idle_timeout_s: float = seconds(75.0)  # an idle kept-alive connection is closed after this
+    max_connections: int = at_least(1024, 1)  # open client connections; beyond, a new one gets 503 and is closed
     # ... of them from one client address (0: no cap); behind a proxy that funnels every client through one address,
     # raise it or set 0.
-    max_connections_per_client: int = 256
-    send_timeout_s: float = 30.0  # a response the client does not read for this long is cut (its slot freed)
-    max_replays: int = 3  # re-issues of one request across engine deaths
+    max_connections_per_client: int = at_least(256, 0)
+    send_timeout_s: float = seconds(30.0)  # a response the client does not read for this long is cut (slot freed)
+    max_replays: int = at_least(3, 0)  # re-issues of one request across engine deaths
     # After a death, the suspect goes alone to the next engine once it has served this long without it: its death
     # then is the suspect's doing, not an engine that dies whatever it serves (gateway/gate.py).
-    solo_after_s: float = 2.0
-    drain_timeout_s: float = 30.0  # SIGTERM and planned restarts: in-flight requests get this long to finish
-    retry_after_s: float = 2.0  # the Retry-After of a 429
-    quarantine_ttl_s: float = 86400.0
+    solo_after_s: float = at_least(2.0, 0)
+    drain_timeout_s: float = seconds(30.0)  # SIGTERM and planned restarts: in-flight requests get this long to finish
+    retry_after_s: float = seconds(2.0)  # the Retry-After of a 429
+    quarantine_ttl_s: float = seconds(86400.0)
     # Shedding on real memory pressure (0 switches a rule off).
-    min_free_mib: float = 256.0  # NVML free memory under this floor
-    foreign_growth_mib: float = 1024.0  # another process's memory grew this much within one poll
-    kv_cache_high: float = 0.98  # vLLM's KV cache this full ...
-    kv_waiting: int = 1  # ... with at least this many requests waiting
-    pressure_poll_s: float = 1.0
+    min_free_mib: float = at_least(256.0, 0, SWITCH_OFF)  # NVML free memory under this floor
+    foreign_growth_mib: float = at_least(1024.0, 0, SWITCH_OFF)  # another process's memory grew this much in a poll
+    kv_cache_high: float = fraction(0.98, SWITCH_OFF)  # vLLM's KV cache this full ...
+    kv_waiting: int = at_least(1, 0)  # ... with at least this many requests waiting
+    pressure_poll_s: float = seconds(1.0)
     # prompt_logprobs materialises chunk x vocab logits at once: a known OOM trigger.
-    prompt_logprobs_max_gib: float = 2.0
-    vocab_size: int = 0  # 0: read from the model's config.json when it is a local path, else 128256
+    prompt_logprobs_max_gib: float = at_least(2.0, 0, SWITCH_OFF)
+    vocab_size: int = at_least(0, 0)  # 0: read from the model's config.json when it is a local path, else 128256
 
     @property
     def host_port(self) -> tuple[str, int]:
         return _host_port(self.listen)
 
 
-PRECOMPILE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -372,14 +463,14 @@ class RecoveryConfig:
     # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto": without a
     # GPU always; on a GPU when half of what the engine left free holds a second copy of the weights, the rung's
     # prefill peak and a little KV cache (recovery/precompile.py room_for_throwaway).
-    precompile: str = "auto"
-    precompile_idle_s: float = 30.0  # after this long READY with nothing at the engine
-    precompile_timeout_s: float = 600.0
+    precompile: str = one_of("auto", PRECOMPILE_MODES)
+    precompile_idle_s: float = seconds(30.0)  # after this long READY with nothing at the engine
+    precompile_timeout_s: float = seconds(600.0)
     # Keep the next rung's precompile throwaway as a whole engine, asleep (vLLM's sleep mode: weights in host
     # memory, ~2 GiB left on the card), and wake it instead of starting one when the engine fails into that
     # rung (recovery/spare.py). "auto": on a GPU host with the gateway in front, when the card holds it beside
     # the engine and the host's memory holds its weights.
-    spare: str = "auto"
+    spare: str = one_of("auto", PRECOMPILE_MODES)
 
 
 @dataclass(frozen=True)
@@ -593,121 +684,12 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
 
 
 def _range_checks(section: str, obj: Any) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-
-    def need(key: str, ok: bool, msg: str) -> None:
-        if not ok:
-            out.append((f"{section}.{key}", msg))
-
-    if isinstance(obj, EngineConfig):
-        need("model", bool(obj.model.strip()), "must not be empty")
-        need("port", 1 <= obj.port <= 65535, f"must be a TCP port 1-65535, got {obj.port}")
-        need("host", obj.host in ("127.0.0.1", "::1", "localhost"),
-             f"must be a loopback address (the engine is internal; the public port is the gateway's), got {obj.host!r}")
-        for key in ("start_timeout_s", "stop_timeout_s", "failed_stop_timeout_s", "kill_timeout_s", "dead_grace_s"):
-            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
-        need("model_wait_s", obj.model_wait_s >= 0, "must be >= 0 seconds")
-        need("command", all(bool(x) for x in obj.command), "must not contain empty strings")
-        for var in IPC_ENV:
-            need(f"env.{var}", var not in obj.env,
-                 "refused: it would switch off the logging config that carries vLLM's error events to the "
-                 "supervisor; set vLLM's log level with [engine.args] log_level or env VLLM_LOGGING_LEVEL")
-        for key in obj.args:
-            if key.split(".")[0].replace("-", "_") in IPC_ARGS:
-                need(f"args.{key}", False, "refused: the supervisor owns vLLM's logging config (it carries "
-                                           "the error events); use log_level to change vLLM's verbosity")
-        for reserved in ("model", "host", "port"):
-            need(f"args.{reserved}", reserved not in obj.args, f"set [engine] {reserved} instead")
-        for knob in (*Profile.MANAGED, "enable_chunked_prefill"):  # the ladder sets it with the chunk
-            for spelled in (knob, knob.replace("_", "-"), "no_" + knob, "no-" + knob.replace("_", "-")):
-                need(f"args.{spelled}", spelled not in obj.args, f"managed knob: set it in [profile] {knob}")
-    elif isinstance(obj, Profile):
-        out.extend((f"profile.{k}", m) for k, m in obj.problems())
-    elif isinstance(obj, LadderConfig):
-        rungs = obj.max_num_batched_tokens
-        need("max_num_batched_tokens", len(rungs) > 0 and all(r > 0 for r in rungs),
-             "must be a non-empty list of positive token counts")
-        need("max_num_batched_tokens", list(rungs) == sorted(rungs, reverse=True),
-             f"must be in descending order, got {list(rungs)}")
-        need("max_num_batched_tokens_floor", obj.max_num_batched_tokens_floor >= 1, "must be >= 1")
-        need("max_num_seqs_floor", obj.max_num_seqs_floor >= 1, "must be >= 1")
-        need("gpu_memory_utilization_step", 0 < obj.gpu_memory_utilization_step < 1, "must be in (0, 1)")
-        need("gpu_memory_utilization_floor", 0 < obj.gpu_memory_utilization_floor <= 1, "must be in (0, 1]")
-        need("max_model_len_floor", obj.max_model_len_floor >= 1, "must be >= 1")
-        need("climb_after_s", obj.climb_after_s >= 0, "must be >= 0 (0 disables climbing back)")
-        need("max_rung_failures", obj.max_rung_failures >= 1, "must be >= 1")
-        known = [k.value for k in Knob]
-        bad = [k for k in obj.order if k not in known]
-        need("order", not bad and len(set(obj.order)) == len(obj.order) and len(obj.order) > 0,
-             f"must list distinct knobs among {', '.join(known)}; got {list(obj.order)}")
-    elif isinstance(obj, RestartConfig):
-        need("max_restarts", obj.max_restarts >= 0, "must be >= 0")
-        need("window_s", obj.window_s > 0, "must be > 0 seconds")
-        need("backoff_initial_s", obj.backoff_initial_s >= 0, "must be >= 0 seconds")
-        need("backoff_max_s", obj.backoff_max_s >= obj.backoff_initial_s, "must be >= backoff_initial_s")
-        need("backoff_jitter", 0 <= obj.backoff_jitter <= 1, "must be a fraction in [0, 1]")
-        need("device_fatal_retries", obj.device_fatal_retries >= 0, "must be >= 0")
-        need("max_consecutive_failures", obj.max_consecutive_failures >= 1,
-             "must be >= 1 (failures in a row without a READY between them before FATAL)")
-    elif isinstance(obj, HealthConfig):
-        for key in ("hang_timeout_s", "probe_interval_s", "canary_interval_s"):
-            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
-        need("canary_max_tokens", obj.canary_max_tokens >= 1, "must be >= 1")
-        need("unhealthy_probes", obj.unhealthy_probes >= 1, "must be >= 1")
-    elif isinstance(obj, WarmupConfig):
-        need("requests", obj.requests >= 0, "must be >= 0")
-        need("concurrency", obj.concurrency >= 1, "must be >= 1")
-        need("prompt_tokens", all(t > 0 for t in obj.prompt_tokens), "token counts must be > 0")
-        need("max_tokens", obj.max_tokens >= 1, "must be >= 1")
-        need("timeout_s", obj.timeout_s > 0, "must be > 0 seconds")
-    elif isinstance(obj, GpuConfig):
-        need("release_timeout_s", obj.release_timeout_s >= 0, "must be >= 0 seconds")
-        need("free_wait_s", obj.free_wait_s >= 0, "must be >= 0 seconds")
-        need("start_headroom_gib", obj.start_headroom_gib >= 0, "must be >= 0 GiB")
-    elif isinstance(obj, StateConfig):
-        need("dir", bool(obj.dir.strip()), "must be a directory path")
-    elif isinstance(obj, AdminConfig):
-        admin = parse_listen(obj.listen)
-        need("listen", admin is not None, f"must be HOST:PORT, e.g. \"127.0.0.1:8001\", got {obj.listen!r}")
-        need("listen", admin is None or admin[0] in ("127.0.0.1", "::1", "localhost"),
-             "must be a loopback address: the admin API is not authenticated")
-        if obj.metrics_listen:
-            need("metrics_listen", parse_listen(obj.metrics_listen) is not None,
-                 f"must be HOST:PORT, e.g. \"0.0.0.0:9400\", got {obj.metrics_listen!r}")
-    elif isinstance(obj, AlertsConfig):
-        for key in ("page_after_s", "dedup_window_s", "escalate_window_s", "flush_s"):
-            need(key, getattr(obj, key) >= 0, "must be >= 0 seconds")
-        need("escalate_after", obj.escalate_after >= 1, "must be >= 1")
-    elif isinstance(obj, HookConfig):
-        out.extend(_hook_problems(section, obj))
-    elif isinstance(obj, GatewayConfig):
-        need("listen", parse_listen(obj.listen, lowest_port=1) is not None,
-             f"must be HOST:PORT, e.g. \"0.0.0.0:8000\", got {obj.listen!r}")
-        need("hold_timeout_s", obj.hold_timeout_s == "auto" or (not isinstance(obj.hold_timeout_s, str)
-                                                                   and obj.hold_timeout_s > 0),
-             f"must be \"auto\" or a number of seconds > 0, got {obj.hold_timeout_s!r}")
-        for key in ("drain_timeout_s", "retry_after_s", "quarantine_ttl_s", "pressure_poll_s",
-                    "body_timeout_s", "header_timeout_s", "idle_timeout_s", "send_timeout_s"):
-            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
-        for key in ("max_held", "max_body_bytes", "max_connections"):
-            need(key, getattr(obj, key) >= 1, "must be >= 1")
-        for key in ("max_in_flight", "max_replays", "kv_waiting", "vocab_size", "solo_after_s",
-                    "max_connections_per_client", "max_body_bytes_in_flight"):
-            need(key, getattr(obj, key) >= 0, "must be >= 0")
-        for key in ("min_free_mib", "foreign_growth_mib", "prompt_logprobs_max_gib"):
-            need(key, getattr(obj, key) >= 0, "must be >= 0 (0 switches the rule off)")
-        need("kv_cache_high", 0 <= obj.kv_cache_high <= 1, "must be a fraction in [0, 1] (0 switches the rule off)")
-    elif isinstance(obj, RecoveryConfig):
-        need("precompile", obj.precompile in PRECOMPILE_MODES, "must be one of auto, on, off")
-        need("spare", obj.spare in PRECOMPILE_MODES, "must be one of auto, on, off")
-        for key in ("precompile_idle_s", "precompile_timeout_s"):
-            need(key, getattr(obj, key) > 0, "must be > 0 seconds")
-    elif isinstance(obj, LogConfig):
-        need("format", obj.format in ("auto", "json", "console"), "must be one of auto, json, console")
-        need("level", obj.level in ("debug", "info", "warning", "error"),
-             "must be one of debug, info, warning, error")
-        need("tail_lines", obj.tail_lines >= 100, "must be >= 100 lines")
-    return out
+    """Each field's own constraint, then its class's rules over several fields (``problems()``)."""
+    if isinstance(obj, HookConfig):
+        return _hook_problems(section, obj)
+    own = field_problems(obj) if dataclasses.is_dataclass(obj) else []
+    rules = obj.problems() if hasattr(obj, "problems") else []
+    return [(f"{section}.{k}", m) for k, m in (*own, *rules)]
 
 
 def _hook_problems(where: str, h: HookConfig) -> list[tuple[str, str]]:

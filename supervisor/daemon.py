@@ -15,8 +15,9 @@ import contextlib
 import shutil
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import structlog
 
@@ -62,12 +63,27 @@ REAP_S = 1.0
 log = structlog.get_logger("supervisor.daemon")
 
 
+class Listener(Protocol):
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Session:
+    """This supervisor process: how it was started, since when, and its run directory (its per-start files)."""
+
+    config_path: str | None
+    install_signals: bool
+    started_mono: float
+    run_dir: Path = field(default_factory=Path)
+
+
 class Daemon:
     def __init__(self, cfg: Config, host: Host, *, notifier: Notifier | None = None,
                  echo: TextIO | None = None, install_signals: bool = True,
                  client_factory: Callable[[], EngineClient] | None = None, config_path: str | None = None) -> None:
-        self.cfg, self.host, self.config_path, self.install_signals = cfg, host, config_path, install_signals
-        self.started_mono = host.monotonic()
+        self.cfg, self.host = cfg, host
+        self.session = Session(config_path, install_signals, host.monotonic())
         self.bus = EventBus()
         publish = self.bus.publish
         learned = statefile.load(cfg.state.dir)
@@ -80,10 +96,9 @@ class Daemon:
         self.gateway = Gateway(cfg, host, publish, self._engine_view, side) if cfg.gateway else None
         self.heartbeat = Heartbeat(host, self.notifier, publish, lambda: self.lifecycle.state)
         self.loop_lag = LoopLag()
-        self.run_dir = Path()
 
         def new_run(p: Profile, number: int, standby: PreparedSource) -> EngineRun:
-            return EngineRun(self.cfg, host, p, number, self.run_dir / f"start-{number}", publish, echo=echo,
+            return EngineRun(self.cfg, host, p, number, self.session.run_dir / f"start-{number}", publish, echo=echo,
                              client=client_factory() if client_factory else None, standby=standby)
 
         self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run,
@@ -108,12 +123,13 @@ class Daemon:
             self.bus.subscribe("gateway", self.gateway)
             self.metrics.gateway_from(self.gateway.status, OUTCOMES, EVENTS)
         # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control socket.
-        self.admin = AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render,
-                                          self.engine_metrics), *cfg.admin.host_port, host.monotonic)
-        self.metrics_only = AdminServer(metrics_app(self.metrics.render, self.engine_metrics),
-                                        *cfg.admin.metrics_host_port, host.monotonic) \
-            if cfg.admin.metrics_listen else None
-        self.control = ControlServer(control.path_in(cfg.state.dir), self.control_command)
+        self.listeners: list[Listener] = [
+            AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render, self.engine_metrics),
+                        *cfg.admin.host_port, host.monotonic),
+            ControlServer(control.path_in(cfg.state.dir), self.control_command)]
+        if cfg.admin.metrics_listen:
+            self.listeners.append(AdminServer(metrics_app(self.metrics.render, self.engine_metrics),
+                                              *cfg.admin.metrics_host_port, host.monotonic))
         self._background: set[asyncio.Task[Any]] = set()
 
     def on_event(self, event: Event) -> None:
@@ -135,16 +151,14 @@ class Daemon:
 
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.install_signals:
+        if self.session.install_signals:
             loop.add_signal_handler(signal.SIGTERM, self.lifecycle.request_stop, "SIGTERM")
             loop.add_signal_handler(signal.SIGINT, self.lifecycle.request_stop, "SIGINT")
             loop.add_signal_handler(signal.SIGHUP, self._soon, self.reload)
-        self.run_dir = rundir.make()
-        self.recovery.use_dir(self.run_dir)
-        await self.admin.start()
-        if self.metrics_only is not None:
-            await self.metrics_only.start()
-        await self.control.start()
+        self.session.run_dir = rundir.make()
+        self.recovery.use_dir(self.session.run_dir)
+        for listener in self.listeners:
+            await listener.start()
         if self.gateway is not None:
             await self.gateway.start()
         self.bus.start()
@@ -176,12 +190,10 @@ class Daemon:
         await self.alerts.close()  # bounded by [alerts] flush_s; before the port's close, which clients can hold
         if self.gateway is not None:
             await self.gateway.close()  # bounded by gateway.CLOSE_S
-        await self.admin.close()
-        if self.metrics_only is not None:
-            await self.metrics_only.close()
-        await self.control.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.install_signals:
+        for listener in self.listeners:
+            await listener.close()
+        shutil.rmtree(self.session.run_dir, ignore_errors=True)
+        if self.session.install_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -226,7 +238,7 @@ class Daemon:
         """The /status document (docs/interface.md)."""
         return {
             **self.lifecycle.status(),
-            "uptime_s": round(self.host.monotonic() - self.started_mono, 3),
+            "uptime_s": round(self.host.monotonic() - self.session.started_mono, 3),
             "history": self.history.last(20),
             "event_stream": self.bus.counters(),
             "loop": self.loop_lag.status(),
@@ -258,7 +270,7 @@ class Daemon:
 
     async def reload(self) -> tuple[bool, str]:
         """Read the config file again: invalid → keep the old one; engine settings changed → planned restart."""
-        path = self.config_path
+        path = self.session.config_path
         publish = self.bus.publish
         publish(Reloading(at=self.host.wall(), source=str(path)))
         try:

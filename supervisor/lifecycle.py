@@ -126,6 +126,18 @@ class Serving:
     idle: bool = False
 
 
+@dataclass
+class Tally:
+    """This supervisor's count of the engine's life: its starts, the restarts since it was last stable, the outage
+    and the READY period under way, and the last READY record."""
+
+    starts: int = 0
+    restarts: int = 0
+    outage: Outage | None = None
+    serving: Serving | None = None
+    last_ready: Ready | None = None
+
+
 class Lifecycle:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], heartbeat: Heartbeat,
                  policy: Policy, profile: Profile, new_run: Callable[[Profile, int, PreparedSource], EngineRun],
@@ -135,13 +147,9 @@ class Lifecycle:
         self.profile = profile
         self.state = S.STOPPED
         self.state_since = host.monotonic()
-        self.restarts = 0
         self.remembered = Remembered(**(learned or {}))
-        self.starts = 0
+        self.tally = Tally(outage=Outage(host.monotonic()))  # not READY since the supervisor started
         self.run: EngineRun | None = None
-        self.outage: Outage | None = Outage(host.monotonic())  # not READY since the supervisor started
-        self.serving: Serving | None = None
-        self.last_ready: Ready | None = None
         self.stop_asked = asyncio.Event()
 
     # ---- the only writers ------------------------------------------------------------------------
@@ -151,7 +159,7 @@ class Lifecycle:
         old, self.state = self.state, new
         now = self.host.monotonic()
         if new is S.READY:
-            self.outage = None
+            self.tally.outage = None
         self.publish(StateChanged(at=self.host.wall(), old=old, new=new, after_s=round(now - self.state_since, 3),
                                   profile=self.profile, restarts=self.restarts, outage_s=self._outage_s(), **why))
         self.state_since = now
@@ -174,6 +182,10 @@ class Lifecycle:
         self.publish(LearnedChanged(at=self.host.wall(), profile=self.profile, rung_failures=failed,
                                     last_failure=_copy(self.last_failure), restarts_total=self.restarts_total,
                                     slowest_start_s=r.slowest_start_s, fatal=_copy(r.fatal)))
+
+    @property
+    def restarts(self) -> int:  # since the engine was last stable: what max_restarts counts
+        return self.tally.restarts
 
     @property
     def restarts_total(self) -> int:
@@ -224,7 +236,7 @@ class Lifecycle:
         return self.run.pids() if self.run else set()
 
     def _outage_s(self) -> float | None:
-        return None if self.outage is None else round(self.host.monotonic() - self.outage.since, 3)
+        return None if self.tally.outage is None else round(self.host.monotonic() - self.tally.outage.since, 3)
 
     def restarting(self) -> bool:
         """The supervisor is bringing the engine back: a start or a restart it began is under way."""
@@ -232,11 +244,11 @@ class Lifecycle:
                                                                S.BACKOFF, S.DRAINING)
 
     def restart_eta_s(self) -> float:
-        return float(self.last_ready.timings.get("start_to_ready_s", 30.0)) if self.last_ready else 30.0
+        return float(self.tally.last_ready.timings.get("start_to_ready_s", 30.0)) if self.tally.last_ready else 30.0
 
     def status(self) -> dict[str, Any]:
         now = self.host.monotonic()
-        run = self.run
+        run, last = self.run, self.tally.last_ready
         warming = self.state_since if self.state is S.WARMING else None
         run_status = run.status(warming) if run else {"engine_pid": None, "phase": None, "startup": None,
                                                        "engine_version": None}
@@ -247,20 +259,20 @@ class Lifecycle:
             "ready": self.state is S.READY,
             "profile": self.profile.knobs(),
             "configured_profile": self.cfg.profile.knobs(),
-            "restarts": self.restarts,
+            "restarts": self.tally.restarts,
             "restarts_total": self.restarts_total,
             "failures_in_a_row": self.policy.in_a_row,
             "last_failure": self.last_failure,
             "engine_pid": run_status["engine_pid"],
-            "engine_url": (self.last_ready and self.last_ready.engine_url) or self.cfg.engine.base_url,
-            "start": self.starts,
+            "engine_url": (last and last.engine_url) or self.cfg.engine.base_url,
+            "start": self.tally.starts,
             "phase": run_status["phase"],
             "startup": run_status["startup"],
             "engine_version": run_status["engine_version"],
             "degraded": self.profile.knobs() != self.cfg.profile.knobs(),
             "state_for_s": round(now - self.state_since, 3),
             "outage_s": self._outage_s(),
-            "timings": self.last_ready.as_dict() if self.last_ready else {},
+            "timings": last.as_dict() if last else {},
             "fatal": self.remembered.fatal,
         }
 
@@ -269,12 +281,12 @@ class Lifecycle:
         """Supervise until asked to stop (0) or FATAL (non-zero ExitCode)."""
         while True:
             await self.recovery.settled()  # a throwaway precompile engine is gone before any start
-            self.starts += 1
-            run = self.run = self.new_run(self.profile, self.starts, self.recovery)
+            self.tally.starts += 1
+            run = self.run = self.new_run(self.profile, self.tally.starts, self.recovery)
             if self.stop_asked.is_set():
                 run.end(TriggerKind.STOP, "stop requested")
             trigger = await self._drive(run)
-            self.serving = None
+            self.tally.serving = None
             if trigger.kind is TriggerKind.STOP:
                 if self.front is not None:  # without one, nothing of the clients' passes through us to drain
                     await self._drain("stop")
@@ -291,7 +303,7 @@ class Lifecycle:
 
     async def _drive(self, run: EngineRun) -> Trigger:
         """STARTING -> WARMING -> READY, then serving until a trigger ends the run."""
-        self.change_state(S.STARTING, start=self.starts)  # STOPPED|BACKOFF|STOPPING -> STARTING
+        self.change_state(S.STARTING, start=self.tally.starts)  # STOPPED|BACKOFF|STOPPING -> STARTING
         gated = await self.heartbeat.wait(run.gates(), run.deadline_at)
         if isinstance(gated, Trigger):
             return gated
@@ -305,11 +317,11 @@ class Lifecycle:
         ready = await self.heartbeat.wait(run.warm(), run.deadline_at)
         if not isinstance(ready, Ready):
             return ready
-        self.last_ready = ready
+        self.tally.last_ready = ready
         slower = self.remembered.note_start(float(ready.timings.get("start_to_ready_s") or 0.0))
-        self.serving = Serving(self.host.monotonic())
+        self.tally.serving = Serving(self.host.monotonic())
         self.policy.on_ready()
-        recovered = self.remembered.recovered(self.outage, self.host.monotonic())
+        recovered = self.remembered.recovered(self.tally.outage, self.host.monotonic())
         self.change_state(S.READY, ready=ready)  # WARMING -> READY
         if recovered is not None:
             self.publish(Recovered(at=self.host.wall(), kind=recovered[0], recovered_after_s=recovered[1],
@@ -321,7 +333,7 @@ class Lifecycle:
 
     async def _tick_ready(self, run: EngineRun) -> None:
         """Level-triggered checks while READY: a stable period, idleness, and the climb back one rung."""
-        serving = self.serving
+        serving = self.tally.serving
         assert serving is not None
         ready_for = self.host.monotonic() - serving.since
         if not serving.stable and ready_for >= self.cfg.restart.window_s:
@@ -376,10 +388,10 @@ class Lifecycle:
         """STOPPING, classify, ask the policy; BACKOFF and None to go on, or FATAL and its exit code."""
         self.publish(FailureDetected(at=self.host.wall(), trigger=trigger.kind, evidence=trigger.evidence,
                                      state=self.state))
-        if self.outage is None:
-            self.outage = Outage(trigger.at_mono)
-        if self.outage.first_failure is None:
-            self.outage.first_failure = trigger.at_mono
+        if self.tally.outage is None:
+            self.tally.outage = Outage(trigger.at_mono)
+        if self.tally.outage.first_failure is None:
+            self.tally.outage.first_failure = trigger.at_mono
         detected_after = round(trigger.at_mono - self.state_since, 3)
         self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
         verdict = await self.heartbeat.wait(run.conclude(trigger), run.deadline_at)
@@ -408,7 +420,7 @@ class Lifecycle:
             self.learned()
             return decision.exit_code
         self.change_profile(decision.profile, decision.reason, failure=failure)
-        self.restarts += 1
+        self.tally.restarts += 1
         self.remembered.restarts_total += 1
         self.learned()
         self.change_state(S.BACKOFF, delay_s=round(decision.delay_s, 3), reason=decision.reason)  # STOPPING -> BACKOFF

@@ -3,7 +3,9 @@
 A restart is shorter than a cold start when its slow parts were done ahead: the standby pool
 (``standby``, ``standby_fork``) keeps an interpreter with vLLM imported that becomes the next
 engine, and the precompiler (``precompile``, ``precompile_idle_s``, ``precompile_timeout_s``)
-compiles the rungs the next start would pick into vLLM's cache. Recovery plugs into the rest as
+compiles the rungs the next start would pick into vLLM's cache, and the spare (``spare``) keeps
+the next rung's whole engine asleep: both second engines, one at a time (``ahead``, launched by
+``throwaway``). Recovery plugs into the rest as
 an event-stream subscriber (READY, the engine's reported environment, idleness, leaving READY)
 plus the calls of the lifecycle and its runs: ``take()`` (the standby, at the moment a start
 spawns), ``spare_for()`` (the spare engine, woken for a start at its rung: recovery/spare.py) and
@@ -24,8 +26,8 @@ from supervisor.engine_states import EngineState
 from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, StateChanged
 from supervisor.host import Host
 from supervisor.profile import Profile
-from supervisor.recovery.precompile import Precompiler
-from supervisor.recovery.spare import Spare, SpareKeeper
+from supervisor.recovery.ahead import Ahead
+from supervisor.recovery.spare import Spare
 from supervisor.recovery.standby import Standby, StandbyPool, vllm_env_of
 
 TICK_S = 1.0
@@ -36,8 +38,7 @@ class Recovery:
                  next_rungs: Callable[[Profile], list[Profile]]) -> None:
         self.host = host
         self.pool = StandbyPool(cfg, host, publish)
-        self.keeper = SpareKeeper(cfg, host, publish)
-        self.precompiler = Precompiler(cfg, host, publish, next_rungs, self.keeper)
+        self.ahead = Ahead(cfg, host, publish, next_rungs)
         self._serving: tuple[Profile, str | None] | None = None  # the READY engine's profile and vLLM version
         self._idle_since: float | None = None
         self._ready_since: float | None = None
@@ -45,12 +46,11 @@ class Recovery:
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
-        self.pool.dir = self.precompiler.dir = directory
+        self.pool.dir = self.ahead.launcher.dir = directory
 
     def configure(self, cfg: Config) -> None:
         self.pool.configure(cfg)
-        self.precompiler.configure(cfg)
-        self.keeper.configure(cfg)
+        self.ahead.configure(cfg)
 
     # ---- the subscriber ------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -61,11 +61,11 @@ class Recovery:
                 version = event.ready.engine_version if event.ready else None
                 self._serving = (event.profile, version)
                 self._ready_since = self.host.monotonic()
-                self.precompiler.note_compiled(event.profile, version)
+                self.ahead.precompiler.note_compiled(event.profile, version)
                 self.pool.want()
             elif event.old is EngineState.READY:
                 self._serving, self._idle_since, self._ready_since = None, None, None
-                self.precompiler.stop()  # the host is the next start's now
+                self.ahead.stop()  # the host is the next start's now
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 
@@ -75,14 +75,14 @@ class Recovery:
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when there is none that can serve it."""
-        return await self.keeper.take(profile)
+        return await self.ahead.keeper.take(profile)
 
     def lost(self, standby: Standby, error: str) -> None:
         self.pool.lost(standby, error)
 
     async def settled(self) -> None:
         """No throwaway engine left (its processes may hold memory the next start needs)."""
-        await self.precompiler.settled()
+        await self.ahead.settled()
 
     # ---- precompiling while idle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -96,18 +96,16 @@ class Recovery:
                 profile, version = self._serving
                 now = self.host.monotonic()
                 idle_for = now - self._idle_since if self._idle_since is not None else 0.0
-                await self.precompiler.maybe_precompile(profile, version, idle_for, now - self._ready_since)
+                await self.ahead.tick(profile, version, idle_for, now - self._ready_since)
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""
-        return self.precompiler.pids() | self.keeper.pids()
+        return self.ahead.pids()
 
     def status(self) -> dict[str, Any]:
-        return {"standby": self.pool.status(), "precompiling": self.precompiler.running(),
-                "precompile": self.precompiler.status(), "spare": self.keeper.status()}
+        return {"standby": self.pool.status(), **self.ahead.status()}
 
     async def close(self) -> None:
         await cancel_and_wait(self._ticker)
-        await self.precompiler.close()
-        await self.keeper.close()
+        await self.ahead.close()
         await self.pool.close()

@@ -2,8 +2,8 @@
 
 What is left of a recovery once the imports and the compile are done ahead (the standby, the
 precompile) is vLLM building an engine: at the seed's scale 18 of a 20 s restart (docs/recovery.md
-§5). A spare skips it. The precompile's throwaway for the rung the next runtime OOM would pick is
-started with the real weights, ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (the routes
+§5). A spare skips it. A second engine (recovery/throwaway.py) at the rung the next runtime OOM would
+pick is started with the real weights, ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (the routes
 ``/sleep`` and ``/wake_up``, which the gateway never forwards), and once it answers /health it is put
 to sleep at level 1: its weights are copied to host memory and its KV cache dropped, its CUDA graphs,
 compiled code and processes kept; ~2 GiB stays on the card. When the engine fails into that rung the
@@ -17,35 +17,29 @@ the card has not the memory it needs to wake, or when it dies; the start is then
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psutil
 import structlog
 
-from supervisor.aio import cancel_and_wait
 from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_WAKE_S
 from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
-from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import Event, SpareAsleep, SpareDropped, SpareWoken
-from supervisor.host import Host, files, leftovers
+from supervisor.host import Host, leftovers
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
-from supervisor.host.proctree import Child
-from supervisor.host.vllm_http import EngineClient, EngineError
+from supervisor.host.vllm_http import EngineError
 from supervisor.ops import incident
 from supervisor.profile import Knob, Profile
 from supervisor.recovery import canary
 from supervisor.recovery.canary import Canary
-from supervisor.recovery.sizing import SECOND_ENGINE_RESERVE, activation_of
+from supervisor.recovery.sizing import second_engine_bytes
+from supervisor.recovery.throwaway import FailedRungs, Throwaway, fields_of
 
 log = structlog.get_logger("supervisor.recovery.spare")
 
-SPARE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /sleep and /wake_up only in its dev mode
 SLEEP_TIMEOUT_S = 300.0  # the 9B shape's 17.6 GiB of weights took 18 s to copy out on the H200
 
 
@@ -54,32 +48,12 @@ class SpareFailed(Exception):
 
 
 @dataclass
-class Spare:
+class Spare(Throwaway):
     """A whole engine asleep at ``profile`` (the utilization it could start at beside the engine)."""
 
-    child: Child
-    profile: Profile
-    url: str
-    work: Path  # its hook, logging config and events socket path: kept while it lives
-    tail: LogTail
-    drains: list[asyncio.Task[None]]
-    client: EngineClient
-    argv: tuple[str, ...] = ()  # secrets masked
-    version: str | None = None  # the vLLM that built it (the serving engine's: the same install)
     awake: dict[int, int] = field(default_factory=dict)  # device -> bytes its processes held awake (NVML)
     asleep: dict[int, int] = field(default_factory=dict)  # ... and asleep
     canary: Canary | None = None  # its answer to the canary prompt before it slept
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    def alive(self) -> bool:
-        return self.child.proc.returncode is None
 
     def serves(self, profile: Profile) -> bool:
         """It can be the engine at ``profile``: the same rung (the compile key: every knob but the
@@ -111,12 +85,6 @@ class Spare:
         if await self.client.health(timeout=SPARE_HEALTH_S) != 200:
             raise SpareFailed("no /health 200 after /wake_up")
 
-    async def hand_over(self) -> Child:
-        """Stop reading its pipes and its client: the run that adopts it reads them from here on."""
-        await cancel_and_wait(*self.drains)
-        await self.client.close()
-        return self.child
-
 
 def held_by(snaps: Iterable[DeviceSnapshot], pids: set[int]) -> dict[int, int]:
     """Bytes ``pids`` hold on each device (NVML's per-process accounting)."""
@@ -126,10 +94,9 @@ def held_by(snaps: Iterable[DeviceSnapshot], pids: set[int]) -> dict[int, int]:
 class SpareKeeper:
     """Holds at most one spare: decides whether one is wanted, keeps it asleep, hands it to a start, or stops it."""
 
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
-        self.cfg, self.host, self.publish = cfg, host, publish
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], failed: FailedRungs) -> None:
+        self.cfg, self.host, self.publish, self.failed = cfg, host, publish, failed
         self.spare: Spare | None = None
-        self.refused: set[str] = set()  # rungs whose spare failed to start or sleep: precompiled plainly instead
         self.why = "not asked yet: no rung has been precompiled"
 
     def configure(self, cfg: Config) -> None:
@@ -140,8 +107,8 @@ class SpareKeeper:
         no GPU is seen), or None; ``self.why`` says why, for /status. NVML is asked only when the mode and the
         gateway leave it to the card."""
         mode, util = self.cfg.recovery.spare, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
-        if rung.compile_key() in self.refused:
-            self.why = "the spare for this rung failed to start or to sleep in this run: it is precompiled instead"
+        if self.failed.no_spare(rung):
+            self.why = "a second engine at this rung failed to start or to sleep in this run: no spare for it"
             return None
         if mode == "off":
             self.why = '[recovery] spare = "off"'
@@ -170,9 +137,10 @@ class SpareKeeper:
                                          psutil.virtual_memory().available)
         return found
 
-    async def keep(self, spare: Spare, spawned_at: float) -> bool:
+    async def keep(self, started: Throwaway, spawned_at: float) -> bool:
         """Put a throwaway that answers /health to sleep and keep it; False (and an event) when that fails, and
         the caller stops it as any throwaway."""
+        spare = Spare(**fields_of(started))
         pids = self.host.tree_pids(spare.child)
         t0 = self.host.monotonic()
         try:
@@ -184,16 +152,13 @@ class SpareKeeper:
             await spare.fall_asleep()
             spare.asleep = held_by(await self._snapshot(), pids)
         except (SpareFailed, GpuLost) as exc:
-            self.refused.add(spare.profile.compile_key())
+            self.failed.add(spare.profile, "spare")
             self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile,
                                       reason=str(exc), fault=True))
             return False
         now = self.host.monotonic()
-        try:
-            leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
-                spare.child.sid, self.host.birth(spare.pid), os.getpid()), leftovers.SPARE)
-        except (OSError, psutil.Error) as exc:
-            log.warning("state.spare_record_failed", error=str(exc))
+        spare.record_as(leftovers.SPARE)
+        leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)  # a spare kept is no precompile's throwaway
         self.spare = spare
         self.why = "asleep"
         self.publish(SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
@@ -282,11 +247,8 @@ class SpareKeeper:
         if spare is None:
             return
         self.why = f"dropped: {reason}" + (f" ({detail})" if detail else "")
-        await spare.hand_over()
         e = self.cfg.engine
-        await self.host.terminate_tree(spare.child, e.stop_timeout_s, e.kill_timeout_s)
-        leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
-        shutil.rmtree(spare.work, ignore_errors=True)
+        await spare.stop(e.stop_timeout_s, e.kill_timeout_s, record=leftovers.SPARE)
         self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile, reason=reason,
                                   fault=fault, detail=detail, incident=incident))
 
@@ -294,7 +256,7 @@ class SpareKeeper:
         return await self.host.gpu_snapshot(self.cfg.engine.devices())
 
     def pids(self) -> set[int]:
-        return set(self.spare.child.known_pids) if self.spare is not None else set()
+        return self.spare.pids() if self.spare is not None else set()
 
     def status(self) -> dict[str, Any]:
         s = self.spare
@@ -319,15 +281,15 @@ def room_for_spare(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile, r
     """On a GPU, "auto" keeps a spare when its weights fit in the host's available memory (where they sleep)
     and the card holds, beside the engine, a second engine at a utilization no lower than the ladder's floor:
     its weights, the rung's prefill peak, its CUDA graphs and a KV cache."""
-    weights = files.weights_on_disk(model)
-    if weights is None:
+    size = second_engine_bytes(model, rung, ranks)
+    if size is None:
         return None, "auto: the model is not a local directory with weights, so their size is unknown"
+    weights, need = size.weights, size.need
     if ram_available < weights + 2 * GIB:
         return None, (f"auto: the host has {ram_available / GIB:.1f} GiB of memory available; a spare asleep "
                       f"keeps its {weights / GIB:.1f} GiB of weights there")
     util = fits_beside(snaps, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9, headroom)
     total = min(s.total for s in snaps)
-    need = (weights + activation_of(model, rung)) // max(1, ranks) + SECOND_ENGINE_RESERVE
     if util < floor or util * total < need:
         return None, (f"auto: a spare beside the engine could start at gpu_memory_utilization {util:g} "
                       f"({util * total / GIB:.1f} GiB); it needs at least {floor:g} and about {need / GIB:.1f} GiB "

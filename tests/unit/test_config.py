@@ -278,8 +278,8 @@ def test_every_config_error_is_reported_in_one_run_with_its_full_path() -> None:
     with pytest.raises(ConfigError) as err:
         parse(raw)
     fields = [f for f, _ in err.value.problems]
-    assert fields == ["engine.model", "engine.args.lora_modules[1]", "engine.args.max_loras[1]", "engine.port",
-                      "engine.host", "restart.max_restarts", "restart.window_s", "alerts.hooks[0].bogus",
+    assert fields == ["engine.model", "engine.args.lora_modules[1]", "engine.args.max_loras[1]", "engine.host",
+                      "engine.port", "restart.max_restarts", "restart.window_s", "alerts.hooks[0].bogus",
                       "alerts.hooks[0].routing_key_env"], fields
 
 
@@ -308,3 +308,28 @@ def test_a_spare_asked_for_without_a_gateway_is_a_config_error_naming_the_key() 
     assert "recovery.spare" in str(err.value)
     assert parse({**MINIMAL, "recovery": {"spare": "on"}, "gateway": {}}).recovery.spare == "on"
     assert parse(MINIMAL).recovery.spare == "auto"
+
+
+def test_every_numeric_key_carries_its_constraint_beside_its_field() -> None:
+    """Issue 26: the range checks sat ~400 lines from their fields. Each number is now declared with its
+    constraint (``checked``, ``seconds``, ``at_least``, ...); rules over several keys are the class's problems()."""
+    import dataclasses
+    import typing
+
+    from supervisor import config as c
+
+    over_several = {("RestartConfig", "backoff_max_s")}  # >= backoff_initial_s: RestartConfig.problems()
+    loose = []
+    for cls in (c.EngineConfig, c.LadderConfig, c.RestartConfig, c.HealthConfig, c.WarmupConfig, c.GpuConfig,
+                c.AdminConfig, c.LogConfig, c.AlertsConfig, c.GatewayConfig, c.RecoveryConfig):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            numeric = hints[f.name] in (int, float) or hints[f.name] == float | str
+            if numeric and "check" not in f.metadata and (cls.__name__, f.name) not in over_several:
+                loose.append(f"{cls.__name__}.{f.name}")
+    assert loose == []
+    with pytest.raises(ConfigError) as err:
+        parse({"engine": {"model": "m"}, "restart": {"backoff_initial_s": 5, "backoff_max_s": 1},
+               "gateway": {"kv_cache_high": 2}})
+    assert err.value.problems == [("restart.backoff_max_s", "must be >= backoff_initial_s"),
+                                  ("gateway.kv_cache_high", "must be a fraction in [0, 1] (0 switches the rule off)")]

@@ -210,7 +210,8 @@ def test_spare_auto_needs_the_weights_in_host_memory_and_a_second_engine_beside_
 
     unused: Any = None  # no process behind it: only its rung and its memory are asked
     spare = Spare(child=unused, profile=rung.with_(gpu_memory_utilization=0.48), url="http://127.0.0.1:1",
-                  work=tmp_path, tail=unused, drains=[], client=unused, awake={0: 66 * GIB}, asleep={0: 2 * GIB})
+                  work=tmp_path, tail=unused, drains=[], client=unused, host=unused, state_dir=str(tmp_path),
+                  awake={0: 66 * GIB}, asleep={0: 2 * GIB})
     assert spare.serves(rung) and not spare.serves(rung.with_(gpu_memory_utilization=0.4))
     assert not spare.serves(rung.with_(max_num_batched_tokens=8192))
     assert spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())], GIB) is None

@@ -76,8 +76,12 @@ def test_module_names_do_not_collide_with_supervisord() -> None:
     assert not ours & SUPERVISORD_MODULES
 
 
+COORDINATORS = {"Lifecycle": 15, "Daemon": 15}  # issue 26: they coordinate parts; state belongs in the parts
+
+
 def test_no_class_in_the_package_passes_300_lines_or_20_instance_attributes() -> None:
-    """Size is a smell (docs/design.md): wiring that creeps into a class belongs in the composition root."""
+    """Size is a smell (docs/design.md): wiring that creeps into a class belongs in the composition root. The two
+    coordinators are held to 15 attributes."""
     import ast
 
     top = Path(__file__).parents[2] / "supervisor"
@@ -89,6 +93,6 @@ def test_no_class_in_the_package_passes_300_lines_or_20_instance_attributes() ->
             attrs = {a.attr for a in ast.walk(node) if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store)
                      and isinstance(a.value, ast.Name) and a.value.id == "self"}
             lines = (node.end_lineno or node.lineno) - node.lineno + 1
-            if lines > 300 or len(attrs) > 20:
+            if lines > 300 or len(attrs) > COORDINATORS.get(node.name, 20):
                 too_big.append(f"{path.relative_to(top)}:{node.name} ({lines} lines, {len(attrs)} attributes)")
     assert too_big == []

@@ -1,0 +1,153 @@
+"""What the next start finds ready, built while the engine serves: one second engine at a time.
+
+The one decision lives here: for the rung the next runtime OOM would pick, a spare when one is wanted
+(recovery/spare.py), else a precompile of the next rung not yet compiled (recovery/precompile.py).
+Both are launched by recovery/throwaway.py; a rung whose second engine failed is remembered once
+(``FailedRungs``). The work is killed, never waited for, the moment the engine leaves READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
+from supervisor.host import Host
+from supervisor.host.gpu import GpuLost
+from supervisor.profile import Profile
+from supervisor.recovery.precompile import Precompiler
+from supervisor.recovery.spare import SpareKeeper
+from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
+
+
+class Ahead:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 targets: Callable[[Profile], list[Profile]]) -> None:
+        self.cfg, self.host, self.publish, self.targets = cfg, host, publish, targets
+        self.failed = FailedRungs()
+        self.launcher = Launcher(cfg, host, publish)
+        self.precompiler = Precompiler(cfg, host)
+        self.keeper = SpareKeeper(cfg, host, publish, self.failed)
+        self._task: asyncio.Task[None] | None = None
+        self._gpu_host: bool | None = None  # NVML sees a device (asked once)
+
+    def configure(self, cfg: Config) -> None:
+        self.cfg = cfg
+        for part in (self.launcher, self.precompiler, self.keeper):
+            part.configure(cfg)
+
+    async def tick(self, profile: Profile, version: str | None, idle_for_s: float, ready_for_s: float) -> None:
+        """Once the engine was idle long enough (on a GPU host: READY long enough), build the next second engine.
+        On a GPU host its compile is CPU work on many cores, niced, and its GPU memory is bounded by what the
+        serving engine left, so it does not wait for a lull that busy servers never have: the seed's crash came
+        under steady traffic. A spare whose rung is no longer the first target (or that died asleep) goes first."""
+        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        await self.keeper.check(targets[0] if targets else None)
+        if self.running():
+            return
+        if (ready_for_s if await self._on_gpu() else idle_for_s) < self.cfg.recovery.precompile_idle_s:
+            return
+        spare = await self._spare_for(targets[0]) if targets else None
+        if spare is not None:  # a spare compiles its rung too, compiled already or not
+            self._task = asyncio.create_task(self._guarded(spare, version, True), name="recovery:spare")
+            return
+        todo = [p for p in targets if not self.precompiler.is_compiled(p, version) and not self.failed.no_precompile(p)]
+        if todo and await self.precompiler.allowed(todo[0]):
+            rung = await self.precompiler.beside_the_engine(todo[0])
+            self._task = asyncio.create_task(self._guarded(rung, version, False), name="recovery:precompile")
+
+    async def _on_gpu(self) -> bool:
+        if self._gpu_host is None:
+            try:
+                self._gpu_host = bool(await self.host.gpu_snapshot(self.cfg.engine.devices()))
+            except GpuLost:
+                self._gpu_host = True
+        return self._gpu_host
+
+    async def _spare_for(self, first: Profile) -> Profile | None:
+        """The first target at the utilization its spare starts at, when a spare is wanted and none is kept."""
+        if self.keeper.spare is not None:
+            return None
+        util = await self.keeper.wanted(first)
+        return None if util is None else first.with_(gpu_memory_utilization=util)
+
+    async def _guarded(self, rung: Profile, version: str | None, spare: bool) -> None:
+        try:
+            await self._build(rung, version, spare)
+        except Exception as exc:  # noqa: BLE001 - a second engine's own fault never stops the supervision
+            self.failed.add(rung, "spare" if spare else "precompile")
+            self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
+
+    async def _build(self, rung: Profile, version: str | None, spare: bool) -> None:
+        """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep mode, not
+        niced: it may become the engine) is then kept asleep, a precompile's throwaway stopped."""
+        t0 = self.host.monotonic()
+        try:
+            t = await self.launcher.launch(rung, "real" if spare else "dummy", sleep_mode=spare, niced=not spare,
+                                           version=version)
+        except OSError as exc:
+            self.failed.add(rung, "precompile")
+            self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
+                                         error=f"could not start a second engine: {exc}"))
+            return
+        why, lines = await self._until_kept(t, version, spare, t0)
+        if why is not None:
+            self.failed.add(rung, "spare" if spare else "precompile")
+        self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=why is None,
+                                     took_s=round(self.host.monotonic() - t0, 3),
+                                     error=None if why is None else f"{why}; last lines: {' | '.join(lines)}"))
+
+    async def _until_kept(self, t: Throwaway, version: str | None, spare: bool,
+                          t0: float) -> tuple[str | None, list[str]]:
+        """Wait for ``t``'s /health; then keep it (a spare) or stop it. Why it failed, and its last lines."""
+        kept = False
+        try:
+            why = await t.until_healthy(self.cfg.recovery.precompile_timeout_s)
+            lines = t.last_lines()  # what it printed while failing, not its shutdown
+            if why is None:
+                self.precompiler.note_compiled(t.profile, version)  # its graphs are in the cache, whatever comes
+                kept = spare and await self.keeper.keep(t, t0)
+        finally:
+            if not kept:
+                await t.stop()  # a spare kept has its own record now (SpareKeeper.keep)
+            self.launcher.done(t)
+        return why, lines
+
+    def stop(self) -> None:
+        """The engine ended (it failed or stops): the work under way is killed, not waited for. The kill runs
+        beside the engine's own stop; ``settled`` waits for it before the next start."""
+        if self._task is not None:
+            _cancel_once(self._task)
+
+    async def settled(self) -> None:
+        """No second engine left starting (its processes may hold memory the next start needs)."""
+        task, self._task = self._task, None
+        if task is not None:
+            _cancel_once(task)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def running(self) -> bool:
+        return bool(self._task is not None and not self._task.done())
+
+    def pids(self) -> set[int]:
+        """Processes of ours besides the engine (second engines hold GPU memory)."""
+        return self.launcher.pids() | self.keeper.pids()
+
+    def status(self) -> dict[str, Any]:
+        return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
+                "spare": self.keeper.status()}
+
+    async def close(self) -> None:
+        await self.settled()
+        await self.keeper.close()
+
+
+def _cancel_once(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` unless it is done or already being cancelled: a second cancel would land in its cleanup
+    (stopping the throwaway's processes) and leave a throwaway slow to stop running into the next start."""
+    if not task.done() and not task.cancelling():
+        task.cancel()

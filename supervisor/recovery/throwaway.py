@@ -1,0 +1,206 @@
+"""One launcher for every second engine: a precompile's throwaway and a spare are each a whole vLLM
+server started beside the serving engine, on a free loopback port, with a run directory, an events
+socket and a leftovers record of their own.
+
+``launch(rung, weights, sleep_mode, niced)`` spawns one (a cancelled launch stops what it had started:
+a process nobody holds would keep its share of the GPU) and returns a ``Throwaway``, which waits for
+its ``/health`` (``until_healthy``) and is stopped with everything it started (``stop``), or is handed
+to whoever keeps it (``hand_over``: a spare becoming the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+import structlog
+
+from supervisor.aio import cancel_and_wait
+from supervisor.bounds import THROWAWAY_STOP_S
+from supervisor.config import Config
+from supervisor.engine import ipc, launch
+from supervisor.engine.logtail import LogTail
+from supervisor.event_stream import Event, PrecompileStarted
+from supervisor.host import Host, leftovers
+from supervisor.host.proctree import Child
+from supervisor.host.vllm_http import EngineClient
+from supervisor.profile import Profile
+
+log = structlog.get_logger("supervisor.recovery.throwaway")
+
+Weights = Literal["dummy", "real"]
+# Not part of vLLM's compile hash: what lets a precompile be cheap and fit beside the engine.
+DUMMY_WEIGHTS_ARGS = {"load_format": "dummy"}
+SLEEP_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /sleep and /wake_up only in its dev mode
+HEALTH_POLL_S = 0.5
+TAIL_LINES = 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Throwaway:
+    """A second engine of ours, started at ``profile`` (the utilization it was given)."""
+
+    child: Child
+    profile: Profile
+    url: str
+    work: Path  # its hook, logging config and events socket: removed when it stops
+    tail: LogTail
+    drains: list[asyncio.Task[None]]
+    client: EngineClient
+    host: Host
+    state_dir: str  # where its leftovers record is
+    argv: tuple[str, ...] = ()  # secrets masked
+    version: str | None = None  # the vLLM that runs it (the serving engine's: the same install)
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def alive(self) -> bool:
+        return self.child.proc.returncode is None
+
+    def pids(self) -> set[int]:
+        return set(self.child.known_pids)
+
+    def last_lines(self, n: int = 5) -> list[str]:
+        return self.tail.snapshot()[-n:]
+
+    async def until_healthy(self, timeout_s: float) -> str | None:
+        """None once it answers /health 200, else why not (it exited, or the time ran out)."""
+        deadline = self.host.monotonic() + timeout_s
+        while self.host.monotonic() < deadline:
+            self.host.tree_pids(self.child)  # its EngineCore holds GPU memory: ours, not a foreign process's
+            if self.child.proc.returncode is not None:
+                return f"exited with status {self.child.proc.returncode}"
+            if await self.client.health(timeout=2.0) == 200:
+                return None
+            await self.host.sleep(HEALTH_POLL_S)
+        return f"no /health 200 within {timeout_s:g}s"
+
+    async def hand_over(self) -> Child:
+        """Stop reading its pipes and its client: whoever adopts it reads them from here on."""
+        await cancel_and_wait(*self.drains)
+        await self.client.close()
+        return self.child
+
+    def record_as(self, name: str) -> None:
+        """Its leftovers record under ``name``: a supervisor SIGKILLed meanwhile is followed by one that stops it."""
+        try:
+            leftovers.write(self.state_dir, leftovers.EngineRecord(
+                self.child.sid, self.host.birth(self.pid), os.getpid()), name)
+        except (OSError, psutil.Error) as exc:
+            log.warning("state.second_engine_record_failed", record=name, error=str(exc))
+
+    async def stop(self, grace_s: float = THROWAWAY_STOP_S, kill_s: float = THROWAWAY_STOP_S,
+                   record: str = leftovers.PRECOMPILE) -> None:
+        """Stop it and everything it started; its run directory and its record go too. The processes go first:
+        this runs in the cleanup of a cancelled task too, where any later await may be cut short."""
+        await self.host.terminate_tree(self.child, grace_s, kill_s)
+        for d in self.drains:
+            d.cancel()
+        await self.client.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+        leftovers.clear(self.state_dir, record)
+
+
+def fields_of(t: Throwaway) -> dict[str, Any]:
+    """A throwaway's fields, for a record that extends it (a spare)."""
+    return {f.name: getattr(t, f.name) for f in fields(Throwaway)}
+
+
+class Launcher:
+    """Starts second engines like the engine (its command, its environment without the alerts' secrets), on a
+    free port and with a run directory of their own under ``dir``."""
+
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
+        self.cfg, self.host, self.publish = cfg, host, publish
+        self.dir = Path()
+        self.current: Throwaway | None = None  # the one being started or waited for (its pids are ours)
+
+    def configure(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    async def launch(self, rung: Profile, weights: Weights, sleep_mode: bool, niced: bool,
+                     version: str | None = None) -> Throwaway:
+        """Spawn a second engine at ``rung``; OSError when it cannot be started."""
+        e = self.cfg.engine
+        args = {**e.args, **(DUMMY_WEIGHTS_ARGS if weights == "dummy" else {})}
+        if sleep_mode:
+            args["enable_sleep_mode"] = True
+        engine = replace(e, port=free_port(), args=args)
+        key = rung.compile_key().replace(" ", "").replace("-", "")[:40]
+        work = self.dir / f"{'spare' if sleep_mode else 'precompile'}-{key}"
+        argv = launch.build_argv(engine, rung, self.cfg.health.hang_timeout_s)
+        if niced and shutil.which("nice"):
+            argv = ["nice", "-n", "10", *argv]  # never an engine that may serve: niced for good
+        ipc_env = ipc.prepare_child_env(work, str(work / ipc.SOCKET_NAME), "INFO",
+                                        dev_mode=sleep_mode or ipc.dev_mode(e.env))
+        env = launch.build_env(e, ipc_env, str(work), withheld=self.cfg.withheld_env())
+        if sleep_mode:
+            env.update(SLEEP_MODE_ENV)
+        secrets = e.secrets()  # vLLM prints its args, --api-key included: errors quote its last lines
+        tail = LogTail(TAIL_LINES, redact=lambda line: launch.redact(line, secrets))
+        self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
+        child = await self._spawn(argv, env)
+        drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
+        t = Throwaway(child, rung, engine.base_url, work, tail, drains,
+                      EngineClient(engine.base_url, e.api_key(), ipc.control_token(env)), self.host,
+                      self.cfg.state.dir, tuple(launch.masked(argv, secrets)), version)
+        t.record_as(leftovers.PRECOMPILE)
+        self.current = t
+        return t
+
+    async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
+        """Cancelled meanwhile (the engine died), the process that did start is stopped before the cancellation
+        goes on."""
+        spawning = asyncio.ensure_future(self.host.spawn(argv, env))
+        try:
+            return await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self.host.terminate_tree(await spawning, THROWAWAY_STOP_S, THROWAWAY_STOP_S)
+            raise
+
+    def done(self, t: Throwaway) -> None:
+        """``t`` is stopped or kept: no longer the one being started."""
+        if self.current is t:
+            self.current = None
+
+    def pids(self) -> set[int]:
+        return self.current.pids() if self.current is not None else set()
+
+
+class FailedRungs:
+    """The one memory, for this run, of rungs whose second engine failed: a rung whose spare failed to start or
+    to sleep is precompiled plainly next time; one whose precompile failed is not tried again at all."""
+
+    def __init__(self) -> None:
+        self._kind: dict[str, str] = {}  # compile key -> "spare" or "precompile"
+
+    def add(self, rung: Profile, kind: Literal["spare", "precompile"]) -> None:
+        if self._kind.get(rung.compile_key()) != "precompile":
+            self._kind[rung.compile_key()] = kind
+
+    def no_spare(self, rung: Profile) -> bool:
+        return rung.compile_key() in self._kind
+
+    def no_precompile(self, rung: Profile) -> bool:
+        return self._kind.get(rung.compile_key()) == "precompile"
