@@ -137,6 +137,17 @@ class Prepared(Protocol):
     async def activate(self, argv: Sequence[str], env: Mapping[str, str], fork: bool) -> Child: ...
 
 
+@dataclass
+class Origin:
+    """Where this start's engine comes from, and where it answers and sends its events: a spawn (cold, or the
+    standby becoming it) at the configured port and the run directory's socket, or a woken spare at its own."""
+
+    url: str
+    events: Path
+    spare: Woken | None = None  # woken at the gates: the start adopts it instead of spawning
+    standby: bool = False  # the standby became the engine (known at the spawn)
+
+
 class Woken(Protocol):
     """A whole engine that was kept asleep and is awake now (recovery's spare): it becomes this start's engine."""
 
@@ -173,11 +184,10 @@ class EngineRun:
         self.phase = Phase.LOADING
         self.seen = Observer(cfg, host, publish, self.secrets, lambda found: self.end(TriggerKind.DEATH, found),
                              echo)
-        self.server = ipc.EventServer(run_dir / ipc.SOCKET_NAME, self.seen.on_event)
+        self.origin = Origin(cfg.engine.base_url, run_dir / ipc.SOCKET_NAME)
+        self.server = ipc.EventServer(self.origin.events, self.seen.on_event)
         self.child: Child | None = None
         self.standby = standby  # asked for an interpreter that becomes the engine instead of a cold spawn
-        self.from_standby = False
-        self.spare: Woken | None = None  # woken at the gates: the start adopts it instead of spawning
         self.monitor: Monitor | None = None  # from the spawn on
         self.t = Timeline(host.monotonic())
         self.deadline = self.t.started  # by when the current step must be over (the watchdog's measure)
@@ -252,9 +262,9 @@ class EngineRun:
 
     def _adopting(self, spare: Woken) -> Adapted | None:
         """This start takes the woken spare: its profile (the utilization it started at), its port, its events."""
-        self.spare = spare
-        self.client.base_url = spare.url
-        self.server = ipc.EventServer(spare.work / ipc.SOCKET_NAME, self.seen.on_event)
+        self.origin = Origin(spare.url, spare.work / ipc.SOCKET_NAME, spare)
+        self.client.base_url = spare.url  # the client made before the gates: it has no request open yet
+        self.server = ipc.EventServer(self.origin.events, self.seen.on_event)
         self.seen.engine_version = spare.version
         if spare.profile == self.profile:
             return None
@@ -265,20 +275,23 @@ class EngineRun:
     async def start(self) -> Trigger | Healthy:
         """Spawn (or adopt the woken spare), and wait for /health 200."""
         e = self.cfg.engine
-        argv = launch.build_argv(e, self.profile, self.cfg.health.hang_timeout_s)
-        sock = self.run_dir / ipc.SOCKET_NAME
-        ipc_env = ipc.prepare_child_env(self.run_dir, str(sock), launch.vllm_log_level(e), ipc.dev_mode(e.env))
         await self.server.start()
-        env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())
-        try:
-            self.child = await self.spare.hand_over() if self.spare is not None else await self._spawn(argv, env)
-        except OSError as exc:
-            evidence = f"could not start the engine command {argv[0]!r}: {exc}"
-            return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(spawn_failure_kind(exc), evidence))
-        child = self.child
-        shown = self.spare.argv if self.spare is not None else tuple(launch.masked(argv, self.secrets))
+        spare = self.origin.spare
+        if spare is not None:  # its hook, logging config and socket were made when it was built
+            child, shown = await spare.hand_over(), spare.argv
+        else:
+            argv = launch.build_argv(e, self.profile, self.cfg.health.hang_timeout_s)
+            ipc_env = ipc.prepare_child_env(self.run_dir, str(self.origin.events), launch.vllm_log_level(e),
+                                            ipc.dev_mode(e.env))
+            env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())
+            try:
+                child, shown = await self._spawn(argv, env), tuple(launch.masked(argv, self.secrets))
+            except OSError as exc:
+                evidence = f"could not start the engine command {argv[0]!r}: {exc}"
+                return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(spawn_failure_kind(exc), evidence))
+        self.child = child
         self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number, argv=shown,
-                                   standby=self.from_standby, spare=self.spare is not None))
+                                   standby=self.origin.standby, spare=spare is not None))
         try:
             leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
                 child.sid, self.host.birth(child.pid), os.getpid()))
@@ -307,7 +320,7 @@ class EngineRun:
         if standby is not None and self.standby is not None:
             try:
                 child = await standby.activate(argv, env, self.cfg.recovery.standby_fork)
-                self.from_standby = True
+                self.origin.standby = True
                 return child
             except OSError as exc:
                 self.standby.lost(standby, str(exc))
@@ -345,8 +358,8 @@ class EngineRun:
         t.ready = self.host.monotonic()
         assert t.healthy is not None
         phases = startup.phases(t.started, t.spawned, self.seen.steps, t.healthy, t.ready)
-        return Ready(t.timings(), phases, tuple(sizes), self.seen.engine_version, self.from_standby,
-                     self.spare is not None, engine_url=self.client.base_url)
+        return Ready(t.timings(), phases, tuple(sizes), self.seen.engine_version, self.origin.standby,
+                     self.origin.spare is not None, engine_url=self.origin.url)
 
     async def _warm(self, w: WarmupConfig, sizes: list[int]) -> None:
         await warmup.run(self.client, sizes, w)
@@ -464,7 +477,7 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
             "events": events[-100:], "log_tail": lines[-400:], "timings": run.t.timings(),
             "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
                          "vllm": run.seen.engine_version},
-            "argv": list(run.spare.argv) if run.spare is not None else launch.masked(
+            "argv": list(run.origin.spare.argv) if run.origin.spare is not None else launch.masked(
                 launch.build_argv(run.cfg.engine, run.profile, run.cfg.health.hang_timeout_s), run.secrets)}
 
 
