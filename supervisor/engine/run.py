@@ -274,15 +274,15 @@ class EngineRun:
 
     async def start(self) -> Trigger | Healthy:
         """Spawn (or adopt the woken spare), and wait for /health 200."""
-        e = self.cfg.engine
-        await self.server.start()
-        spare = self.origin.spare
+        e, spare = self.cfg.engine, self.origin.spare
         if spare is not None:  # its hook, logging config and socket were made when it was built
+            await self.server.start()
             child, shown = await spare.hand_over(), spare.argv
         else:
             argv = launch.build_argv(e, self.profile, self.cfg.health.hang_timeout_s)
             ipc_env = ipc.prepare_child_env(self.run_dir, str(self.origin.events), launch.vllm_log_level(e),
-                                            ipc.dev_mode(e.env))
+                                            ipc.dev_mode(e.env))  # makes the run directory the socket is in
+            await self.server.start()
             env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())
             try:
                 child, shown = await self._spawn(argv, env), tuple(launch.masked(argv, self.secrets))
