@@ -22,8 +22,9 @@ ADMIN, PORT = "127.0.0.1:8001", 18000
 notes: list[str] = []
 HOG = ("import os, torch, time\n"
        "free, total = torch.cuda.mem_get_info()\n"
-       "x = torch.empty(free - int(os.environ.get('HOG_LEAVE_MIB', '16')) * 2**20, dtype=torch.uint8, "
-       "device='cuda')\n"
+       "frac = float(os.environ.get('HOG_FRACTION', '0'))\n"  # a share of the card, else all but HOG_LEAVE_MIB
+       "n = int(total * frac) if frac else free - int(os.environ.get('HOG_LEAVE_MIB', '16')) * 2**20\n"
+       "x = torch.empty(n, dtype=torch.uint8, device='cuda')\n"
        "print('hog holds', x.numel() >> 20, 'MiB of', total >> 20, flush=True)\n"
        "time.sleep(3600)\n")
 

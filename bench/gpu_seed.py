@@ -14,6 +14,10 @@ PART=recovery (b) the gateway at its defaults but no clients: the long prompt st
             process leaves once the death is seen.
 PART=shed   (c) the gateway at its defaults, 16 clients; the other process leaves 16 MiB, then 300 MiB: the long
             prompt's answers, and the same prompt once the card is free.
+PART=order  (issue 27) the spare where none fits beside the engine: UTIL (default 0.9) and HOG_BEFORE (a share of
+            the card another process holds from before the start, e.g. 0.47 with UTIL=0.4). The warm-cache cold
+            start is measured with `spare = "off"`; then the supervisor at its defaults builds the spare first,
+            16 clients from READY on, CRASH_AFTER_S (20) later the seed's crash through the gateway.
 Every prompt is counted first with the engine's /tokenize; a part stops at once, saying why, when the prompt
 does not fit or the incident does not happen. $OUT gets summary-<part>.txt and events-<part>.jsonl.
 """
@@ -54,7 +58,7 @@ LONG = os.environ.get("LONG_PROMPT", " the contract clause") * int(os.environ.ge
 PRECOMPILE_WAIT_S = float(os.environ.get("PRECOMPILE_WAIT_S", "240"))
 
 
-def toml(state: Path, cache: Path, gateway: str) -> str:
+def toml(state: Path, cache: Path, gateway: str, util: float = 0.5, spare: str = "auto") -> str:
     env = (f'HF_HUB_OFFLINE = "1", VLLM_USE_FLASHINFER_SAMPLER = "0", VLLM_NO_USAGE_STATS = "1", '
            f'VLLM_CACHE_ROOT = "{cache}/vllm", TORCHINDUCTOR_CACHE_DIR = "{cache}/inductor", '
            f'TRITON_CACHE_DIR = "{cache}/triton"')
@@ -72,10 +76,12 @@ trust_remote_code = true
 [profile]
 max_num_batched_tokens = 8192
 max_num_seqs = 10
-gpu_memory_utilization = 0.5
+gpu_memory_utilization = {util}
 max_model_len = {MAX_LEN}
 [state]
 dir = "{state}"
+[recovery]
+spare = "{spare}"
 [admin]
 listen = "127.0.0.1:8001"
 [log]
@@ -145,6 +151,8 @@ def prepared(log: Path) -> None:
 
 def main() -> int:
     part = os.environ.get("PART", "crash")
+    if part == "order":
+        return order()
     OUT.mkdir(parents=True, exist_ok=True)
     cache = Path(f"/tmp/vcache-{os.environ.get('CACHE', part)}")
     fresh = not os.environ.get("CACHE")
@@ -227,6 +235,84 @@ def main() -> int:
         (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")
         ours = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"')]
         (OUT / f"events-{part}.jsonl").write_text("\n".join(ours) + "\n")
+    return 0
+
+
+def order() -> int:
+    """PART=order: the spare built first at UTIL (HOG_BEFORE held by another process from before the start)."""
+    util, before = float(os.environ.get("UTIL", "0.9")), float(os.environ.get("HOG_BEFORE", "0"))
+    OUT.mkdir(parents=True, exist_ok=True)
+    cache, state = Path(f"/tmp/vcache-{os.environ.get('CACHE', 'order')}"), Path("/tmp/sup-state-order")
+    gateway = f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n'
+    plain, spared = Path("/tmp/sup-order-off.toml"), Path("/tmp/sup-order.toml")
+    plain.write_text(toml(state, cache, gateway, util, "off"))
+    spared.write_text(toml(state, cache, gateway, util, "auto"))
+    log = OUT / "supervisor-order.log"
+    sup: subprocess.Popen[bytes] | None = None
+    hogs: list[subprocess.Popen[str]] = []
+    clients = Clients()
+    try:
+        if before:
+            os.environ["HOG_FRACTION"] = str(before)
+            hogs.append(start_hog())
+            os.environ.pop("HOG_FRACTION")
+        if not os.environ.get("CACHE"):
+            shutil.rmtree(cache, ignore_errors=True)
+            shutil.rmtree(state, ignore_errors=True)
+            sup = run_supervisor(plain, log)
+            st = ready(sup, log, "the cache-warming start")
+            note(f"order: cold start with an empty compile cache, spare off: {st['timings']['start_to_ready_s']}s")
+            stop_supervisor(sup)
+        shutil.rmtree(state, ignore_errors=True)
+        log.write_text("")
+        sup = run_supervisor(plain, log)
+        st = ready(sup, log, "READY from the warm cache, spare off")
+        cold = float(st["timings"]["start_to_ready_s"])
+        note(f"order: warm-cache cold start, spare off {cold:.1f}s, profile {st['profile']}")
+        stop_supervisor(sup)
+        shutil.rmtree(state, ignore_errors=True)
+        log.write_text("")
+        sup = run_supervisor(spared, log)
+        st = ready(sup, log, "READY with the spare built first")
+        first = float(st["timings"]["start_to_ready_s"])
+        note(f"order: first READY with the spare built first {first:.1f}s ({first / cold:.2f}x); profile "
+             f"{st['profile']}; spare {json.dumps(st['next_start']['spare'])[:600]}")
+        clients.start()
+        time.sleep(float(os.environ.get("CRASH_AFTER_S", "20")))
+        n = counted(LONG, "m", MAX_LEN)
+        note(f"the long prompt: {n} tokens by the engine's tokenizer")
+        hogs.append(start_hog())
+        answer: dict[str, Any] = {}
+        t_sent = time.monotonic()
+        sender = threading.Thread(target=lambda: answer.update(zip(("code", "body", "headers"), http(
+            f"http://{GW}/v1/completions", {"model": "m", "prompt": LONG, "max_tokens": 4}, 900), strict=True)),
+            daemon=True)
+        sender.start()
+        st = ready(sup, log, "READY after the death", restarts=1)
+        lf = st["last_failure"]
+        rec = float(lf["recovered_after_s"])
+        note(f"order: {lf['kind']} ({lf['evidence'][:160]}); death -> READY {rec:.1f}s = {rec / cold:.3f}x the "
+             f"warm-cache cold start {cold:.1f}s; profile {st['profile']}")
+        sender.join(900)
+        note(f"the long prompt through the gateway: HTTP {answer.get('code')} after "
+             f"{time.monotonic() - t_sent:.1f}s: {str(answer.get('body'))[:200]}")
+        time.sleep(10)
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
+    finally:
+        note(clients.finish())
+        last = status()
+        note(f"gateway: {last and last.get('gateway')}")
+        for h in hogs:
+            h.kill()
+        if sup is not None and sup.poll() is None:
+            stop_supervisor(sup)
+        for name in ("gpu.utilization_adapted", "engine.failed", "engine.rung_precompiled", "spare.asleep",
+                     "spare.woken", "spare.dropped", "engine.spawned"):
+            for e in events_in(log, name)[:6]:
+                note(json.dumps(e)[:500])
+        (OUT / "summary-order.txt").write_text("\n".join(notes) + "\n")
     return 0
 
 

@@ -21,3 +21,4 @@ SHORT_SLACK_S = 5.0  # after the dead-engine grace, and after a drain's own boun
 SPARE_WAKE_S = 120.0
 SPARE_HEALTH_S = 10.0
 SPARE_CANARY_S = 30.0
+SPARE_SLEEP_S = 300.0  # the 9B shape's 17.6 GiB of weights took 18 s to copy out on the H200

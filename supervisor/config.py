@@ -400,6 +400,7 @@ class AlertsConfig:
 
 
 PRECOMPILE_MODES = ("auto", "on", "off")
+SPARE_ORDERS = ("auto", "beside", "first")
 SWITCH_OFF = "(0 switches the rule off)"
 
 
@@ -471,6 +472,10 @@ class RecoveryConfig:
     # rung (recovery/spare.py). "auto": on a GPU host with the gateway in front, when the card holds it beside
     # the engine and the host's memory holds its weights.
     spare: str = one_of("auto", PRECOMPILE_MODES)
+    # Where the spare is built when the engine is about to start: "beside" the serving engine (the card must hold
+    # both awake), "first", before it on a free card, the engine then starting beside the spare's sleeping footprint
+    # (only at planned starts: the first, a climb, a reload, `restart`), or "auto": beside when it fits, else first.
+    spare_order: str = one_of("auto", SPARE_ORDERS)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,15 @@ from supervisor.bounds import GIB
 from supervisor.config import Config, is_local_path
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.engine_states import Failure, FailureKind, TriggerKind
-from supervisor.event_stream import Event, GpuShort, ModelAppeared, ModelMissing, UtilizationAdapted
+from supervisor.event_stream import (
+    Event,
+    GpuLostEvent,
+    GpuNotReleased,
+    GpuShort,
+    ModelAppeared,
+    ModelMissing,
+    UtilizationAdapted,
+)
 from supervisor.host import Host
 from supervisor.host.gpu import GpuLost
 from supervisor.profile import Knob, Profile
@@ -92,3 +100,15 @@ async def gpu_gate(cfg: Config, host: Host, publish: Callable[[Event], None],
     return TriggerKind.GPU_SHORT, evidence, Failure(
         FailureKind.STARTUP_MEMORY, evidence, knob=Knob.GPU_MEMORY_UTILIZATION, suggested=fits,
         rung_at_fault=False)
+
+
+async def wait_released(cfg: Config, host: Host, publish: Callable[[Event], None], pids: tuple[int, ...]) -> None:
+    """After a stop: wait (``[gpu] release_timeout_s``) until the stopped processes' GPU memory is free again."""
+    timeout = cfg.gpu.release_timeout_s
+    try:
+        held = await host.wait_gpu_released(pids, timeout)
+    except GpuLost as exc:
+        publish(GpuLostEvent(at=host.wall(), error=str(exc)))
+        return
+    if held:
+        publish(GpuNotReleased(at=host.wall(), held={str(k): v for k, v in held.items()}, timeout_s=timeout))

@@ -18,14 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import os
 import platform
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO, TypeVar
 
-import psutil
 import structlog
 
 from supervisor.about import __version__
@@ -35,6 +33,7 @@ from supervisor.bounds import (
     SHORT_SLACK_S,
     SPARE_CANARY_S,
     SPARE_HEALTH_S,
+    SPARE_SLEEP_S,
     SPARE_WAKE_S,
     STACK_DUMP_S,
     STEP_SLACK_S,
@@ -53,13 +52,10 @@ from supervisor.event_stream import (
     EngineSpawned,
     EngineStopped,
     Event,
-    GpuLostEvent,
-    GpuNotReleased,
     NoStackDump,
     Ready,
 )
 from supervisor.host import Host, leftovers
-from supervisor.host.gpu import GpuLost
 from supervisor.host.proctree import Child, StopReport
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
@@ -69,6 +65,8 @@ log = structlog.get_logger("supervisor.engine")
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
 # recovery/spare.py's wake: its /wake_up, the /health after it and the canary's answer, each bounded
 SPARE_WAKE_BOUND_S = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S + STEP_SLACK_S
+# ... and a spare built first (precompile_timeout_s to /health, then its canary and its sleep)
+SPARE_FIRST_SLACK_S = SPARE_CANARY_S + SPARE_SLEEP_S + STEP_SLACK_S
 
 
 SPAWN_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
@@ -166,6 +164,7 @@ class PreparedSource(Protocol):
     def take(self) -> Prepared | None: ...
     def lost(self, standby: Any, error: str) -> None: ...
     async def spare_for(self, profile: Profile) -> Woken | None: ...
+    async def spare_first(self, profile: Profile) -> bool: ...
 
 
 class EngineRun:
@@ -252,6 +251,17 @@ class EngineRun:
                 return spare
             if spare is not None:
                 return self._adopting(spare)
+        gated = await self._gated()
+        if self.standby is None or isinstance(gated, Trigger):
+            return gated
+        self._expect(self.cfg.recovery.precompile_timeout_s + SPARE_FIRST_SLACK_S)
+        first = await self._race(self.standby.spare_first(self.profile))
+        if first is True:  # the card has the spare asleep on it now: the engine starts beside its footprint
+            return await self._gated() or gated
+        return first if isinstance(first, Trigger) else gated
+
+    async def _gated(self) -> Trigger | Adapted | None:
+        e = self.cfg.engine
         self._expect(e.model_wait_s + self.cfg.gpu.free_wait_s + GATE_SLACK_S)
         gated = await self._race(gates.every_gate(self.cfg, self.host, self.publish, self.profile))
         if isinstance(gated, tuple):
@@ -292,11 +302,7 @@ class EngineRun:
         self.child = child
         self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number, argv=shown,
                                    standby=self.origin.standby, spare=spare is not None))
-        try:
-            leftovers.write(self.cfg.state.dir, leftovers.EngineRecord(
-                child.sid, self.host.birth(child.pid), os.getpid()))
-        except (OSError, psutil.Error) as exc:
-            log.warning("state.engine_record_failed", error=str(exc))
+        leftovers.record(self.cfg.state.dir, self.host, child)
         assert child.proc.stdout is not None and child.proc.stderr is not None
         self._tasks += [asyncio.create_task(self.seen.tail.drain(child.proc.stdout)),
                         asyncio.create_task(self.seen.tail.drain(child.proc.stderr)),
@@ -433,24 +439,13 @@ class EngineRun:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*self._tasks[:2], return_exceptions=True), DRAIN_S)
             t2 = self.host.monotonic()
-            await self._wait_gpu_released(report.pids)
+            await gates.wait_released(self.cfg, self.host, self.publish, report.pids)
             self.publish(EngineStopped(at=self.host.wall(), pids=report.pids, sigkilled=report.killed,
                                        survivors=report.survivors, returncode=report.returncode,
                                        kill_s=round(t1 - t0, 3), drain_s=round(t2 - t1, 3),
                                        gpu_release_s=round(self.host.monotonic() - t2, 3), planned=planned))
         await self.close()
         return report
-
-    async def _wait_gpu_released(self, pids: tuple[int, ...]) -> None:
-        timeout = self.cfg.gpu.release_timeout_s
-        try:
-            held = await self.host.wait_gpu_released(pids, timeout)
-        except GpuLost as exc:
-            self.publish(GpuLostEvent(at=self.host.wall(), error=str(exc)))
-            return
-        if held:
-            self.publish(GpuNotReleased(at=self.host.wall(), held={str(k): v for k, v in held.items()},
-                                        timeout_s=timeout))
 
     async def shutdown(self) -> None:
         """The supervisor is exiting: a planned stop of a live engine, else just release what the run holds."""

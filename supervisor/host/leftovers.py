@@ -21,7 +21,7 @@ from supervisor.event_stream import Event, GpuNotReleased, LeftoverEngineStopped
 from supervisor.host import Host
 from supervisor.host.files import read_json, write_private
 from supervisor.host.gpu import GpuLost
-from supervisor.host.proctree import Birth
+from supervisor.host.proctree import Birth, Child
 
 log = structlog.get_logger("supervisor.state")
 FILENAME = "engine.json"
@@ -48,6 +48,15 @@ def write(state_dir: str | Path, rec: EngineRecord, name: str = FILENAME) -> Non
     except OSError as exc:
         log.warning("state.record_not_written", path=str(d / name), error=str(exc),
                     hint="a supervisor killed now would leave this engine for a person to stop")
+
+
+def record(state_dir: str | Path, host: Host, child: Child, name: str = FILENAME) -> None:
+    """Record ``child``'s session under ``name`` (the engine's, a throwaway's, a spare's); a leader already gone
+    costs only this record (a warning)."""
+    try:
+        write(state_dir, EngineRecord(child.sid, host.birth(child.pid), os.getpid()), name)
+    except psutil.Error as exc:
+        log.warning("state.record_not_written", record=name, error=str(exc))
 
 
 def read(state_dir: str | Path, name: str = FILENAME) -> EngineRecord | None:

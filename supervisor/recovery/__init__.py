@@ -23,7 +23,7 @@ from typing import Any
 from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
 from supervisor.engine_states import EngineState
-from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, StateChanged
+from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, FailureClassified, StateChanged
 from supervisor.host import Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
@@ -60,12 +60,15 @@ class Recovery:
             if event.new is EngineState.READY:
                 version = event.ready.engine_version if event.ready else None
                 self._serving = (event.profile, version)
+                self.ahead.planned, self.ahead.version = True, version
                 self._ready_since = self.host.monotonic()
                 self.ahead.precompiler.note_compiled(event.profile, version)
                 self.pool.want()
             elif event.old is EngineState.READY:
                 self._serving, self._idle_since, self._ready_since = None, None, None
                 self.ahead.stop()  # the host is the next start's now
+        elif isinstance(event, FailureClassified):
+            self.ahead.planned = False  # until the next READY: the restarts of an outage build no spare first
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 
@@ -76,6 +79,10 @@ class Recovery:
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when there is none that can serve it."""
         return await self.ahead.keeper.take(profile)
+
+    async def spare_first(self, profile: Profile) -> bool:
+        """Before a planned start's spawn: a spare built first and asleep when none fits beside the engine."""
+        return await self.ahead.spare_first(profile)
 
     def lost(self, standby: Standby, error: str) -> None:
         self.pool.lost(standby, error)

@@ -33,6 +33,8 @@ class Ahead:
         self.keeper = SpareKeeper(cfg, host, publish, self.failed)
         self._task: asyncio.Task[None] | None = None
         self._gpu_host: bool | None = None  # NVML sees a device (asked once)
+        self.planned = True  # the next start is not a failure's: the supervisor's first, a climb, a reload
+        self.version: str | None = None  # the vLLM of the last READY engine (the spare's is the same install)
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -58,6 +60,19 @@ class Ahead:
         if todo and await self.precompiler.allowed(todo[0]):
             rung = await self.precompiler.beside_the_engine(todo[0])
             self._task = asyncio.create_task(self._guarded(rung, version, False), name="recovery:precompile")
+
+    async def spare_first(self, profile: Profile) -> bool:
+        """Before a planned start at ``profile``, on the card its gates found free: the spare for the rung a runtime
+        OOM would pick, built and put to sleep first when it would not fit beside the engine (``spare_order``);
+        True when one is kept now. A failure's restart never waits for it: that start is the outage."""
+        if not self.planned or self.keeper.spare is not None:
+            return False
+        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        util = await self.keeper.first(targets[0], profile) if targets else None
+        if util is None:
+            return False
+        await self._guarded(targets[0].with_(gpu_memory_utilization=util), self.version, True)
+        return self.keeper.spare is not None
 
     async def _on_gpu(self) -> bool:
         if self._gpu_host is None:

@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import structlog
 
-from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_WAKE_S
+from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_SLEEP_S, SPARE_WAKE_S
 from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.event_stream import Event, SpareAsleep, SpareDropped, SpareWoken
@@ -40,7 +40,6 @@ from supervisor.recovery.throwaway import FailedRungs, Throwaway, fields_of
 
 log = structlog.get_logger("supervisor.recovery.spare")
 
-SLEEP_TIMEOUT_S = 300.0  # the 9B shape's 17.6 GiB of weights took 18 s to copy out on the H200
 
 
 class SpareFailed(Exception):
@@ -73,7 +72,7 @@ class Spare(Throwaway):
 
     async def fall_asleep(self) -> None:
         try:
-            await self.client.command("/sleep?level=1", SLEEP_TIMEOUT_S)
+            await self.client.command("/sleep?level=1", SPARE_SLEEP_S)
         except EngineError as exc:
             raise SpareFailed(f"/sleep failed: {exc}") from None
 
@@ -97,28 +96,36 @@ class SpareKeeper:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], failed: FailedRungs) -> None:
         self.cfg, self.host, self.publish, self.failed = cfg, host, publish, failed
         self.spare: Spare | None = None
+        self.order: Order | None = None  # where the last spare was decided to be built (first, or beside)
         self.why = "not asked yet: no rung has been precompiled"
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
 
-    async def wanted(self, rung: Profile) -> float | None:
-        """Whether the throwaway for ``rung`` is kept as a spare: the utilization it starts at (the rung's when
-        no GPU is seen), or None; ``self.why`` says why, for /status. NVML is asked only when the mode and the
-        gateway leave it to the card."""
-        mode, util = self.cfg.recovery.spare, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+    def _refusal(self, rung: Profile) -> str | None:
+        """Why no spare at all for ``rung`` (its mode, its arguments, its history), before the card is asked."""
+        mode = self.cfg.recovery.spare
         if self.failed.no_spare(rung):
-            self.why = "a second engine at this rung failed to start or to sleep in this run: no spare for it"
-            return None
+            return "a second engine at this rung failed to start or to sleep in this run: no spare for it"
         if mode == "off":
-            self.why = '[recovery] spare = "off"'
-            return None
+            return '[recovery] spare = "off"'
         broken = canary.breaks_on_wake(dict(self.cfg.engine.args))
         if broken:
-            self.why = f"refused: {broken}"
-            return None
+            return f"refused: {broken}"
         if mode == "auto" and self.cfg.gateway is None:
-            self.why = f"auto: no [gateway]: {SPARE_NEEDS_GATEWAY}"
+            return f"auto: no [gateway]: {SPARE_NEEDS_GATEWAY}"
+        return None
+
+    async def wanted(self, rung: Profile) -> float | None:
+        """Whether a spare for ``rung`` is built beside the serving engine: the utilization it starts at (the
+        rung's when no GPU is seen), or None; ``self.why`` says why, for /status. NVML is asked only when the mode
+        and the gateway leave it to the card."""
+        mode, util = self.cfg.recovery.spare, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+        self.why = self._refusal(rung) or ""
+        if self.why:
+            return None
+        if self.cfg.recovery.spare_order == "first":
+            self.why = '[recovery] spare_order = "first": a spare is built before the engine, at planned starts'
             return None
         try:
             snaps = await self._snapshot()
@@ -136,6 +143,34 @@ class SpareKeeper:
                                          self.cfg.ladder.gpu_memory_utilization_floor,
                                          psutil.virtual_memory().available)
         return found
+
+    async def first(self, rung: Profile, engine: Profile) -> float | None:
+        """Whether a spare for ``rung`` is built now, on the card the engine is about to start on at ``engine``
+        (spare first): the utilization it starts at, or None; ``self.order`` and ``self.why`` say why."""
+        mode, e = self.cfg.recovery.spare, self.cfg.engine
+        refused = self._refusal(rung)
+        if refused or self.cfg.recovery.spare_order == "beside":
+            return None
+        try:
+            snaps = await self._snapshot()
+        except GpuLost:
+            return None
+        if not snaps:
+            return None  # the order is the card's numbers: without them a spare is only ever built beside
+        size = second_engine_bytes(e.model, rung, e.ranks())
+        if mode == "auto" and size is None:
+            self.why = "auto: the model is not a local directory with weights, so their size is unknown"
+            return None
+        if mode == "auto" and size is not None and psutil.virtual_memory().available < size.weights + 2 * GIB:
+            self.why = f"auto: the host's available memory cannot keep the spare's {size.weights / GIB:.1f} GiB asleep"
+            return None
+        self.order = choose_order(snaps, engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9,
+                                  size.need if size is not None else 0, self.cfg.ladder.gpu_memory_utilization_floor,
+                                  self.cfg.gpu.start_headroom_bytes, self.cfg.recovery.spare_order)
+        if self.order.order != "first":
+            return None
+        self.why = f"building it first: {self.order.why}"
+        return self.order.spare_util
 
     async def keep(self, started: Throwaway, spawned_at: float) -> bool:
         """Put a throwaway that answers /health to sleep and keep it; False (and an event) when that fails, and
@@ -260,11 +295,12 @@ class SpareKeeper:
 
     def status(self) -> dict[str, Any]:
         s = self.spare
+        order = self.order.as_dict() if self.order else None
         if s is None:
-            return {"state": None, "why": self.why}
+            return {"state": None, "why": self.why, "order": order}
         return {"state": "asleep", "pid": s.pid, "port": s.port, "profile": s.profile.knobs(),
                 "held_asleep_mib": sum(s.asleep.values()) // MIB, "why": self.why,
-                "canary": s.canary.as_dict() if s.canary else None}
+                "canary": s.canary.as_dict() if s.canary else None, "order": order}
 
     async def close(self) -> None:
         await self.drop("the supervisor stops")
@@ -297,3 +333,41 @@ def room_for_spare(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile, r
     return util, (f"auto: the card holds a spare beside the engine at gpu_memory_utilization {util:g} "
                   f"(about {need / GIB:.1f} GiB before its KV cache); its {weights / GIB:.1f} GiB of weights "
                   f"sleep in the host's {ram_available / GIB:.1f} GiB available")
+
+
+ASLEEP_ESTIMATE = 5 * GIB // 2  # a spare's sleeping footprint before one is measured (0.9-2.1 GiB on the H200)
+
+
+@dataclass(frozen=True)
+class Order:
+    """Where the next spare is built: ``beside`` the serving engine, ``first`` (before it, on the free card), or
+    nowhere (None); the utilization it starts at, and why, for /status."""
+
+    order: str | None
+    spare_util: float | None
+    why: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"order": self.order, "gpu_memory_utilization": self.spare_util, "why": self.why}
+
+
+def choose_order(snaps: Sequence[DeviceSnapshot], engine_util: float, need: int, floor: float, headroom: int,
+                 mode: str = "auto", asleep: int = ASLEEP_ESTIMATE) -> Order:
+    """With the card as it is before the engine starts (``snaps``): beside, when what the engine at
+    ``engine_util`` leaves holds a second engine of ``need`` bytes at the ladder's ``floor`` or more; else first,
+    when the free card holds the spare at the engine's utilization and then the engine beside the spare asleep
+    (``asleep``), so that the spare wakes into what the dead engine frees. ``mode`` "beside" or "first" forces one."""
+    s = min(snaps, key=lambda d: d.free / d.total)
+    left = max(0, s.free - int(engine_util * s.total) - headroom)
+    beside = min(engine_util, fraction_that_fits(left, s.total))
+    why_beside = (f"beside the engine at gpu_memory_utilization {engine_util:g} a spare could start at {beside:g} "
+                  f"({beside * s.total / GIB:.1f} GiB); it needs at least {floor:g} and about {need / GIB:.1f} GiB")
+    if mode != "first" and beside >= floor and beside * s.total >= need:
+        return Order("beside", beside, f"{mode}: {why_beside}")
+    first = min(engine_util, fraction_that_fits(max(0, s.free - asleep - headroom), s.total))
+    why_first = (f"built first on the free card ({s.free / GIB:.1f} GiB) at {first:g}, the engine then beside its "
+                 f"sleeping footprint (about {asleep / GIB:.1f} GiB)")
+    if mode != "beside" and first >= floor and first * s.total >= need:
+        return Order("first", first, f"{mode}: {why_first}" + ("" if mode == "first" else f"; not {why_beside}"))
+    return Order(None, None, f"{mode}: neither order fits: {why_beside}; and the free card "
+                             f"({s.free / GIB:.1f} GiB) holds a spare only at {first:g}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import socket
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import psutil
 import structlog
 
 from supervisor.aio import cancel_and_wait
@@ -103,11 +101,7 @@ class Throwaway:
 
     def record_as(self, name: str) -> None:
         """Its leftovers record under ``name``: a supervisor SIGKILLed meanwhile is followed by one that stops it."""
-        try:
-            leftovers.write(self.state_dir, leftovers.EngineRecord(
-                self.child.sid, self.host.birth(self.pid), os.getpid()), name)
-        except (OSError, psutil.Error) as exc:
-            log.warning("state.second_engine_record_failed", record=name, error=str(exc))
+        leftovers.record(self.state_dir, self.host, self.child, name)
 
     async def stop(self, grace_s: float = THROWAWAY_STOP_S, kill_s: float = THROWAWAY_STOP_S,
                    record: str = leftovers.PRECOMPILE) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import logging
 import logging.config
@@ -72,6 +73,26 @@ if "--engine-core-fd" not in sys.argv:  # a spawned EngineCore serves no HTTP: i
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_vllm_pkg"))
 _vllm = importlib.import_module("fake_vllm_import")  # like `import vllm`: slow, and it configures logging
+
+
+def fake_gpu() -> Any:
+    """The fake NVML card (tests/helpers/fake_nvml) this engine takes its memory on, when FAKE_NVML_DIR names one."""
+    if not os.environ.get("FAKE_NVML_DIR"):
+        return None
+    spec = importlib.util.spec_from_file_location(
+        "fake_pynvml", os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_nvml", "pynvml.py"))
+    assert spec is not None and spec.loader is not None
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def wanted_bytes(gpu: Any, args: argparse.Namespace) -> int:
+    """What vLLM takes of the card: gpu_memory_utilization x its total (weights, KV cache, activations)."""
+    return int(args.gpu_memory_utilization * gpu._card()["total_mib"] * gpu.MIB)
+
+
+ASLEEP_BYTES = int(float(os.environ.get("FAKE_NVML_ASLEEP_MIB", "2048")) * 2**20)  # CUDA context, graphs, buffers
 
 
 class EngineDeadError(Exception):
@@ -140,7 +161,16 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
             time.sleep(float(delay_in.read()))
     else:
         time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
+    gpu = fake_gpu()
     try:
+        if gpu is not None and gpu.free_bytes() < wanted_bytes(gpu, args):
+            gib, total = gpu.free_bytes() / 2**30, gpu._card()["total_mib"] / 1024
+            raise ValueError(
+                f"Free memory on device cuda:0 ({gib:.2f}/{total:.2f} GiB) on startup is less than desired GPU "
+                f"memory utilization ({args.gpu_memory_utilization}, {args.gpu_memory_utilization * total:.2f} "
+                "GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+        if gpu is not None:
+            gpu.set_held(os.getpid(), wanted_bytes(gpu, args))
         if free_util and args.gpu_memory_utilization > free_util:
             raise ValueError(
                 f"Free memory on device cuda:0 ({free_util * 139.8:.2f}/139.8 GiB) on startup is less than desired "
@@ -244,12 +274,15 @@ class Server:
         self.asleep = False
         self.corrupted = False
         self.stop = asyncio.Event()
+        self.core_pid = 0
+        self.gpu = fake_gpu()
 
     async def start_core(self) -> None:
         parent, child = socket.socketpair()
         if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork":
             # Like vLLM with fork: the EngineCore is a copy of this process, its imports already done.
-            if os.fork() == 0:
+            self.core_pid = os.fork()
+            if self.core_pid == 0:
                 parent.close()
                 code = 0
                 try:
@@ -259,9 +292,9 @@ class Server:
                 finally:
                     os._exit(code)
         else:  # spawn (vLLM's CLI default): a new interpreter that imports everything again
-            subprocess.Popen(  # noqa: ASYNC220 - a stand-in; Popen returns at once
+            self.core_pid = subprocess.Popen(  # noqa: ASYNC220 - a stand-in; Popen returns at once
                 [sys.executable, __file__, *sys.argv[1:], "--engine-core-fd", str(child.fileno())],
-                pass_fds=[child.fileno()])
+                pass_fds=[child.fileno()]).pid
         child.close()
         self.reader, self.writer = await asyncio.open_connection(sock=parent)
         line = json.loads(await self.reader.readline() or b"{}")
@@ -343,10 +376,18 @@ class Server:
         if not self.args.enable_sleep_mode:  # vLLM: "Sleep mode is not enabled" (an error, not a no-op)
             return web.json_response({"error": "Sleep mode is not enabled"}, status=500)
         self.asleep = True
+        if self.gpu is not None:  # weights to host memory, KV cache dropped: what stays is the footprint
+            self.gpu.set_held(self.core_pid, ASLEEP_BYTES)
         self.log.info("It took 0.010000 seconds to fall asleep (level %s).", request.query.get("level", "1"))
         return web.Response(status=200)
 
     async def wake_up(self, _: web.Request) -> web.Response:
+        if self.gpu is not None:
+            back = wanted_bytes(self.gpu, self.args) - ASLEEP_BYTES
+            if self.gpu.free_bytes() < back:
+                return web.json_response({"error": f"CUDA out of memory. Tried to allocate {back / 2**30:.2f} GiB "
+                                                   "while waking up"}, status=500)
+            self.gpu.set_held(self.core_pid, wanted_bytes(self.gpu, self.args))
         self.asleep = False
         self.corrupted = os.environ.get("FAKE_VLLM_CORRUPT_AFTER_WAKE") == "1"
         self.log.info("It took 0.010000 seconds to wake up tags {'weights', 'kv_cache'}.")

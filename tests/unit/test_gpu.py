@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.host.gpu import GpuLost, Nvml, wait_free, wait_released
+from supervisor.host.gpu import DeviceSnapshot, GpuLost, Nvml, wait_free, wait_released
 
 
 class NVMLError(Exception):
@@ -231,3 +231,25 @@ def glm9b_dir(tmp_path: Any) -> Any:
     with open(model / "model-00001.safetensors", "wb") as f:
         f.truncate(18 * GIB)  # sparse: its size is what vLLM would load
     return model
+
+
+@pytest.mark.parametrize(("free_gib", "total_gib", "util", "want"), [
+    (139.8, 139.8, 0.9, "first"),  # the H200 at vLLM's default: 12.8 GiB beside, the spare needs ~21
+    (139.8, 139.8, 0.5, "beside"),  # today's case: room beside
+    (42.4, 80.0, 0.4, "first"),  # the field report's A800: another process holds 47 % from before the start
+    (25.0, 80.0, 0.4, None),  # neither: the engine alone barely fits
+])
+def test_the_spare_is_built_beside_when_it_fits_else_first_else_not_at_all(
+        free_gib: float, total_gib: float, util: float, want: str | None) -> None:
+    """Issue 27, item 1: the order from NVML's numbers and the rung's needs (the 9B shape: ~21 GiB)."""
+    from supervisor.recovery.spare import choose_order
+
+    snaps = [DeviceSnapshot(0, int(total_gib * GIB), int(free_gib * GIB), int((total_gib - free_gib) * GIB), ())]
+    order = choose_order(snaps, util, 21 * GIB, 0.3, GIB)
+    assert order.order == want, order.why
+    if want == "first":
+        # At the engine's own utilization (what the dead engine frees is what it wakes into), and the engine fits
+        # beside its sleeping footprint.
+        assert order.spare_util == util and free_gib * GIB - 2.5 * GIB - GIB >= util * total_gib * GIB
+    assert choose_order(snaps, util, 21 * GIB, 0.3, GIB, mode="beside").order in ("beside", None)
+    assert choose_order(snaps, util, 21 * GIB, 0.3, GIB, mode="first").order in ("first", None)

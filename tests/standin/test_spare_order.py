@@ -1,0 +1,108 @@
+"""Issue 27, items 1 and 5: a spare wherever the card holds one engine awake and one asleep, on a GPU stand-in.
+
+The card is tests/helpers/fake_nvml (the supervisor imports it as ``pynvml``); the stand-in engines take
+gpu_memory_utilization x its total when they start (and fail vLLM's start check when it is not free), keep their
+sleeping footprint asleep, and take it back on /wake_up (a CUDA OOM when it is not free).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.processes import (
+    LONG_PROMPT,
+    STANDIN_BASE,
+    Launcher,
+    Sup,
+    deep_merge,
+    http_json,
+    send_long_prompt,
+)
+
+FAKE_NVML = Path(__file__).parents[1] / "helpers" / "fake_nvml"
+CARD_MIB = 80 * 1024  # the field report's A800
+ORDER: dict[str, Any] = {
+    "engine": {"env": {"FAKE_VLLM_START_DELAY": "1.0", "FAKE_VLLM_OOM_TOKENS": "5000"}},
+    "recovery": {"spare": "on", "precompile_idle_s": 600.0},  # only the spare built first: no beside one
+    "gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2},
+}
+
+
+@pytest.fixture
+def card(tmp_path: Path) -> Path:
+    d = tmp_path / "nvml"
+    (d / "procs").mkdir(parents=True)
+    (d / "card.json").write_text(json.dumps({"total_mib": CARD_MIB, "count": 1}))
+    return d
+
+
+@pytest.fixture
+def supervise(tmp_path: Path, card: Path) -> Iterator[Callable[..., Sup]]:
+    launcher = Launcher(tmp_path, deep_merge(STANDIN_BASE, ORDER), strict_stops=True)
+
+    def start(overrides: dict[str, Any] | None = None) -> Sup:
+        return launcher.start(overrides, env={"PYTHONPATH": str(FAKE_NVML), "FAKE_NVML_DIR": str(card)})
+
+    yield start
+    launcher.cleanup()
+
+
+def hold(card: Path, fraction: float) -> subprocess.Popen[bytes]:
+    """Another process holding ``fraction`` of the card from before the supervisor starts (the field report's)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (card / "procs" / str(proc.pid)).write_text(str(fraction * CARD_MIB))
+    return proc
+
+
+@pytest.mark.parametrize(("foreign", "util"), [(0.0, None), (0.47, 0.4)],
+                         ids=["utilization-0.9", "shared-card-0.4"])
+def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_the_runtime_oom(
+        supervise: Callable[..., Sup], card: Path, foreign: float, util: float | None) -> None:
+    other = hold(card, foreign) if foreign else None
+    try:
+        sup = supervise({"profile": {"gpu_memory_utilization": util}} if util else None)
+        first = sup.wait_ready(60)
+        spare = first["next_start"]["spare"]
+        assert spare["state"] == "asleep" and spare["order"]["order"] == "first", spare
+        # Built at the engine's own utilization, so that it wakes into exactly what the engine frees.
+        assert spare["profile"]["gpu_memory_utilization"] == (util or 0.9)
+        assert spare["profile"]["max_num_batched_tokens"] == 6144  # the rung a runtime OOM steps down to
+        assert first["profile"]["gpu_memory_utilization"] in (util, None)  # the engine kept its utilization
+        started = sup.events("precompile.started")
+        spawned = sup.events("engine.spawned")
+        assert started and started[0]["timestamp"] < spawned[0]["timestamp"]  # the spare came first
+        assert not sup.events("gpu.utilization_adapted")
+
+        assert send_long_prompt(sup) == 500  # the engine dies of a (stand-in) runtime OOM
+        st = sup.wait_ready(30, restarts=1)
+        assert st["engine_pid"] == spare["pid"], st
+        woken = sup.events("spare.woken")
+        assert len(woken) == 1 and woken[0]["canary"]["equal"] is True
+        assert not sup.events("spare.dropped")
+        # A failure's restart is the outage: nothing is built before it, even where a spare would go first.
+        code, _ = http_json(st["engine_url"] + "/v1/completions",
+                            {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30)
+        assert code == 500
+        st = sup.wait_ready(30, restarts=2)
+        assert len(sup.events("precompile.started")) == 1 and st["profile"]["max_num_batched_tokens"] == 4096
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+
+
+def test_where_the_spare_fits_beside_the_engine_the_order_stays_beside(supervise: Callable[..., Sup]) -> None:
+    """utilization 0.4 on a free card: today's order (the spare built beside the serving engine) is kept."""
+    sup = supervise({"profile": {"gpu_memory_utilization": 0.4}, "recovery": {"precompile_idle_s": 0.2}})
+    sup.wait_ready(60)
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
+    spare = st["next_start"]["spare"]
+    assert spare["order"]["order"] == "beside", spare
+    assert sup.events("precompile.started")[0]["timestamp"] > sup.events("engine.spawned")[0]["timestamp"]
