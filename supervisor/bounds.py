@@ -21,4 +21,8 @@ SHORT_SLACK_S = 5.0  # after the dead-engine grace, and after a drain's own boun
 SPARE_WAKE_S = 120.0
 SPARE_HEALTH_S = 10.0
 SPARE_CANARY_S = 30.0
+# What a wake needs free beyond what the spare gave up asleep: it takes back its own allocations, no new ones (the
+# start headroom is for a start's CUDA context and activation spikes). Seen on the H200: a spare built at the
+# engine's utilization had 0.96 GiB of slack once the engine died beside a process that took all but 16 MiB.
+SPARE_WAKE_MARGIN = 256 * MIB
 SPARE_SLEEP_S = 300.0  # the 9B shape's 17.6 GiB of weights took 18 s to copy out on the H200

@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import structlog
 
-from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_SLEEP_S, SPARE_WAKE_S
+from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_SLEEP_S, SPARE_WAKE_MARGIN, SPARE_WAKE_S
 from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.event_stream import Event, SpareAsleep, SpareDropped, SpareWoken
@@ -212,7 +212,7 @@ class SpareKeeper:
             await self.drop(f"this start wants another rung ({profile.compile_key()})")
             return None
         try:
-            short = spare.short_to_wake(await self._snapshot(), self.cfg.gpu.start_headroom_bytes)
+            short = spare.short_to_wake(await self._snapshot(), SPARE_WAKE_MARGIN)
         except GpuLost as exc:
             short = str(exc)
         if short:

@@ -29,7 +29,8 @@ from tests.helpers.processes import (
 FAKE_NVML = Path(__file__).parents[1] / "helpers" / "fake_nvml"
 CARD_MIB = 80 * 1024  # the field report's A800
 ORDER: dict[str, Any] = {
-    "engine": {"env": {"FAKE_VLLM_START_DELAY": "1.0", "FAKE_VLLM_OOM_TOKENS": "5000"}},
+    # 932 MiB asleep: the smallest footprint the H200 showed (vLLM 0.26, the 9B shape)
+    "engine": {"env": {"FAKE_VLLM_START_DELAY": "1.0", "FAKE_VLLM_OOM_TOKENS": "5000", "FAKE_NVML_ASLEEP_MIB": "932"}},
     "recovery": {"spare": "on", "precompile_idle_s": 600.0},  # only the spare built first: no beside one
     "gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2},
 }
@@ -54,18 +55,26 @@ def supervise(tmp_path: Path, card: Path) -> Iterator[Callable[..., Sup]]:
     launcher.cleanup()
 
 
-def hold(card: Path, fraction: float) -> subprocess.Popen[bytes]:
-    """Another process holding ``fraction`` of the card from before the supervisor starts (the field report's)."""
+def hold(card: Path, mib: float) -> subprocess.Popen[bytes]:
+    """Another process holding ``mib`` of the card (the field report's, from before the start; the seed's crash)."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    (card / "procs" / str(proc.pid)).write_text(str(fraction * CARD_MIB))
+    (card / "procs" / str(proc.pid)).write_text(str(mib))
     return proc
+
+
+def free_mib(card: Path) -> float:
+    import psutil
+
+    held = [float(f.read_text()) for f in (card / "procs").glob("[0-9]*") if psutil.pid_exists(int(f.name))]
+    return CARD_MIB - sum(held)
 
 
 @pytest.mark.parametrize(("foreign", "util"), [(0.0, None), (0.47, 0.4)],
                          ids=["utilization-0.9", "shared-card-0.4"])
 def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_the_runtime_oom(
         supervise: Callable[..., Sup], card: Path, foreign: float, util: float | None) -> None:
-    other = hold(card, foreign) if foreign else None
+    other = hold(card, foreign * CARD_MIB) if foreign else None
+    hog = None
     try:
         sup = supervise({"profile": {"gpu_memory_utilization": util}} if util else None)
         first = sup.wait_ready(60)
@@ -80,6 +89,9 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
         assert started and started[0]["timestamp"] < spawned[0]["timestamp"]  # the spare came first
         assert not sup.events("gpu.utilization_adapted")
 
+        # The seed's crash: another process takes all but 16 MiB, then the long prompt. The spare wakes into what
+        # the engine freed: on the H200 a spare that kept 932 MiB asleep was refused the wake by a margin of 1 GiB.
+        hog = hold(card, free_mib(card) - 16)
         assert send_long_prompt(sup) == 500  # the engine dies of a (stand-in) runtime OOM
         st = sup.wait_ready(30, restarts=1)
         assert st["engine_pid"] == spare["pid"], st
@@ -93,9 +105,10 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
         st = sup.wait_ready(30, restarts=2)
         assert len(sup.events("precompile.started")) == 1 and st["profile"]["max_num_batched_tokens"] == 4096
     finally:
-        if other is not None:
-            other.kill()
-            other.wait()
+        for p in (other, hog):
+            if p is not None:
+                p.kill()
+                p.wait()
 
 
 def test_where_the_spare_fits_beside_the_engine_the_order_stays_beside(supervise: Callable[..., Sup]) -> None:
