@@ -53,6 +53,7 @@ class Spare(Throwaway):
     awake: dict[int, int] = field(default_factory=dict)  # device -> bytes its processes held awake (NVML)
     asleep: dict[int, int] = field(default_factory=dict)  # ... and asleep
     canary: Canary | None = None  # its answer to the canary prompt before it slept
+    footprint_at: float = 0.0  # when its sleeping footprint was last read (monotonic)
 
     def serves(self, profile: Profile) -> bool:
         """It can be the engine at ``profile``: the same rung (the compile key: every knob but the
@@ -186,6 +187,7 @@ class SpareKeeper:
             spare.awake = held_by(await self._snapshot(), pids)
             await spare.fall_asleep()
             spare.asleep = held_by(await self._snapshot(), pids)
+            spare.footprint_at = self.host.monotonic()
         except (SpareFailed, GpuLost) as exc:
             self.failed.add(spare.profile, "spare")
             self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile,
@@ -269,6 +271,27 @@ class SpareKeeper:
             return
         if next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
             await self.drop("the engine's next rung is another one now")
+            return
+        await self._check_footprint(spare)
+
+    async def _check_footprint(self, spare: Spare) -> None:
+        """Every FOOTPRINT_EVERY_S: a spare whose sleeping footprint grew is recycled (dropped; the next one is built
+        as any spare is). vLLM's sleep mode has left memory pinned that grows until outputs turn to garbage
+        (vllm#21336); the canary would catch the garbage at the wake, this catches the growth before it."""
+        now = self.host.monotonic()
+        if not spare.asleep or now - spare.footprint_at < FOOTPRINT_EVERY_S:
+            return
+        spare.footprint_at = now
+        try:
+            held = held_by(await self._snapshot(), self.host.tree_pids(spare.child))
+        except GpuLost:
+            return
+        more = {d: b - spare.asleep.get(d, 0) for d, b in held.items()}
+        grown = {d: b for d, b in more.items() if b > FOOTPRINT_GROWTH}
+        if grown:
+            what = ", ".join(f"GPU {d}: +{b // MIB} MiB" for d, b in grown.items())
+            await self.drop("recycled: its sleeping footprint grew since it fell asleep", fault=True,
+                            detail=f"{what} over the {sum(spare.asleep.values()) // MIB} MiB it kept asleep")
 
     async def _dropped_dead(self, spare: Spare) -> bool:
         """A spare whose API server exited while asleep is dropped (its engine core with it); True if it was."""
@@ -335,6 +358,8 @@ def room_for_spare(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile, r
                   f"sleep in the host's {ram_available / GIB:.1f} GiB available")
 
 
+FOOTPRINT_EVERY_S = 5.0  # how often a sleeping spare's memory is read
+FOOTPRINT_GROWTH = 512 * MIB  # ... and how much more than it kept when it fell asleep recycles it
 ASLEEP_ESTIMATE = 5 * GIB // 2  # a spare's sleeping footprint before one is measured (0.9-2.1 GiB on the H200)
 
 

@@ -119,3 +119,24 @@ def test_where_the_spare_fits_beside_the_engine_the_order_stays_beside(supervise
     spare = st["next_start"]["spare"]
     assert spare["order"]["order"] == "beside", spare
     assert sup.events("precompile.started")[0]["timestamp"] > sup.events("engine.spawned")[0]["timestamp"]
+
+
+def test_a_spare_whose_sleeping_footprint_grows_is_recycled(supervise: Callable[..., Sup], card: Path) -> None:
+    """Issue 27, item 4: vLLM's sleep mode has left memory pinned that grows until outputs turn to garbage
+    (vllm#21336). A spare whose footprint grows past what it kept asleep is dropped and another one built."""
+    import psutil
+
+    sup = supervise({"profile": {"gpu_memory_utilization": 0.4}, "recovery": {"precompile_idle_s": 0.2}})
+    sup.wait_ready(60)
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
+    first = st["next_start"]["spare"]
+    tree = {first["pid"], *(c.pid for c in psutil.Process(first["pid"]).children(recursive=True))}
+    (core,) = [f for f in (card / "procs").glob("[0-9]*") if int(f.name) in tree]
+    core.write_text(str(float(core.read_text()) + 1024))  # +1 GiB pinned while asleep
+    dropped = sup.wait_for(lambda s: bool(sup.events("spare.dropped")), 30, "the spare recycled")
+    (ev,) = sup.events("spare.dropped")
+    assert "sleeping footprint grew" in ev["reason"] and "+1024 MiB" in ev["detail"], ev
+    assert dropped["state"] == "READY"
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep"
+                      and s["next_start"]["spare"]["pid"] != first["pid"], 60, "another spare asleep")
+    assert not psutil.pid_exists(first["pid"]) or psutil.Process(first["pid"]).status() == psutil.STATUS_ZOMBIE
