@@ -34,6 +34,8 @@ class Ahead:
         self._task: asyncio.Task[None] | None = None
         self._gpu_host: bool | None = None  # NVML sees a device (asked once)
         self.planned = True  # the next start is not a failure's: the supervisor's first, a climb, a reload
+        self._spare_since: float | None = None  # a spare being built since (monotonic)
+        self._asked_in_s: float | None = None  # how long until the engine has been READY long enough to build
         self.version: str | None = None  # the vLLM of the last READY engine (the spare's is the same install)
 
     def configure(self, cfg: Config) -> None:
@@ -50,7 +52,8 @@ class Ahead:
         await self.keeper.check(targets[0] if targets else None)
         if self.running():
             return
-        if (ready_for_s if await self._on_gpu() else idle_for_s) < self.cfg.recovery.precompile_idle_s:
+        self._asked_in_s = self.cfg.recovery.precompile_idle_s - (ready_for_s if await self._on_gpu() else idle_for_s)
+        if self._asked_in_s > 0:
             return
         spare = await self._spare_for(targets[0]) if targets else None
         if spare is not None:  # a spare compiles its rung too, compiled already or not
@@ -90,11 +93,14 @@ class Ahead:
         return None if util is None else first.with_(gpu_memory_utilization=util)
 
     async def _guarded(self, rung: Profile, version: str | None, spare: bool) -> None:
+        self._spare_since = self.host.monotonic() if spare else None
         try:
             await self._build(rung, version, spare)
         except Exception as exc:  # noqa: BLE001 - a second engine's own fault never stops the supervision
             self.failed.add(rung, "spare" if spare else "precompile")
             self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
+        finally:
+            self._spare_since = None
 
     async def _build(self, rung: Profile, version: str | None, spare: bool) -> None:
         """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep mode, not
@@ -154,7 +160,26 @@ class Ahead:
 
     def status(self) -> dict[str, Any]:
         return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
-                "spare": self.keeper.status()}
+                "spare": {**self.keeper.status(), "due": self._due()}}
+
+    def _due(self) -> dict[str, Any]:
+        """When the next spare will be ready, as far as the supervisor can tell (``in_s`` None: it cannot)."""
+        k, last = self.keeper, self.keeper.last_build_s
+        if k.spare is not None:
+            return {"in_s": 0.0, "when": "now: one is asleep"}
+        if self._spare_since is not None:
+            building = self.host.monotonic() - self._spare_since
+            return {"in_s": round(max(0.0, last - building), 1) if last else None,
+                    "when": f"being built for {building:.0f}s" + (f"; the last took {last:.0f}s" if last else "")}
+        if k.order is not None and k.order.order == "first":
+            return {"in_s": None, "when": "at the next planned start (a climb, a reload, restart): none fits beside "
+                                          "the engine, so it is built before the engine"}
+        if self.cfg.recovery.spare == "off":
+            return {"in_s": None, "when": 'never: [recovery] spare = "off"'}
+        if self._asked_in_s is not None and self._asked_in_s > 0:
+            return {"in_s": round(self._asked_in_s + (last or 0.0), 1) if last else None,
+                    "when": f"asked in {self._asked_in_s:.0f}s (precompile_idle_s), then built"}
+        return {"in_s": None, "when": k.why}
 
     async def close(self) -> None:
         await self.settled()

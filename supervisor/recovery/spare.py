@@ -98,6 +98,7 @@ class SpareKeeper:
         self.cfg, self.host, self.publish, self.failed = cfg, host, publish, failed
         self.spare: Spare | None = None
         self.order: Order | None = None  # where the last spare was decided to be built (first, or beside)
+        self.last_build_s: float | None = None  # how long the last spare took from its spawn to asleep
         self.why = "not asked yet: no rung has been precompiled"
 
     def configure(self, cfg: Config) -> None:
@@ -196,7 +197,7 @@ class SpareKeeper:
         now = self.host.monotonic()
         spare.record_as(leftovers.SPARE)
         leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)  # a spare kept is no precompile's throwaway
-        self.spare = spare
+        self.spare, self.last_build_s = spare, round(now - spawned_at, 3)
         self.why = "asleep"
         self.publish(SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
                                  took_s=round(now - spawned_at, 3), sleep_s=round(now - t0, 3),

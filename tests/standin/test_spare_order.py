@@ -80,6 +80,7 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
         first = sup.wait_ready(60)
         spare = first["next_start"]["spare"]
         assert spare["state"] == "asleep" and spare["order"]["order"] == "first", spare
+        assert spare["due"]["in_s"] == 0.0, spare
         # Built at the engine's own utilization, so that it wakes into exactly what the engine frees.
         assert spare["profile"]["gpu_memory_utilization"] == (util or 0.9)
         assert spare["profile"]["max_num_batched_tokens"] == 6144  # the rung a runtime OOM steps down to
@@ -98,6 +99,9 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
         woken = sup.events("spare.woken")
         assert len(woken) == 1 and woken[0]["canary"]["equal"] is True
         assert not sup.events("spare.dropped")
+        # Issue 27, item 3: none fits beside the woken engine, so /status says when the next one comes.
+        due = st["next_start"]["spare"]["due"]
+        assert due["in_s"] is None and "next planned start" in due["when"], due
         # A failure's restart is the outage: nothing is built before it, even where a spare would go first.
         code, _ = http_json(st["engine_url"] + "/v1/completions",
                             {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30)
@@ -134,6 +138,10 @@ def test_a_spare_whose_sleeping_footprint_grows_is_recycled(supervise: Callable[
     (core,) = [f for f in (card / "procs").glob("[0-9]*") if int(f.name) in tree]
     core.write_text(str(float(core.read_text()) + 1024))  # +1 GiB pinned while asleep
     dropped = sup.wait_for(lambda s: bool(sup.events("spare.dropped")), 30, "the spare recycled")
+    # Issue 27, item 3: while the next one is built, /status says in how long (the last one's build time).
+    building = sup.wait_for(lambda s: s["next_start"]["spare"]["due"]["when"].startswith("being built"), 30,
+                            "the next spare being built")
+    assert building["next_start"]["spare"]["due"]["in_s"] is not None, building["next_start"]["spare"]
     (ev,) = sup.events("spare.dropped")
     assert "sleeping footprint grew" in ev["reason"] and "+1024 MiB" in ev["detail"], ev
     assert dropped["state"] == "READY"
