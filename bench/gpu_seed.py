@@ -263,17 +263,19 @@ def order() -> int:
             st = ready(sup, log, "the cache-warming start")
             note(f"order: cold start with an empty compile cache, spare off: {st['timings']['start_to_ready_s']}s")
             stop_supervisor(sup)
-        shutil.rmtree(state, ignore_errors=True)
-        log.write_text("")
-        sup = run_supervisor(plain, log)
-        st = ready(sup, log, "READY from the warm cache, spare off")
+
+        def started(cfg: Path, what: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+            """A supervisor on a fresh state directory, READY; its log only."""
+            shutil.rmtree(state, ignore_errors=True)
+            log.write_text("")
+            proc = run_supervisor(cfg, log)
+            return proc, ready(proc, log, what)
+
+        sup, st = started(plain, "READY from the warm cache, spare off")
         cold = float(st["timings"]["start_to_ready_s"])
         note(f"order: warm-cache cold start, spare off {cold:.1f}s, profile {st['profile']}")
         stop_supervisor(sup)
-        shutil.rmtree(state, ignore_errors=True)
-        log.write_text("")
-        sup = run_supervisor(spared, log)
-        st = ready(sup, log, "READY with the spare built first")
+        sup, st = started(spared, "READY with the spare built first")
         first = float(st["timings"]["start_to_ready_s"])
         note(f"order: first READY with the spare built first {first:.1f}s ({first / cold:.2f}x); profile "
              f"{st['profile']}; spare {json.dumps(st['next_start']['spare'])[:600]}")
