@@ -467,6 +467,10 @@ class RecoveryConfig:
     precompile: str = one_of("auto", PRECOMPILE_MODES)
     precompile_idle_s: float = seconds(30.0)  # after this long READY with nothing at the engine
     precompile_timeout_s: float = seconds(600.0)
+    # Where they are compiled when no throwaway fits beside the engine (vLLM's default utilization 0.9, a shared
+    # card): "first", before a planned start on the free card, several at once (each rung once per host and vLLM:
+    # compiled.json); "beside" only beside it; "auto": beside when it fits, else first.
+    precompile_order: str = one_of("auto", SPARE_ORDERS)
     # Keep the next rung's precompile throwaway as a whole engine, asleep (vLLM's sleep mode: weights in host
     # memory, ~2 GiB left on the card), and wake it instead of starting one when the engine fails into that
     # rung (recovery/spare.py). "auto": on a GPU host with the gateway in front, when the card holds it beside

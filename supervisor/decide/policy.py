@@ -262,9 +262,18 @@ class Policy:
         return candidate
 
     def next_rungs(self, profile: Profile) -> list[Profile]:
-        """The rungs the next start would most likely use: a runtime OOM's step down, then the climb back."""
+        """The rungs the next starts would most likely use: a runtime OOM's step down, then the climb back, then
+        the rungs that further runtime OOMs would walk down the batch-token ladder to its floor (each its own
+        compile; the knobs below that floor are lowered by OOMs at the floor, rare enough to compile then)."""
         down = self._step_down_past_failed(profile, Knob.MAX_NUM_BATCHED_TOKENS)
-        return [p for p in (down, self.climb_target(profile)) if p is not None]
+        rungs = [p for p in (down, self.climb_target(profile)) if p is not None]
+        chunk = Knob.MAX_NUM_BATCHED_TOKENS
+        while down is not None:
+            lower = self._step_down_past_failed(down, chunk)
+            if lower is None or lower.effective(chunk) == down.effective(chunk):
+                break
+            rungs.append(down := lower)
+        return rungs
 
     def budget_left(self, now: float) -> int:
         """Failures that would still be restarted: the lesser of the window's and the crash loop's allowance."""

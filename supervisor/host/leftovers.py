@@ -30,6 +30,16 @@ SPARE = "spare.json"  # recovery/spare.py: a throwaway kept asleep, apart from t
 WHAT = {FILENAME: "engine", PRECOMPILE: "precompile", SPARE: "spare"}
 
 
+def precompile_record(slot: int) -> str:
+    """The record of the ``slot``-th throwaway compiling at once (a start's compile-first runs several)."""
+    return PRECOMPILE if slot == 0 else f"precompile-{slot}.json"
+
+
+def _names(state_dir: str | Path) -> list[str]:
+    extra = sorted(p.name for p in Path(state_dir).glob("precompile-*.json"))
+    return [*WHAT, *extra]
+
+
 @dataclass(frozen=True)
 class EngineRecord:
     sid: int
@@ -98,13 +108,14 @@ def clear(state_dir: str | Path, name: str = FILENAME) -> None:
 def stop_bound_s(cfg: Config) -> float:
     """How long ``stop_engine_left`` may take (the watchdog's measure)."""
     e = cfg.engine
-    return len(WHAT) * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) + STEP_SLACK_S
+    return len(_names(cfg.state.dir)) * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) \
+        + STEP_SLACK_S
 
 
 async def stop_engine_left(cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
     """An engine (or a throwaway precompile engine) left by a supervisor that died holds a port and the GPU:
     stop it, and wait for the GPU."""
-    for name in WHAT:
+    for name in _names(cfg.state.dir):
         await _stop_left(cfg, host, publish, name)
 
 
@@ -116,7 +127,7 @@ async def _stop_left(cfg: Config, host: Host, publish: Callable[[Event], None], 
     pids = await host.stop_leftover(rec.sid, rec.born, e.failed_stop_timeout_s, e.kill_timeout_s)
     if pids:
         publish(LeftoverEngineStopped(at=host.wall(), pids=tuple(pids), sid=rec.sid,
-                                      what=WHAT[name]))
+                                      what=WHAT.get(name, "precompile")))
         try:
             held = await host.wait_gpu_released(pids, cfg.gpu.release_timeout_s)
         except GpuLost:

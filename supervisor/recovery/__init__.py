@@ -62,6 +62,7 @@ class Recovery:
                 self._serving = (event.profile, version)
                 self.ahead.planned, self.ahead.version = True, version
                 self._ready_since = self.host.monotonic()
+                self.ahead.precompiler.learnt_version(version)
                 self.ahead.precompiler.note_compiled(event.profile, version)
                 self.pool.want()
             elif event.old is EngineState.READY:
@@ -80,9 +81,10 @@ class Recovery:
         """The spare, woken for a start at ``profile``; None when there is none that can serve it."""
         return await self.ahead.keeper.take(profile)
 
-    async def spare_first(self, profile: Profile) -> bool:
-        """Before a planned start's spawn: a spare built first and asleep when none fits beside the engine."""
-        return await self.ahead.spare_first(profile)
+    async def build_first(self, profile: Profile) -> bool:
+        """Before a planned start's spawn: the rungs within reach compiled and a spare built and asleep, each when
+        it would not fit beside the engine; True when a spare sleeps on the card now."""
+        return await self.ahead.build_first(profile)
 
     def lost(self, standby: Standby, error: str) -> None:
         self.pool.lost(standby, error)

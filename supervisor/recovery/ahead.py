@@ -4,6 +4,8 @@ The one decision lives here: for the rung the next runtime OOM would pick, a spa
 (recovery/spare.py), else a precompile of the next rung not yet compiled (recovery/precompile.py).
 Both are launched by recovery/throwaway.py; a rung whose second engine failed is remembered once
 (``FailedRungs``). The work is killed, never waited for, the moment the engine leaves READY.
+Where neither fits beside the engine, a planned start builds them first (``build_first``): the rungs
+not yet compiled, several at once, then the spare, on the card its gates found free.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Ahead:
         self._spare_since: float | None = None  # a spare being built since (monotonic)
         self._asked_in_s: float | None = None  # how long until the engine has been READY long enough to build
         self.version: str | None = None  # the vLLM of the last READY engine (the spare's is the same install)
+        self._stopped: set[int] | None = None  # while compiling first: the processes of the throwaways stopped
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -64,11 +67,40 @@ class Ahead:
             rung = await self.precompiler.beside_the_engine(todo[0])
             self._task = asyncio.create_task(self._guarded(rung, version, False), name="recovery:precompile")
 
-    async def spare_first(self, profile: Profile) -> bool:
-        """Before a planned start at ``profile``, on the card its gates found free: the spare for the rung a runtime
-        OOM would pick, built and put to sleep first when it would not fit beside the engine (``spare_order``);
-        True when one is kept now. A failure's restart never waits for it: that start is the outage."""
-        if not self.planned or self.keeper.spare is not None:
+    async def build_first(self, profile: Profile) -> bool:
+        """Before a planned start at ``profile``, on the card its gates found free: the rungs within reach not yet
+        compiled (``precompile_order``), then the spare (``spare_order``), each where it would not fit beside the
+        engine. True when a spare is kept asleep now. A failure's restart never waits for them: that start is
+        the outage."""
+        if not self.planned:
+            return False
+        await self._compile_first(profile)
+        return await self._spare_first(profile)
+
+    async def _compile_first(self, profile: Profile) -> None:
+        version = self.version or self.precompiler.known_version()
+        todo = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()
+                and not self.precompiler.is_compiled(p, version) and not self.failed.no_precompile(p)]
+        plan = await self.precompiler.first(todo, profile)
+        if plan is None:
+            return
+        slots, self._stopped = asyncio.Semaphore(plan.at_once), set()
+
+        async def one(rung: Profile) -> None:
+            async with slots:
+                await self._guarded(rung.with_(gpu_memory_utilization=plan.util), self.version, False, plan.kv_bytes)
+
+        timeout = self.cfg.recovery.precompile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*map(one, todo)), timeout)
+        except TimeoutError:
+            self.precompiler.why = f"first: not all compiled within precompile_timeout_s ({timeout:g}s): {plan.why}"
+        stopped, self._stopped = self._stopped, None
+        with contextlib.suppress(GpuLost):  # the spare and the engine come next, on what the throwaways held
+            await self.host.wait_gpu_released(stopped or set(), self.cfg.gpu.release_timeout_s)
+
+    async def _spare_first(self, profile: Profile) -> bool:
+        if self.keeper.spare is not None:
             return False
         targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
         util = await self.keeper.first(targets[0], profile) if targets else None
@@ -92,23 +124,23 @@ class Ahead:
         util = await self.keeper.wanted(first)
         return None if util is None else first.with_(gpu_memory_utilization=util)
 
-    async def _guarded(self, rung: Profile, version: str | None, spare: bool) -> None:
+    async def _guarded(self, rung: Profile, version: str | None, spare: bool, kv_bytes: int | None = None) -> None:
         self._spare_since = self.host.monotonic() if spare else None
         try:
-            await self._build(rung, version, spare)
+            await self._build(rung, version, spare, kv_bytes)
         except Exception as exc:  # noqa: BLE001 - a second engine's own fault never stops the supervision
             self.failed.add(rung, "spare" if spare else "precompile")
             self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
         finally:
             self._spare_since = None
 
-    async def _build(self, rung: Profile, version: str | None, spare: bool) -> None:
+    async def _build(self, rung: Profile, version: str | None, spare: bool, kv_bytes: int | None) -> None:
         """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep mode, not
         niced: it may become the engine) is then kept asleep, a precompile's throwaway stopped."""
         t0 = self.host.monotonic()
         try:
             t = await self.launcher.launch(rung, "real" if spare else "dummy", sleep_mode=spare, niced=not spare,
-                                           version=version)
+                                           version=version, kv_bytes=kv_bytes)
         except OSError as exc:
             self.failed.add(rung, "precompile")
             self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
@@ -133,6 +165,8 @@ class Ahead:
                 kept = spare and await self.keeper.keep(t, t0)
         finally:
             if not kept:
+                if self._stopped is not None:
+                    self._stopped |= t.pids()
                 await t.stop()  # a spare kept has its own record now (SpareKeeper.keep)
             self.launcher.done(t)
         return why, lines

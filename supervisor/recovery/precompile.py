@@ -12,7 +12,10 @@ niced, once the engine is idle, and is killed the moment the engine needs the ho
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +25,13 @@ from supervisor.bounds import GIB
 from supervisor.config import Config
 from supervisor.host import Host, files
 from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
-from supervisor.profile import Profile
-from supervisor.recovery.sizing import second_engine_bytes
+from supervisor.profile import Knob, Profile
+from supervisor.recovery.sizing import CORES_PER_COMPILE, one_sequence_kv, second_engine_bytes
 from supervisor.recovery.standby import fingerprint
 
 log = structlog.get_logger("supervisor.recovery.precompile")
 RECORD = "compiled.json"
+UNKNOWN = "?"  # the vLLM version, before any engine of this run said it
 
 
 class Precompiler:
@@ -39,6 +43,7 @@ class Precompiler:
         self.record = Path(cfg.state.dir) / RECORD
         self.compiled: dict[str, list[str]] = self._load()
         self.why = "not asked yet: the engine has not been idle long enough"
+        self.order: str | None = None  # where the rungs were last decided to be compiled: "first", "beside"
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -49,11 +54,20 @@ class Precompiler:
             doc = files.read_json(self.record)
         except (OSError, ValueError):
             return {}
-        return {str(k): [str(x) for x in v] for k, v in doc.items() if isinstance(v, list)} \
-            if isinstance(doc, dict) else {}
+        # A record under no version is from a run that never learnt it (no READY): its vLLM may be another now.
+        return {str(k): [str(x) for x in v] for k, v in doc.items()
+                if isinstance(v, list) and not str(k).startswith(f"{UNKNOWN}:")} if isinstance(doc, dict) else {}
 
     def _engine_id(self, version: str | None) -> str:
-        return f"{version or '?'}:{fingerprint(self.cfg.engine)}:{json.dumps(self.cfg.engine.args, sort_keys=True)}"
+        return f"{version or UNKNOWN}:{fingerprint(self.cfg.engine)}:{json.dumps(self.cfg.engine.args, sort_keys=True)}"
+
+    def known_version(self) -> str | None:
+        """The vLLM an engine of this command and arguments last reported on this host: before a run's first READY,
+        what its compiles are taken to be for (after an upgrade the first start compiles nothing first; the next
+        planned one does)."""
+        tail = self._engine_id(None).removeprefix(f"{UNKNOWN}:")
+        mine = [k.removesuffix(f":{tail}") for k in self.compiled if k.endswith(f":{tail}")]
+        return next((v for v in reversed(mine) if v != UNKNOWN), None)
 
     def is_compiled(self, profile: Profile, version: str | None) -> bool:
         return profile.compile_key() in self.compiled.get(self._engine_id(version), [])
@@ -64,10 +78,23 @@ class Precompiler:
         keys = self.compiled.setdefault(self._engine_id(version), [])
         if profile.compile_key() not in keys:
             keys.append(profile.compile_key())
-            try:
-                files.write_private(self.record, json.dumps(self.compiled, indent=1))
-            except OSError as exc:
-                log.warning("state.compiled_record_failed", error=str(exc))
+            self._save()
+
+    def learnt_version(self, version: str | None) -> None:
+        """An engine said which vLLM this is: what second engines compiled before it (a start's compile-first,
+        a spare built first) was the same install's."""
+        unknown = self.compiled.pop(self._engine_id(None), None)
+        if version is None or unknown is None:
+            return
+        keys = self.compiled.setdefault(self._engine_id(version), [])
+        keys += [k for k in unknown if k not in keys]
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            files.write_private(self.record, json.dumps(self.compiled, indent=1))
+        except OSError as exc:
+            log.warning("state.compiled_record_failed", error=str(exc))
 
     # ---- may a throwaway compile now ---------------------------------------------------------------------
     async def allowed(self, rung: Profile) -> bool:
@@ -97,8 +124,69 @@ class Precompiler:
             return rung
         return rung.with_(gpu_memory_utilization=round(max(0.01, free / 2), 3))
 
+    async def first(self, todo: Sequence[Profile], engine: Profile) -> CompileFirst | None:
+        """Before a planned start at ``engine`` on the card its gates found free: how the rungs in ``todo`` are
+        compiled first, when a throwaway would not fit beside the engine (``precompile_order``); None otherwise,
+        ``self.why`` says why."""
+        rc, e = self.cfg.recovery, self.cfg.engine
+        if rc.precompile == "off" or rc.precompile_order == "beside" or not todo:
+            return None
+        try:
+            snaps = await self.host.gpu_snapshot(e.devices())
+        except GpuLost:
+            return None
+        if not snaps:
+            return None  # without a GPU a throwaway always fits beside the engine
+        sizes = [second_engine_bytes(e.model, r, e.ranks()) for r in todo]
+        kv = one_sequence_kv(e.model, todo[0], e.ranks())
+        if kv is None or any(size is None for size in sizes):
+            self.why = "first: the model is not a local directory with weights and a config.json: its size is unknown"
+            return None
+        need = max(size.need for size in sizes if size is not None)
+        plan = plan_first(snaps, need, kv, engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9,
+                          self.cfg.gpu.start_headroom_bytes, rc.precompile_order, os.cpu_count() or 1)
+        self.why, self.order = plan.why, plan.order
+        return plan if plan.at_once else None
+
     def status(self, running: bool) -> dict[str, Any]:
-        return {"running": running, "why": self.why}
+        return {"running": running, "order": self.order, "why": self.why}
+
+
+@dataclass(frozen=True)
+class CompileFirst:
+    """Throwaways started before the engine, ``at_once`` at a time (0: none), each at ``util`` with a KV cache of
+    ``kv_bytes``: vLLM then skips its memory profiling, whose arithmetic assumes that no other process allocates
+    or frees memory on the card meanwhile (vllm/v1/worker/gpu_worker.py: "Error in memory profiling"), which
+    throwaways starting side by side do. Neither is part of the compile hash."""
+
+    order: str | None  # "first", "beside", or None: neither fits
+    at_once: int
+    util: float
+    kv_bytes: int
+    why: str
+
+
+def plan_first(snaps: Sequence[DeviceSnapshot], need: int, kv: int, engine_util: float, headroom: int,
+               mode: str, cpus: int) -> CompileFirst:
+    """With the card as it is before the engine starts: none when a throwaway of ``need`` bytes fits in half of
+    what the engine at ``engine_util`` leaves (it is compiled beside the engine, as room_for_throwaway allows);
+    else as many at once as the free card holds (each ``need`` plus one sequence's KV cache ``kv``) and the
+    host's cores compile side by side. ``mode`` "first" skips the beside check."""
+    s = min(snaps, key=lambda d: d.free / d.total)
+    left = max(0, s.free - int(engine_util * s.total) - headroom)
+    if mode != "first" and left // 2 >= need:
+        return CompileFirst("beside", 0, 0.0, 0, f"{mode}: beside the engine: half of the {left / GIB:.1f} GiB it "
+                                                 f"leaves holds a throwaway (about {need / GIB:.1f} GiB)")
+    each = need + kv
+    at_once = max(0, min((s.free - headroom) // each, max(2, cpus // CORES_PER_COMPILE)))
+    util = min(0.99, math.ceil(each / s.total * 100) / 100)
+    why = (f"{mode}: before the engine, {at_once} at a time: the free card ({s.free / GIB:.1f} GiB) holds "
+           f"{(s.free - headroom) // each} throwaways of about {each / GIB:.1f} GiB and {cpus} cores compile "
+           f"{max(2, cpus // CORES_PER_COMPILE)}; beside the engine at {engine_util:g} there would be "
+           f"{left / GIB:.1f} GiB" if at_once else
+           f"{mode}: neither beside the engine ({left / GIB:.1f} GiB left at {engine_util:g}) nor before it (the free "
+           f"card, {s.free / GIB:.1f} GiB, holds no throwaway of about {each / GIB:.1f} GiB)")
+    return CompileFirst("first" if at_once else None, at_once, util, kv, why)
 
 
 def room_for_throwaway(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile,

@@ -46,7 +46,7 @@ class SpareFailed(Exception):
     """The spare could not be put to sleep or woken."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Spare(Throwaway):
     """A whole engine asleep at ``profile`` (the utilization it could start at beside the engine)."""
 
@@ -195,8 +195,7 @@ class SpareKeeper:
                                       reason=str(exc), fault=True))
             return False
         now = self.host.monotonic()
-        spare.record_as(leftovers.SPARE)
-        leftovers.clear(self.cfg.state.dir, leftovers.PRECOMPILE)  # a spare kept is no precompile's throwaway
+        spare.record_as(leftovers.SPARE)  # a spare kept is no precompile's throwaway
         self.spare, self.last_build_s = spare, round(now - spawned_at, 3)
         self.why = "asleep"
         self.publish(SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
@@ -307,7 +306,7 @@ class SpareKeeper:
             return
         self.why = f"dropped: {reason}" + (f" ({detail})" if detail else "")
         e = self.cfg.engine
-        await spare.stop(e.stop_timeout_s, e.kill_timeout_s, record=leftovers.SPARE)
+        await spare.stop(e.stop_timeout_s, e.kill_timeout_s)
         self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile, reason=reason,
                                   fault=fault, detail=detail, incident=incident))
 

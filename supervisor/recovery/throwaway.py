@@ -48,7 +48,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass
+@dataclass(eq=False)  # one process each: equal only to itself, and kept in sets
 class Throwaway:
     """A second engine of ours, started at ``profile`` (the utilization it was given)."""
 
@@ -63,6 +63,7 @@ class Throwaway:
     state_dir: str  # where its leftovers record is
     argv: tuple[str, ...] = ()  # secrets masked
     version: str | None = None  # the vLLM that runs it (the serving engine's: the same install)
+    record: str = leftovers.PRECOMPILE  # its leftovers record's name
 
     @property
     def pid(self) -> int:
@@ -100,11 +101,14 @@ class Throwaway:
         return self.child
 
     def record_as(self, name: str) -> None:
-        """Its leftovers record under ``name``: a supervisor SIGKILLed meanwhile is followed by one that stops it."""
+        """Its leftovers record under ``name`` (the one it had goes): a supervisor SIGKILLed meanwhile is followed
+        by one that stops it."""
         leftovers.record(self.state_dir, self.host, self.child, name)
+        if name != self.record:
+            leftovers.clear(self.state_dir, self.record)
+            self.record = name
 
-    async def stop(self, grace_s: float = THROWAWAY_STOP_S, kill_s: float = THROWAWAY_STOP_S,
-                   record: str = leftovers.PRECOMPILE) -> None:
+    async def stop(self, grace_s: float = THROWAWAY_STOP_S, kill_s: float = THROWAWAY_STOP_S) -> None:
         """Stop it and everything it started; its run directory and its record go too. The processes go first:
         this runs in the cleanup of a cancelled task too, where any later await may be cut short."""
         await self.host.terminate_tree(self.child, grace_s, kill_s)
@@ -112,7 +116,7 @@ class Throwaway:
             d.cancel()
         await self.client.close()
         shutil.rmtree(self.work, ignore_errors=True)
-        leftovers.clear(self.state_dir, record)
+        leftovers.clear(self.state_dir, self.record)
 
 
 def fields_of(t: Throwaway) -> dict[str, Any]:
@@ -127,18 +131,21 @@ class Launcher:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
         self.cfg, self.host, self.publish = cfg, host, publish
         self.dir = Path()
-        self.current: Throwaway | None = None  # the one being started or waited for (its pids are ours)
+        self.current: set[Throwaway] = set()  # those being started or waited for (their pids are ours)
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
 
     async def launch(self, rung: Profile, weights: Weights, sleep_mode: bool, niced: bool,
-                     version: str | None = None) -> Throwaway:
-        """Spawn a second engine at ``rung``; OSError when it cannot be started."""
+                     version: str | None = None, kv_bytes: int | None = None) -> Throwaway:
+        """Spawn a second engine at ``rung`` (with a KV cache of ``kv_bytes`` when given, instead of what vLLM's
+        memory profiling finds); OSError when it cannot be started."""
         e = self.cfg.engine
         args = {**e.args, **(DUMMY_WEIGHTS_ARGS if weights == "dummy" else {})}
         if sleep_mode:
             args["enable_sleep_mode"] = True
+        if kv_bytes is not None:
+            args["kv_cache_memory_bytes"] = kv_bytes
         engine = replace(e, port=free_port(), args=args)
         key = rung.compile_key().replace(" ", "").replace("-", "")[:40]
         work = self.dir / f"{'spare' if sleep_mode else 'precompile'}-{key}"
@@ -154,12 +161,14 @@ class Launcher:
         tail = LogTail(TAIL_LINES, redact=lambda line: launch.redact(line, secrets))
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
         child = await self._spawn(argv, env)
-        drains = [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
-        t = Throwaway(child, rung, engine.base_url, work, tail, drains,
-                      EngineClient(engine.base_url, e.api_key(), ipc.control_token(env)), self.host,
-                      self.cfg.state.dir, tuple(launch.masked(argv, secrets)), version)
-        t.record_as(leftovers.PRECOMPILE)
-        self.current = t
+        taken = {t.record for t in self.current}
+        record = next(n for n in map(leftovers.precompile_record, range(len(taken) + 1)) if n not in taken)
+        t = Throwaway(child, rung, engine.base_url, work, tail, [], EngineClient(engine.base_url, e.api_key(),
+                      ipc.control_token(env)), self.host, self.cfg.state.dir, tuple(launch.masked(argv, secrets)),
+                      version, record)
+        self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
+        t.drains += [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
+        t.record_as(record)
         return t
 
     async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
@@ -174,12 +183,11 @@ class Launcher:
             raise
 
     def done(self, t: Throwaway) -> None:
-        """``t`` is stopped or kept: no longer the one being started."""
-        if self.current is t:
-            self.current = None
+        """``t`` is stopped or kept: no longer one being started."""
+        self.current.discard(t)
 
     def pids(self) -> set[int]:
-        return self.current.pids() if self.current is not None else set()
+        return set().union(*(t.pids() for t in self.current))
 
 
 class FailedRungs:

@@ -87,11 +87,36 @@ def fake_gpu() -> Any:
     return mod
 
 
+def profile_memory(gpu: Any, args: argparse.Namespace, log: logging.Logger) -> None:
+    """Take the card's share, then vLLM's memory profiling (FAKE_VLLM_PROFILE_S): like vLLM's, its arithmetic
+    assumes that no other process allocates or frees memory on the card meanwhile (vllm/v1/worker/gpu_worker.py).
+    With --kv-cache-memory-bytes vLLM skips it (the profile run still compiles)."""
+    total, own, init_free = gpu._card()["total_mib"] * gpu.MIB, wanted_bytes(gpu, args), gpu.free_bytes()
+    gpu.set_held(os.getpid(), own)
+    time.sleep(float(os.environ.get("FAKE_VLLM_PROFILE_S", "0.3")))
+    if args.kv_cache_memory_bytes:
+        log.info("Initial free memory %.2f GiB, reserved %.2f GiB memory for KV Cache as specified by "
+                 "kv_cache_memory_bytes config and skipped memory profiling.", init_free / 2**30,
+                 args.kv_cache_memory_bytes / 2**30)
+        return
+    others_then, others_now = total - init_free, total - gpu.free_bytes() - own
+    if others_now < others_then - gpu.MIB:
+        raise AssertionError(
+            f"Error in memory profiling. Initial free memory {init_free / 2**30:.2f} GiB, current free memory "
+            f"{(gpu.free_bytes() + own) / 2**30:.2f} GiB. This happens when other processes sharing the same "
+            "container release GPU memory while vLLM is profiling during initialization. To fix this, ensure "
+            "consistent GPU memory allocation or isolate vLLM in its own container.")
+    if others_now - others_then > own // 2:  # counted as its own non-torch memory: nothing left for the KV cache
+        raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                         "initializing the engine.")
+
+
 def wanted_bytes(gpu: Any, args: argparse.Namespace) -> int:
     """What vLLM takes of the card: gpu_memory_utilization x its total (weights, KV cache, activations)."""
     return int(args.gpu_memory_utilization * gpu._card()["total_mib"] * gpu.MIB)
 
 
+STANDIN_VERSION = "0.32.0+standin"  # what the stand-in says it is: compile records are keyed by it
 ASLEEP_BYTES = int(float(os.environ.get("FAKE_NVML_ASLEEP_MIB", "2048")) * 2**20)  # CUDA context, graphs, buffers
 
 
@@ -170,7 +195,7 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
                 f"memory utilization ({args.gpu_memory_utilization}, {args.gpu_memory_utilization * total:.2f} "
                 "GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
         if gpu is not None:
-            gpu.set_held(os.getpid(), wanted_bytes(gpu, args))
+            profile_memory(gpu, args, log)
         if free_util and args.gpu_memory_utilization > free_util:
             raise ValueError(
                 f"Free memory on device cuda:0 ({free_util * 139.8:.2f}/139.8 GiB) on startup is less than desired "
@@ -182,7 +207,7 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
                 "cache is needed, which is larger than the available KV cache memory (0.25 GiB). Based on the "
                 f"available memory, the estimated maximum model length is {kv}. Try increasing "
                 "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
-    except ValueError:
+    except (ValueError, AssertionError):
         log.exception("EngineCore failed to start.")
         f.write(b'{"startup_failed": true}\n')
         sys.exit(1)
@@ -527,6 +552,7 @@ class Server:
 async def api_server_main(args: argparse.Namespace) -> int:
     setup_logging("APIServer")
     srv = Server(args)
+    srv.log.info("vLLM API server version %s", STANDIN_VERSION)  # real vLLM's banner ends the same way
     srv.log.info("non-default args: %s", {k: v for k, v in vars(args).items() if v})
     srv.log.info("NOTIFY_SOCKET=%s", os.environ.get("NOTIFY_SOCKET"))
     @web.middleware
@@ -587,6 +613,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction)

@@ -89,6 +89,12 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
         spawned = sup.events("engine.spawned")
         assert started and started[0]["timestamp"] < spawned[0]["timestamp"]  # the spare came first
         assert not sup.events("gpu.utilization_adapted")
+        # The spare's rung is recorded as compiled for the vLLM the engine reported, which nothing knew before it.
+        version = first["engine_version"]
+        assert version == "0.32.0+standin"
+        compiled = json.loads((sup.state_dir / "compiled.json").read_text())
+        assert any(k.startswith(f"{version}:") and any("--max-num-batched-tokens 6144" in c for c in v)
+                   for k, v in compiled.items()), compiled
 
         # The seed's crash: another process takes all but 16 MiB, then the long prompt. The spare wakes into what
         # the engine freed: on the H200 a spare that kept 932 MiB asleep was refused the wake by a margin of 1 GiB.
@@ -148,3 +154,53 @@ def test_a_spare_whose_sleeping_footprint_grows_is_recycled(supervise: Callable[
     st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep"
                       and s["next_start"]["spare"]["pid"] != first["pid"], 60, "another spare asleep")
     assert not psutil.pid_exists(first["pid"]) or psutil.Process(first["pid"]).status() == psutil.STATUS_ZOMBIE
+
+
+def model_dir(tmp_path: Path) -> Path:
+    """A local model of the GLM-4-9B shape (its config.json, 18 GiB of sparse weights): what the supervisor sizes
+    second engines from. The stand-in engine never reads it."""
+    model = tmp_path / "glm9b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 40, "hidden_size": 4096, "intermediate_size": 13696, "num_attention_heads": 32,
+        "num_key_value_heads": 2, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}))
+    with open(model / "model-00001.safetensors", "wb") as f:
+        f.truncate(18 * 2**30)
+    return model
+
+
+def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_compiled_first_several_at_once(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 27, item 2: at utilization 0.9 no throwaway fits beside the engine, so the supervisor's first start
+    compiles the four rungs a runtime OOM walks (6144 down to the 512 floor) before it, two or more at a time on
+    the free card (each ~23 GiB: the 9B weights, a prefill, one 32k sequence's KV cache), then builds the spare,
+    then the engine. A stand-in's memory profiling fails, as vLLM's does, when another process allocates on the
+    card meanwhile: side by side they pass only because each is started with a fixed KV cache. The record
+    outlives the supervisor: the next one on the host compiles nothing first."""
+    state = tmp_path / "state"
+    overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_PROFILE_S": "1.5"}},
+                 "recovery": {"precompile": "auto"}, "state": {"dir": str(state)}}
+    sup = supervise(overrides)
+    st = sup.wait_ready(120)
+    assert st["next_start"]["precompile"]["order"] == "first", st["next_start"]["precompile"]
+    started, done = sup.events("precompile.started"), sup.events("engine.rung_precompiled")
+    compiled = [e for e in done if e["ok"]]
+    assert sorted(e["profile"]["max_num_batched_tokens"] for e in compiled[:4]) == [512, 2048, 4096, 6144], done
+    assert len(compiled) == 5 and len(done) == 5, done  # the four, then the spare (6144 again, now a warm start)
+    spans = [(s["timestamp"], d["timestamp"]) for s, d in zip(started[:4], done[:4], strict=True)]
+    assert max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans) >= 2, spans  # side by side
+    assert done[3]["timestamp"] <= started[4]["timestamp"]  # the compiles, then the spare
+    assert started[4]["timestamp"] < sup.events("engine.spawned")[0]["timestamp"]  # ... then the engine
+    assert st["next_start"]["spare"]["state"] == "asleep"
+    version = st["engine_version"]
+    record = json.loads((state / "compiled.json").read_text())
+    keys = next(v for k, v in record.items() if k.startswith(f"{version}:"))
+    assert sum(f"--max-num-batched-tokens {n} " in k + " " for k in keys for n in (8192, 6144, 4096, 2048, 512)) \
+        == 5, keys
+
+    sup.proc.terminate()
+    assert sup.proc.wait(60) == 0
+    again = supervise(overrides)
+    st = again.wait_ready(120)
+    assert len(again.events("engine.rung_precompiled")) == 1, again.events("engine.rung_precompiled")  # the spare
+    assert st["next_start"]["spare"]["state"] == "asleep"

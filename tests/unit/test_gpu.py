@@ -253,3 +253,37 @@ def test_the_spare_is_built_beside_when_it_fits_else_first_else_not_at_all(
         assert order.spare_util == util and free_gib * GIB - 2.5 * GIB - GIB >= util * total_gib * GIB
     assert choose_order(snaps, util, 21 * GIB, 0.3, GIB, mode="beside").order in ("beside", None)
     assert choose_order(snaps, util, 21 * GIB, 0.3, GIB, mode="first").order in ("first", None)
+
+
+@pytest.mark.parametrize(("free_gib", "total_gib", "util", "cpus", "want"), [
+    (139.8, 139.8, 0.9, 16, ("first", 4)),  # the H200 at vLLM's default: 12.8 GiB beside; 16 cores compile 4
+    (139.8, 139.8, 0.5, 16, ("beside", 0)),  # half of the 68 GiB beside holds one
+    (42.4, 80.0, 0.4, 16, ("first", 1)),  # the field report's A800, shared: the free card holds one at a time
+    (139.8, 139.8, 0.9, 2, ("first", 2)),  # two at once overlap their GPU work even on two cores
+    (20.0, 80.0, 0.2, 16, (None, 0)),  # neither: no throwaway fits even on the free card
+])
+def test_the_rungs_are_compiled_beside_the_engine_when_one_fits_else_first_several_at_once(
+        free_gib: float, total_gib: float, util: float, cpus: int, want: tuple[str | None, int]) -> None:
+    """Issue 27, item 2: a throwaway of the 9B shape (~21 GiB with its prefill, plus one 128k sequence's KV
+    cache, 5.3 GiB) is compiled beside the engine where it fits, else before the engine, as many at once as the
+    free card holds and the cores compile."""
+    from supervisor.recovery.precompile import plan_first
+
+    snaps = [DeviceSnapshot(0, int(total_gib * GIB), int(free_gib * GIB), int((total_gib - free_gib) * GIB), ())]
+    plan = plan_first(snaps, 21 * GIB, int(5.3 * GIB), util, GIB, "auto", cpus)
+    assert (plan.order, plan.at_once) == want, plan.why
+    if plan.order == "first":
+        # Each asks vLLM's start check for no more than its share, so the last to start still passes it.
+        assert plan.at_once * plan.util * total_gib <= free_gib - 1 and plan.util * total_gib * GIB >= 26.3 * GIB
+    assert plan_first(snaps, 21 * GIB, int(5.3 * GIB), util, GIB, "first", cpus).order in ("first", None)
+
+
+def test_one_sequence_kv_is_what_vllm_needs_to_start_at_the_rungs_max_model_len(tmp_path: Any) -> None:
+    from supervisor.profile import Profile
+    from supervisor.recovery.sizing import KV_BLOCK_SLACK, one_sequence_kv
+
+    model = glm9b_dir(tmp_path)
+    per_token = 2 * 40 * 2 * 128 * 2  # K and V, 40 layers, 2 KV heads of 128, bf16
+    assert one_sequence_kv(str(model), Profile(max_model_len=131072)) == per_token * 131072 + KV_BLOCK_SLACK
+    assert one_sequence_kv(str(model), Profile(max_model_len=131072), ranks=2) == per_token * 65536 + KV_BLOCK_SLACK
+    assert one_sequence_kv(str(tmp_path / "nowhere"), Profile()) is None

@@ -34,15 +34,23 @@ def test_a_standby_knows_the_engine_commands_it_can_become(tmp_path: Path) -> No
     assert entry_of(["vllm", "serve"]) is None
 
 
-def test_the_rungs_to_precompile_are_a_runtime_ooms_step_down_and_the_climb_back() -> None:
+def test_the_rungs_to_precompile_are_a_runtime_ooms_step_down_the_climb_back_and_the_rest_of_the_way_down() -> None:
     ladder = LadderConfig(max_num_batched_tokens=(8192, 4096, 2048), max_num_batched_tokens_floor=1024)
     configured = Profile(max_num_batched_tokens=8192, max_num_seqs=64)
     policy = Policy(RestartConfig(), ladder, configured)
-    assert [p.max_num_batched_tokens for p in policy.next_rungs(configured)] == [4096]
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(configured)] == [4096, 2048, 1024]
     mid = configured.with_(max_num_batched_tokens=4096)
-    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [2048, 8192]
+    assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [2048, 8192, 1024]
     policy.rung_failures[mid.with_(max_num_batched_tokens=2048).key()] = 2  # known to fail: skipped
     assert [p.max_num_batched_tokens for p in policy.next_rungs(mid)] == [1024, 8192]
+    # At the floor a runtime OOM lowers max_num_seqs, and nothing further is walked ahead of time (the climb
+    # back to 2048 is known to fail).
+    floor = configured.with_(max_num_batched_tokens=1024)
+    assert [(p.max_num_batched_tokens, p.max_num_seqs) for p in policy.next_rungs(floor)] == [(1024, 32)]
+    # The shipped ladder from vLLM's default chunk: every rung down to the 512 floor.
+    shipped = Policy(RestartConfig(), LadderConfig(), Profile(max_num_batched_tokens=8192))
+    assert [p.max_num_batched_tokens for p in shipped.next_rungs(Profile(max_num_batched_tokens=8192))] \
+        == [6144, 4096, 2048, 512]
     # vLLM's compile hash ignores the memory fraction: a utilization rung needs no compile of its own.
     assert mid.compile_key() == mid.with_(gpu_memory_utilization=0.8).compile_key()
     assert mid.compile_key() != mid.with_(max_num_seqs=32).compile_key()
