@@ -204,3 +204,32 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     st = again.wait_ready(120)
     assert len(again.events("engine.rung_precompiled")) == 1, again.events("engine.rung_precompiled")  # the spare
     assert st["next_start"]["spare"]["state"] == "asleep"
+
+
+def test_throwaways_compiling_side_by_side_outlive_a_sigkilled_supervisor_only_until_the_next_one(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Each throwaway of a start's compile-first has its own leftovers record: a supervisor SIGKILLed while they
+    compile is followed by one that stops every one of them (on a GPU each holds ~23 GiB)."""
+    import psutil
+
+    state, hold_start = tmp_path / "state", tmp_path / "start-delay"
+    hold_start.write_text("120")  # every stand-in engine waits this long before its EngineCore is ready
+    overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_DELAY_FILE": str(hold_start)}},
+                 "recovery": {"precompile": "auto"}, "state": {"dir": str(state)}}
+    sup = supervise(overrides)
+    sup.wait_for(lambda s: len(list(state.glob("precompile*.json"))) >= 2, 60, "two throwaways compiling at once")
+    pids = {e["port"]: e for e in sup.events("precompile.started")}
+    assert len(pids) >= 2
+    sup.proc.kill()
+    sup.proc.wait()
+    argvs = {p.pid: " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])}
+    left = [psutil.Process(pid) for pid, argv in argvs.items()
+            if "fake_vllm" in argv and any(f"--port {port} " in argv for port in pids)]
+    assert len(left) >= 2  # they outlive the supervisor: their own sessions
+    hold_start.unlink()
+    again = supervise({**overrides, "recovery": {"precompile": "off", "spare": "off"}})
+    again.wait_ready(60)
+    stopped = [e for e in again.events("engine.leftover_stopped") if e["what"] == "precompile"]
+    assert len(stopped) >= 2, again.events("engine.leftover_stopped")
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in left)
+    assert not list(state.glob("precompile*.json"))
