@@ -69,9 +69,9 @@ class Ahead:
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start at ``profile``, on the card its gates found free: the rungs within reach not yet
-        compiled (``precompile_order``), then the spare (``spare_order``), each where it would not fit beside the
-        engine. True when a spare is kept asleep now. A failure's restart never waits for them: that start is
-        the outage."""
+        compiled, its own among them (``precompile_order``), then the spare (``spare_order``), each where it would
+        not fit beside the engine. True when a spare is kept asleep now. A failure's restart never waits for them:
+        that start is the outage."""
         if not self.planned:
             return False
         await self._compile_first(profile)
@@ -79,8 +79,9 @@ class Ahead:
 
     async def _compile_first(self, profile: Profile) -> None:
         version = self.version or self.precompiler.known_version()
-        todo = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()
-                and not self.precompiler.is_compiled(p, version) and not self.failed.no_precompile(p)]
+        within_reach = [profile, *(p for p in self.targets(profile) if p.compile_key() != profile.compile_key())]
+        todo = [p for p in within_reach if not self.precompiler.is_compiled(p, version)
+                and not self.failed.no_precompile(p)]  # the engine's own rung too: on a fresh host it starts warm
         plan = await self.precompiler.first(todo, profile)
         if plan is None:
             return

@@ -172,10 +172,10 @@ def model_dir(tmp_path: Path) -> Path:
 def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_compiled_first_several_at_once(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:
     """Issue 27, item 2: at utilization 0.9 no throwaway fits beside the engine, so the supervisor's first start
-    compiles the four rungs a runtime OOM walks (6144 down to the 512 floor) before it, two or more at a time on
-    the free card (each ~23 GiB: the 9B weights, a prefill, one 32k sequence's KV cache), then builds the spare,
-    then the engine. A stand-in's memory profiling fails, as vLLM's does, when another process allocates on the
-    card meanwhile: side by side they pass only because each is started with a fixed KV cache. The record
+    compiles its own rung and the four a runtime OOM walks (6144 down to the 512 floor) before it, two or more at a
+    time on the free card (each ~23 GiB: the 9B weights, a prefill, one 32k sequence's KV cache), then builds the
+    spare, then the engine. A stand-in's memory profiling fails, as vLLM's does, when another process allocates on
+    the card meanwhile: side by side they pass only because each is started with a fixed KV cache. The record
     outlives the supervisor: the next one on the host compiles nothing first."""
     state = tmp_path / "state"
     overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_PROFILE_S": "1.5"}},
@@ -185,12 +185,13 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     assert st["next_start"]["precompile"]["order"] == "first", st["next_start"]["precompile"]
     started, done = sup.events("precompile.started"), sup.events("engine.rung_precompiled")
     compiled = [e for e in done if e["ok"]]
-    assert sorted(e["profile"]["max_num_batched_tokens"] for e in compiled[:4]) == [512, 2048, 4096, 6144], done
-    assert len(compiled) == 5 and len(done) == 5, done  # the four, then the spare (6144 again, now a warm start)
-    spans = [(s["timestamp"], d["timestamp"]) for s, d in zip(started[:4], done[:4], strict=True)]
+    # The engine's own rung and the four below it, then the spare (6144 again, a warm start now).
+    assert sorted(e["profile"]["max_num_batched_tokens"] for e in compiled[:5]) == [512, 2048, 4096, 6144, 8192]
+    assert len(compiled) == 6 and len(done) == 6, done
+    spans = [(s["timestamp"], d["timestamp"]) for s, d in zip(started[:5], done[:5], strict=True)]
     assert max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans) >= 2, spans  # side by side
-    assert done[3]["timestamp"] <= started[4]["timestamp"]  # the compiles, then the spare
-    assert started[4]["timestamp"] < sup.events("engine.spawned")[0]["timestamp"]  # ... then the engine
+    assert max(d["timestamp"] for d in done[:5]) <= started[5]["timestamp"]  # the compiles, then the spare
+    assert started[5]["timestamp"] < sup.events("engine.spawned")[0]["timestamp"]  # ... then the engine
     assert st["next_start"]["spare"]["state"] == "asleep"
     version = st["engine_version"]
     record = json.loads((state / "compiled.json").read_text())
