@@ -18,6 +18,10 @@ PART=order  (issue 27) the spare where none fits beside the engine: UTIL (defaul
             the card another process holds from before the start, e.g. 0.47 with UTIL=0.4). The warm-cache cold
             start is measured with `spare = "off"`; then the supervisor at its defaults builds the spare first,
             16 clients from READY on, CRASH_AFTER_S (20) later the seed's crash through the gateway.
+PART=reach  (issue 27, item 2) a fresh host (empty compile cache, fresh state) at UTIL (0.9), spare off: the first
+            start compiles the rungs within reach first, side by side; then, once the standby imported, the seed's
+            crash straight to vLLM (the other process leaves once the death is seen): the restart at the step-down
+            rung, compiled first, against the engine's own start from the cache.
 Every prompt is counted first with the engine's /tokenize; a part stops at once, saying why, when the prompt
 does not fit or the incident does not happen. $OUT gets summary-<part>.txt and events-<part>.jsonl.
 """
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +158,8 @@ def main() -> int:
     part = os.environ.get("PART", "crash")
     if part == "order":
         return order()
+    if part == "reach":
+        return reach()
     OUT.mkdir(parents=True, exist_ok=True)
     cache = Path(f"/tmp/vcache-{os.environ.get('CACHE', part)}")
     fresh = not os.environ.get("CACHE")
@@ -316,6 +323,63 @@ def order() -> int:
                 note(json.dumps(e)[:500])
         (OUT / "summary-order.txt").write_text("\n".join(notes) + "\n")
     return 0
+
+
+def reach() -> int:
+    """PART=reach: the supervisor's first start on a fresh host compiles first; a restart then finds its rung."""
+    util = float(os.environ.get("UTIL", "0.9"))
+    OUT.mkdir(parents=True, exist_ok=True)
+    cache, state, cfg = Path("/tmp/vcache-reach"), Path("/tmp/sup-state-reach"), Path("/tmp/sup-reach.toml")
+    for d in (cache, state):
+        shutil.rmtree(d, ignore_errors=True)
+    cfg.write_text(toml(state, cache, f'[gateway]\nlisten = "{GW}"\n', util, "off"))
+    log = OUT / "supervisor-reach.log"
+    sup, hog = run_supervisor(cfg, log), None
+    try:
+        st = ready(sup, log, "the first READY on a fresh host")
+        spawned = at(events_in(log, "engine.spawned")[0])
+        to_ready = at(next(e for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"))
+        note(f"reach: first READY on a fresh host {st['timings']['start_to_ready_s']}s; the engine's own start "
+             f"(spawn -> READY) {to_ready - spawned:.1f}s; phases {st['timings']['phases']}")
+        starts = events_in(log, "precompile.started")
+        for s_, d in zip(starts, events_in(log, "engine.rung_precompiled"), strict=False):
+            note(f"  compiled first: chunk {d['profile']['max_num_batched_tokens']} ok={d['ok']} took {d['took_s']}s "
+                 f"(started +{at(s_) - at(starts[0]):.1f}s) {d.get('error') or ''}"[:300])
+        note(f"  precompile {json.dumps(st['next_start']['precompile'])[:500]}")
+        wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the standby")
+        n = counted(LONG, "m", MAX_LEN)
+        note(f"the long prompt: {n} tokens by the engine's tokenizer")
+        hog = start_hog()
+        code, body, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
+                             {"model": "m", "prompt": LONG, "max_tokens": 4}, 900)
+        died_or_stop(code, body)
+        hog.kill()
+        hog.wait()
+        hog = None
+        st = ready(sup, log, "READY after the death", restarts=1)
+        lf = st["last_failure"]
+        rec = float(lf["recovered_after_s"])
+        note(f"reach: {lf['kind']} ({lf['evidence'][:120]}); death -> READY {rec:.1f}s = "
+             f"{rec / (to_ready - spawned):.2f}x the engine's own start from the cache; profile {st['profile']}; "
+             f"phases {st['timings']['phases']}")
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
+    finally:
+        if hog is not None:
+            hog.kill()
+        if sup.poll() is None:
+            stop_supervisor(sup)
+        (OUT / "summary-reach.txt").write_text("\n".join(notes) + "\n")
+        ours = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"')]
+        (OUT / "events-reach.jsonl").write_text("\n".join(ours) + "\n")
+        kv = [line[-160:] for line in log.read_text(errors="replace").splitlines() if "KV cache" in line]
+        note("\n".join(kv[:8]))
+    return 0
+
+
+def at(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def st_phases(log: Path, index: int) -> dict[str, float]:

