@@ -330,8 +330,8 @@ def reach() -> int:
     util = float(os.environ.get("UTIL", "0.9"))
     OUT.mkdir(parents=True, exist_ok=True)
     cache, state, cfg = Path("/tmp/vcache-reach"), Path("/tmp/sup-state-reach"), Path("/tmp/sup-reach.toml")
-    for d in (cache, state):
-        shutil.rmtree(d, ignore_errors=True)
+    for stale in (cache, state):
+        shutil.rmtree(stale, ignore_errors=True)
     cfg.write_text(toml(state, cache, f'[gateway]\nlisten = "{GW}"\n', util, "off"))
     log = OUT / "supervisor-reach.log"
     sup, hog = run_supervisor(cfg, log), None
