@@ -132,8 +132,11 @@ class Clients:
         return f"ordinary clients: {sum(self.codes.values())} answers, {failed} failed {self.codes} {self.errors}"
 
 
-def ready(sup: subprocess.Popen[bytes], log: Path, what: str, restarts: int = 0) -> dict[str, Any]:
+def ready(sup: subprocess.Popen[bytes], log: Path, what: str, restarts: int = 0,
+          progress: Any = None) -> dict[str, Any]:
     def alive() -> None:
+        if progress is not None:
+            progress()
         if sup.poll() is not None:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
             raise Stop(f"the supervisor exited with status {sup.returncode} waiting for {what}:\n{tail}")
@@ -336,7 +339,17 @@ def reach() -> int:
     log = OUT / "supervisor-reach.log"
     sup, hog = run_supervisor(cfg, log), None
     try:
-        st = ready(sup, log, "the first READY on a fresh host")
+        seen: set[str] = set()
+
+        def progress() -> None:  # each second engine as it starts and ends: the call may run out before READY
+            for e in events_in(log, "precompile.started") + events_in(log, "engine.rung_precompiled"):
+                if (key := json.dumps(e, sort_keys=True)) not in seen:
+                    seen.add(key)
+                    note(f"  {e['event']} chunk {e['profile']['max_num_batched_tokens']} util "
+                         f"{e['profile']['gpu_memory_utilization']} {e.get('ok', '')} {e.get('took_s', '')} "
+                         f"{(e.get('error') or '')[:200]}")
+
+        st = ready(sup, log, "the first READY on a fresh host", progress=progress)
         spawned = at(events_in(log, "engine.spawned")[0])
         to_ready = at(next(e for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"))
         note(f"reach: first READY on a fresh host {st['timings']['start_to_ready_s']}s; the engine's own start "
@@ -347,11 +360,13 @@ def reach() -> int:
                  f"(started +{at(s_) - at(starts[0]):.1f}s) {d.get('error') or ''}"[:300])
         note(f"  precompile {json.dumps(st['next_start']['precompile'])[:500]}")
         wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the standby")
-        n = counted(LONG, "m", MAX_LEN)
-        note(f"the long prompt: {n} tokens by the engine's tokenizer")
+        unit = " the contract clause"  # sized by this model's tokenizer: ~30,000 tokens, under max_model_len
+        per = counted(unit * 1000, "m", MAX_LEN) / 1000
+        prompt = unit * int(min(30000, 0.9 * MAX_LEN) / per)
+        note(f"the long prompt: {counted(prompt, 'm', MAX_LEN)} tokens by the engine's tokenizer")
         hog = start_hog()
         code, body, _ = http(f"http://127.0.0.1:{PORT}/v1/completions",
-                             {"model": "m", "prompt": LONG, "max_tokens": 4}, 900)
+                             {"model": "m", "prompt": prompt, "max_tokens": 4}, 900)
         died_or_stop(code, body)
         hog.kill()
         hog.wait()
