@@ -18,7 +18,8 @@ PART=order  (issue 27) the spare where none fits beside the engine: UTIL (defaul
             the card another process holds from before the start, e.g. 0.47 with UTIL=0.4). The warm-cache cold
             start is measured with `spare = "off"`; then the supervisor at its defaults builds the spare first,
             16 clients from READY on, CRASH_AFTER_S (20) later the seed's crash through the gateway.
-PART=reach  (issue 27, item 2) a fresh host (empty compile cache, fresh state) at UTIL (0.9), spare off: the first
+PART=reach  (issue 27, item 2) a fresh host (empty compile cache, fresh state) at UTIL (0.9), spare off (RECOVERY_ARGS:
+            more [recovery] lines, e.g. precompile_order = "first" where a small model fits beside): the first
             start compiles the rungs within reach first, side by side; then, once the standby imported, the seed's
             crash straight to vLLM (the other process leaves once the death is seen): the restart at the step-down
             rung, compiled first, against the engine's own start from the cache.
@@ -87,6 +88,7 @@ max_model_len = {MAX_LEN}
 dir = "{state}"
 [recovery]
 spare = "{spare}"
+{os.environ.get("RECOVERY_ARGS", "")}
 [admin]
 listen = "127.0.0.1:8001"
 [log]
