@@ -235,19 +235,30 @@ def main() -> int:
             note(clients.finish())
             last = status()
             note(f"gateway: {last and last.get('gateway')}")
-        if hog is not None:
-            hog.kill()
-        if sup is not None and sup.poll() is None:
-            stop_supervisor(sup)
+        ended([hog], sup)
         for name in ("gpu.utilization_adapted", "gpu.not_enough_free", "engine.failed", "engine.profile_lowered",
                      "engine.profile_changed", "gateway.stream_continued", "engine.rung_precompiled",
                      "spare.asleep", "spare.woken", "spare.dropped", "engine.spawned"):
             for e in events_in(log, name)[:6]:
                 note(json.dumps(e)[:400])
-        (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")
-        ours = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"')]
-        (OUT / f"events-{part}.jsonl").write_text("\n".join(ours) + "\n")
+        saved(part, log)
     return 0
+
+
+def ended(hogs: list[subprocess.Popen[str] | None], sup: subprocess.Popen[bytes] | None) -> None:
+    """The other processes killed and the supervisor stopped, whatever stopped the part."""
+    for h in hogs:
+        if h is not None:
+            h.kill()
+    if sup is not None and sup.poll() is None:
+        stop_supervisor(sup)
+
+
+def saved(part: str, log: Path) -> None:
+    """$OUT/summary-<part>.txt (the notes) and events-<part>.jsonl (the supervisor's own events)."""
+    (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")
+    ours = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"')]
+    (OUT / f"events-{part}.jsonl").write_text("\n".join(ours) + "\n")
 
 
 def order() -> int:
@@ -318,10 +329,7 @@ def order() -> int:
         note(clients.finish())
         last = status()
         note(f"gateway: {last and last.get('gateway')}")
-        for h in hogs:
-            h.kill()
-        if sup is not None and sup.poll() is None:
-            stop_supervisor(sup)
+        ended(list(hogs), sup)
         for name in ("gpu.utilization_adapted", "engine.failed", "engine.rung_precompiled", "spare.asleep",
                      "spare.woken", "spare.dropped", "engine.spawned"):
             for e in events_in(log, name)[:6]:
@@ -383,13 +391,8 @@ def reach() -> int:
         note(f"STOPPED: {why}")
         return 1
     finally:
-        if hog is not None:
-            hog.kill()
-        if sup.poll() is None:
-            stop_supervisor(sup)
-        (OUT / "summary-reach.txt").write_text("\n".join(notes) + "\n")
-        ours = [line for line in log.read_text(errors="replace").splitlines() if line.startswith('{"')]
-        (OUT / "events-reach.jsonl").write_text("\n".join(ours) + "\n")
+        ended([hog], sup)
+        saved("reach", log)
         kv = [line[-160:] for line in log.read_text(errors="replace").splitlines() if "KV cache" in line]
         note("\n".join(kv[:8]))
     return 0
