@@ -96,7 +96,8 @@ class Ahead:
             await asyncio.wait_for(asyncio.gather(*map(one, todo)), timeout)
         except TimeoutError:
             self.precompiler.why = f"first: not all compiled within precompile_timeout_s ({timeout:g}s): {plan.why}"
-        stopped, self._stopped = self._stopped, None
+        finally:
+            stopped, self._stopped = self._stopped, None
         with contextlib.suppress(GpuLost):  # the spare and the engine come next, on what the throwaways held
             await self.host.wait_gpu_released(stopped or set(), self.cfg.gpu.release_timeout_s)
 
