@@ -206,6 +206,19 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     assert len(again.events("engine.rung_precompiled")) == 1, again.events("engine.rung_precompiled")  # the spare
     assert st["next_start"]["spare"]["state"] == "asleep"
 
+    # Two deaths in a row (issue 27, (d)): the seed's crash wakes the spare at 6144; the next runtime OOM, with no
+    # spare for 4096, restarts at a rung compiled before the first READY: nothing compiles on either critical path.
+    assert send_long_prompt(again) == 500
+    st = again.wait_ready(30, restarts=1)
+    assert st["profile"]["max_num_batched_tokens"] == 6144 and len(again.events("spare.woken")) == 1
+    code, _ = http_json(st["engine_url"] + "/v1/completions",
+                        {"model": "fake-model", "prompt": LONG_PROMPT, "max_tokens": 4}, timeout=30)
+    assert code == 500
+    st = again.wait_ready(30, restarts=2)
+    assert st["profile"]["max_num_batched_tokens"] == 4096
+    assert any("--max-num-batched-tokens 4096 " in k + " " for k in keys)  # compiled before the first READY
+    assert len(again.events("precompile.started")) == 1  # only the spare, before the first READY
+
 
 def test_throwaways_compiling_side_by_side_outlive_a_sigkilled_supervisor_only_until_the_next_one(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:

@@ -1,0 +1,157 @@
+"""On a lent H200: issue 27's proof in one device call (under 10 minutes at the seed's scale).
+
+A fresh host (empty compile cache, fresh state directory) at UTIL (default 0.9, vLLM's own default) with every key
+at its default (HOG_BEFORE: a share of the card another process holds from before the start, e.g. 0.47 with
+UTIL=0.4), MODEL (default ~/glm9b, ../shared/gpu/mkglm9b.py's GLM-4-9B shape) at 128k, the gateway in front with
+its memory rules off as in the field, 16 clients through it from the first READY on:
+  1. the supervisor's first start: the rungs compiled first, the spare built first, then the engine (its KV cache);
+  2. CRASH_AFTER_S (10) after READY, the seed's crash: another process takes all but 16 MiB and stays, the long
+     prompt through the gateway: death -> READY (the spare woken, its canary);
+  3. SECOND_AFTER_S (10) after that READY, the EngineCore SIGKILLed: death -> READY (no spare: the standby and
+     the compile cache);
+  4. the other process gone, the supervisor again on the same state directory with `spare = "off"`: the
+     warm-cache cold start every ratio is taken against, and its KV cache without a spare beside it.
+$OUT gets summary-proof.txt and events-proof.jsonl. Usage: PART-less, `python3 bench/gpu_proof.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from common import events_in
+from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status
+from gpu_seed import GW, MAX_LEN, Clients, at, ended, ready, saved, toml
+
+UTIL = float(os.environ.get("UTIL", "0.9"))
+CACHE, STATE = Path("/tmp/vcache-proof"), Path("/tmp/sup-state-proof")
+LOG = OUT / "supervisor-proof.log"
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for stale in (CACHE, STATE):
+        shutil.rmtree(stale, ignore_errors=True)
+    gateway = f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n'
+    spared, plain = Path("/tmp/sup-proof.toml"), Path("/tmp/sup-proof-off.toml")
+    spared.write_text(toml(STATE, CACHE, gateway, UTIL, "auto"))
+    plain.write_text(toml(STATE, CACHE, gateway, UTIL, "off"))
+    hogs = [start_hog_share(float(os.environ.get("HOG_BEFORE", "0")))]
+    clients, sup = Clients(), run_supervisor(spared, LOG)
+    try:
+        first, engine_s = first_start(sup)
+        clients.start()
+        time.sleep(float(os.environ.get("CRASH_AFTER_S", "10")))
+        hogs.append(seed_crash())
+        rec1 = recovered(sup, 1, "the seed's crash")
+        time.sleep(float(os.environ.get("SECOND_AFTER_S", "10")))
+        note(f"SIGKILL to the EngineCore: {kill_engine_core()}")
+        rec2 = recovered(sup, 2, "the EngineCore SIGKILLed")
+        time.sleep(5)  # ordinary traffic on the engine after the second death
+        note(clients.finish())
+        ended(hogs, sup)
+        hogs = []
+        sup = run_supervisor(plain, LOG)
+        st = ready(sup, LOG, "the warm-cache cold start, spare off")
+        cold = float(st["timings"]["start_to_ready_s"])
+        note(f"proof: warm-cache cold start (spare off, same host) {cold:.1f}s; phases {st['timings']['phases']}")
+        note(f"proof: death -> READY {rec1:.1f}s = {rec1 / cold:.3f}x (the seed's crash), {rec2:.1f}s = "
+             f"{rec2 / cold:.3f}x (a second death); first READY on the fresh host {first:.1f}s = {first / cold:.2f}x "
+             f"(the engine's own start {engine_s:.1f}s)")
+        kv = [line.split("]")[-1].strip() for line in LOG.read_text(errors="replace").splitlines()
+              if "GPU KV cache size" in line]
+        note(f"proof: KV cache of each start, in order (the first is the engine beside the spare): {kv}")
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
+    finally:
+        if clients.threads[0].is_alive():
+            note(clients.finish())
+        ended(hogs, sup)
+        for name in ("gpu.utilization_adapted", "engine.failed", "spare.asleep", "spare.woken", "spare.dropped"):
+            for e in events_in(LOG, name)[:4]:
+                note(json.dumps(e)[:500])
+        saved("proof", LOG)
+    return 0
+
+
+def start_hog_share(share: float) -> Any:
+    """Another process holding ``share`` of the card from before the start (none for 0)."""
+    if not share:
+        return None
+    os.environ["HOG_FRACTION"] = str(share)
+    try:
+        return start_hog()
+    finally:
+        os.environ.pop("HOG_FRACTION")
+
+
+def first_start(sup: Any) -> tuple[float, float]:
+    """The first READY on the fresh host (and the engine's own spawn -> READY), each second engine said as it
+    ends: the call may run out before READY."""
+    seen: set[str] = set()
+
+    def progress() -> None:
+        for e in events_in(LOG, "engine.rung_precompiled") + events_in(LOG, "spare.asleep"):
+            if (key := json.dumps(e, sort_keys=True)) not in seen:
+                seen.add(key)
+                note(f"  {e['event']} chunk {e['profile']['max_num_batched_tokens']} util "
+                     f"{e['profile']['gpu_memory_utilization']} {e.get('ok', '')} took {e.get('took_s')}s "
+                     f"{(e.get('error') or '')[:160]}")
+
+    st = ready(sup, LOG, "the first READY on a fresh host", progress=progress)
+    engine_s = at(next(e for e in events_in(LOG, "engine.state_changed") if e.get("to") == "READY")) \
+        - at(events_in(LOG, "engine.spawned")[0])
+    first = float(st["timings"]["start_to_ready_s"])
+    note(f"proof: first READY on a fresh host {first:.1f}s, the engine's own start {engine_s:.1f}s; precompile "
+         f"{json.dumps(st['next_start']['precompile'])[:300]}; spare {json.dumps(st['next_start']['spare'])[:400]}")
+    return first, engine_s
+
+
+def seed_crash() -> Any:
+    """Another process takes all but 16 MiB and stays; the long prompt (sized by the engine's tokenizer) goes
+    through the gateway, answered in a thread of its own."""
+    unit = " the contract clause"
+    per = counted(unit * 1000, "m", MAX_LEN) / 1000
+    prompt = unit * int(min(100_000, 0.9 * MAX_LEN) / per)
+    note(f"the long prompt: {counted(prompt, 'm', MAX_LEN)} tokens")
+    hog = start_hog()
+    t0 = time.monotonic()
+
+    def send() -> None:
+        code, body, _ = http(f"http://{GW}/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 4}, 900)
+        note(f"the long prompt through the gateway: HTTP {code} after {time.monotonic() - t0:.1f}s {str(body)[:160]}")
+
+    threading.Thread(target=send, daemon=True).start()
+    return hog
+
+
+def recovered(sup: Any, restarts: int, what: str) -> float:
+    st = ready(sup, LOG, f"READY after {what}", restarts=restarts)
+    lf = st["last_failure"]
+    woken = events_in(LOG, "spare.woken")
+    note(f"proof: {what}: {lf['kind']} ({lf['evidence'][:120]}); death -> READY {lf['recovered_after_s']}s; "
+         f"profile {st['profile']}; spare woken {len(woken)} (canary {woken[-1].get('canary') if woken else None})")
+    return float(lf["recovered_after_s"])
+
+
+def kill_engine_core() -> str:
+    st = status()
+    pid = int(st["engine_pid"]) if st else 0
+    cores = [p for p in psutil.Process(pid).children(recursive=True)
+             if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    if not cores:
+        raise Stop(f"no EngineCore under the engine {pid}")
+    os.kill(cores[0].pid, signal.SIGKILL)
+    return f"pid {cores[0].pid} under the engine {pid}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
