@@ -119,7 +119,7 @@ def seed_crash() -> Any:
     """Another process takes all but 16 MiB and stays; the long prompt (sized by the engine's tokenizer) goes
     through the gateway, answered in a thread of its own."""
     unit = " the contract clause"
-    per = counted(unit * 1000, "m", MAX_LEN) / 1000
+    per = counted(unit * 10, "m", MAX_LEN) / 10
     prompt = unit * int(min(100_000, 0.9 * MAX_LEN) / per)
     note(f"the long prompt: {counted(prompt, 'm', MAX_LEN)} tokens")
     hog = start_hog()

@@ -371,7 +371,7 @@ def reach() -> int:
         note(f"  precompile {json.dumps(st['next_start']['precompile'])[:500]}")
         wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the standby")
         unit = " the contract clause"  # sized by this model's tokenizer: ~30,000 tokens, under max_model_len
-        per = counted(unit * 1000, "m", MAX_LEN) / 1000
+        per = counted(unit * 10, "m", MAX_LEN) / 10
         prompt = unit * int(min(30000, 0.9 * MAX_LEN) / per)
         note(f"the long prompt: {counted(prompt, 'm', MAX_LEN)} tokens by the engine's tokenizer")
         hog = start_hog()
