@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 from common import events_in
 from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status
-from gpu_seed import GW, MAX_LEN, Clients, at, ended, ready, saved, toml
+from gpu_seed import GW, MAX_LEN, Clients, at, ended, ready, saved, second_engines, toml
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
 CACHE, STATE = Path("/tmp/vcache-proof"), Path("/tmp/sup-state-proof")
@@ -96,16 +96,7 @@ def start_hog_share(share: float) -> Any:
 def first_start(sup: Any) -> tuple[float, float]:
     """The first READY on the fresh host (and the engine's own spawn -> READY), each second engine said as it
     ends: the call may run out before READY."""
-    seen: set[str] = set()
-
-    def progress() -> None:
-        for e in events_in(LOG, "engine.rung_precompiled") + events_in(LOG, "spare.asleep"):
-            if (key := json.dumps(e, sort_keys=True)) not in seen:
-                seen.add(key)
-                note(f"  {e['event']} chunk {e['profile']['max_num_batched_tokens']} util "
-                     f"{e['profile']['gpu_memory_utilization']} {e.get('ok', '')} took {e.get('took_s')}s "
-                     f"{(e.get('error') or '')[:160]}")
-
+    progress = second_engines(LOG, "engine.rung_precompiled", "spare.asleep")
     st = ready(sup, LOG, "the first READY on a fresh host", progress=progress)
     engine_s = at(next(e for e in events_in(LOG, "engine.state_changed") if e.get("to") == "READY")) \
         - at(events_in(LOG, "engine.spawned")[0])

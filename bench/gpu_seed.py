@@ -349,16 +349,7 @@ def reach() -> int:
     log = OUT / "supervisor-reach.log"
     sup, hog = run_supervisor(cfg, log), None
     try:
-        seen: set[str] = set()
-
-        def progress() -> None:  # each second engine as it starts and ends: the call may run out before READY
-            for e in events_in(log, "precompile.started") + events_in(log, "engine.rung_precompiled"):
-                if (key := json.dumps(e, sort_keys=True)) not in seen:
-                    seen.add(key)
-                    note(f"  {e['event']} chunk {e['profile']['max_num_batched_tokens']} util "
-                         f"{e['profile']['gpu_memory_utilization']} {e.get('ok', '')} {e.get('took_s', '')} "
-                         f"{(e.get('error') or '')[:200]}")
-
+        progress = second_engines(log, "precompile.started", "engine.rung_precompiled")
         st = ready(sup, log, "the first READY on a fresh host", progress=progress)
         spawned = at(events_in(log, "engine.spawned")[0])
         to_ready = at(next(e for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"))
@@ -396,6 +387,21 @@ def reach() -> int:
         kv = [line[-160:] for line in log.read_text(errors="replace").splitlines() if "KV cache" in line]
         note("\n".join(kv[:8]))
     return 0
+
+
+def second_engines(log: Path, *names: str) -> Any:
+    """A progress callback for ``ready``: each second engine's ``names`` events said as they come (a device call
+    may run out before READY, and what was said so far comes back)."""
+    seen: set[str] = set()
+
+    def say() -> None:
+        for e in (e for name in names for e in events_in(log, name)):
+            if (key := json.dumps(e, sort_keys=True)) not in seen:
+                seen.add(key)
+                note(f"  {e['event']} chunk {e['profile']['max_num_batched_tokens']} util "
+                     f"{e['profile']['gpu_memory_utilization']} {e.get('ok', '')} {e.get('took_s', '')} "
+                     f"{(e.get('error') or '')[:200]}")
+    return say
 
 
 def at(event: dict[str, Any]) -> float:
