@@ -93,3 +93,23 @@ def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:
     assert vllm_standby.omp_cpus({}) is None
 
 
+
+
+def test_compiles_made_before_the_first_ready_are_filed_under_the_vllm_it_reports(tmp_path: Path) -> None:
+    """A start's compile-first (and a spare built first) runs before any engine of the run said which vLLM this
+    is: its records wait under "?" and go under the version the first READY reports; before that READY the last
+    version seen on the host is assumed; a "?" left by a run that never reached READY is not trusted later."""
+    from supervisor.recovery.precompile import Precompiler
+
+    cfg = parse({"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}})
+    rung = Profile(max_num_batched_tokens=4096)
+    first = Precompiler(cfg, host=None)  # type: ignore[arg-type]  # the record needs no host
+    assert first.known_version() is None
+    first.note_compiled(rung, None)
+    assert first.is_compiled(rung, None) and not first.is_compiled(rung, "0.26.0")
+    first.learnt_version("0.26.0")
+    assert first.is_compiled(rung, "0.26.0") and not first.is_compiled(rung, None)
+    first.note_compiled(rung.with_(max_num_batched_tokens=2048), None)  # a run that never reaches READY again
+    later = Precompiler(cfg, host=None)  # type: ignore[arg-type]
+    assert later.known_version() == "0.26.0" and later.is_compiled(rung, "0.26.0")
+    assert not later.is_compiled(rung.with_(max_num_batched_tokens=2048), None)
