@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor.config import Config
+from supervisor.engine import gates
 from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
 from supervisor.host import Host
 from supervisor.host.gpu import GpuLost
@@ -98,8 +99,8 @@ class Ahead:
             self.precompiler.why = f"first: not all compiled within precompile_timeout_s ({timeout:g}s): {plan.why}"
         finally:
             stopped, self._stopped = self._stopped, None
-        with contextlib.suppress(GpuLost):  # the spare and the engine come next, on what the throwaways held
-            await self.host.wait_gpu_released(stopped or set(), self.cfg.gpu.release_timeout_s)
+        # The spare and the engine come next, on what the throwaways held.
+        await gates.wait_released(self.cfg, self.host, self.publish, tuple(stopped or ()))
 
     async def _spare_first(self, profile: Profile) -> bool:
         if self.keeper.spare is not None:

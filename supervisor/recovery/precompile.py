@@ -178,12 +178,12 @@ def plan_first(snaps: Sequence[DeviceSnapshot], need: int, kv: int, engine_util:
         return CompileFirst("beside", 0, 0.0, 0, f"{mode}: beside the engine: half of the {left / GIB:.1f} GiB it "
                                                  f"leaves holds a throwaway (about {need / GIB:.1f} GiB)")
     each = need + kv
-    at_once = max(0, min((s.free - headroom) // each, max(2, cpus // CORES_PER_COMPILE)))
+    fit, side_by_side = max(0, (s.free - headroom) // each), max(2, cpus // CORES_PER_COMPILE)
+    at_once = min(fit, side_by_side)
     util = min(0.99, math.ceil(each / s.total * 100) / 100)
     why = (f"{mode}: before the engine, {at_once} at a time: the free card ({s.free / GIB:.1f} GiB) holds "
-           f"{(s.free - headroom) // each} throwaways of about {each / GIB:.1f} GiB and {cpus} cores compile "
-           f"{max(2, cpus // CORES_PER_COMPILE)}; beside the engine at {engine_util:g} there would be "
-           f"{left / GIB:.1f} GiB" if at_once else
+           f"{fit} throwaways of about {each / GIB:.1f} GiB and {cpus} cores compile {side_by_side}; beside the engine "
+           f"at {engine_util:g} there would be {left / GIB:.1f} GiB" if at_once else
            f"{mode}: neither beside the engine ({left / GIB:.1f} GiB left at {engine_util:g}) nor before it (the free "
            f"card, {s.free / GIB:.1f} GiB, holds no throwaway of about {each / GIB:.1f} GiB)")
     return CompileFirst("first" if at_once else None, at_once, util, kv, why)
