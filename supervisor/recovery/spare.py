@@ -35,7 +35,7 @@ from supervisor.ops import incident
 from supervisor.profile import Knob, Profile
 from supervisor.recovery import canary
 from supervisor.recovery.canary import Canary
-from supervisor.recovery.sizing import second_engine_bytes
+from supervisor.recovery.sizing import SecondEngine, second_engine_bytes
 from supervisor.recovery.throwaway import FailedRungs, Throwaway, fields_of
 
 log = structlog.get_logger("supervisor.recovery.spare")
@@ -160,11 +160,9 @@ class SpareKeeper:
         if not snaps:
             return None  # the order is the card's numbers: without them a spare is only ever built beside
         size = second_engine_bytes(e.model, rung, e.ranks())
-        if mode == "auto" and size is None:
-            self.why = "auto: the model is not a local directory with weights, so their size is unknown"
-            return None
-        if mode == "auto" and size is not None and psutil.virtual_memory().available < size.weights + 2 * GIB:
-            self.why = f"auto: the host's available memory cannot keep the spare's {size.weights / GIB:.1f} GiB asleep"
+        refused = host_refusal(size, psutil.virtual_memory().available) if mode == "auto" else None
+        if refused:
+            self.why = refused
             return None
         self.order = choose_order(snaps, engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9,
                                   size.need if size is not None else 0, self.cfg.ladder.gpu_memory_utilization_floor,
@@ -335,18 +333,27 @@ def fits_beside(snaps: Sequence[DeviceSnapshot], util: float, headroom: int) -> 
     return min(util, fraction_that_fits(max(0, s.free - headroom), s.total))
 
 
+def host_refusal(size: SecondEngine | None, ram_available: int) -> str | None:
+    """Why "auto" keeps no spare whatever the card holds: its size is unknown, or the host's available memory
+    cannot keep its weights asleep (plus 2 GiB)."""
+    if size is None:
+        return "auto: the model is not a local directory with weights, so their size is unknown"
+    if ram_available < size.weights + 2 * GIB:
+        return (f"auto: the host has {ram_available / GIB:.1f} GiB of memory available; a spare asleep keeps its "
+                f"{size.weights / GIB:.1f} GiB of weights there")
+    return None
+
+
 def room_for_spare(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile, ranks: int, headroom: int,
                    floor: float, ram_available: int) -> tuple[float | None, str]:
     """On a GPU, "auto" keeps a spare when its weights fit in the host's available memory (where they sleep)
     and the card holds, beside the engine, a second engine at a utilization no lower than the ladder's floor:
     its weights, the rung's prefill peak, its CUDA graphs and a KV cache."""
     size = second_engine_bytes(model, rung, ranks)
-    if size is None:
-        return None, "auto: the model is not a local directory with weights, so their size is unknown"
+    refused = host_refusal(size, ram_available)
+    if refused or size is None:
+        return None, refused or ""
     weights, need = size.weights, size.need
-    if ram_available < weights + 2 * GIB:
-        return None, (f"auto: the host has {ram_available / GIB:.1f} GiB of memory available; a spare asleep "
-                      f"keeps its {weights / GIB:.1f} GiB of weights there")
     util = fits_beside(snaps, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9, headroom)
     total = min(s.total for s in snaps)
     if util < floor or util * total < need:
