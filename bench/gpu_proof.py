@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 from common import events_in
 from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status
-from gpu_seed import GW, MAX_LEN, Clients, at, ended, ready, saved, second_engines, toml
+from gpu_seed import GW, MAX_LEN, Clients, at, ended, latency_windows, ready, saved, second_engines, toml
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
 CACHE, STATE = Path("/tmp/vcache-proof"), Path("/tmp/sup-state-proof")
@@ -49,6 +49,7 @@ def main() -> int:
         first, engine_s = first_start(sup)
         clients.start()
         time.sleep(float(os.environ.get("CRASH_AFTER_S", "10")))
+        latency_windows(LOG, clients)
         hogs.append(seed_crash())
         rec1 = recovered(sup, 1, "the seed's crash")
         time.sleep(float(os.environ.get("SECOND_AFTER_S", "10")))

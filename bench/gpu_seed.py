@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import events_in
+from common import events_in, pct
 from gpu_common import (
     OUT,
     PORT,
@@ -104,6 +104,7 @@ class Clients:
         self.lock = threading.Lock()
         self.codes: dict[str, int] = {}
         self.errors: list[str] = []
+        self.done: list[tuple[float, float]] = []  # (wall clock at the answer, seconds it took) of every 200
         self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(n)]
 
     def loop(self, i: int) -> None:
@@ -113,12 +114,15 @@ class Clients:
             stream = i % 2 == 0
             body = {"model": "m", "prompt": f"clause {i} number {n} of the contract " * 8, "max_tokens": 48,
                     "stream": stream}
+            t0 = time.time()
             code, out, _ = http(f"http://{GW}/v1/completions", body, timeout=900)
             verdict = str(code)
             if code == 200 and stream and (not isinstance(out, str) or '"error"' in out or "[DONE]" not in out):
                 verdict = "broken stream"
             with self.lock:
                 self.codes[verdict] = self.codes.get(verdict, 0) + 1
+                if verdict == "200":
+                    self.done.append((time.time(), time.time() - t0))
                 if verdict != "200" and len(self.errors) < 5:
                     self.errors.append(f"{verdict}: {str(out)[-300:]}")
 
@@ -132,6 +136,14 @@ class Clients:
             t.join(900)
         failed = sum(v for k, v in self.codes.items() if k != "200")
         return f"ordinary clients: {sum(self.codes.values())} answers, {failed} failed {self.codes} {self.errors}"
+
+    def latency(self, since: float, until: float) -> str:
+        """p50/p99 of the answers that ended between two wall-clock times."""
+        with self.lock:
+            took = [s for t, s in self.done if since <= t < until]
+        if not took:
+            return "no answers"
+        return f"{len(took)} answers over {until - since:.0f}s, p50 {pct(took, 50):.2f}s p99 {pct(took, 99):.2f}s"
 
 
 def ready(sup: subprocess.Popen[bytes], log: Path, what: str, restarts: int = 0,
@@ -152,7 +164,7 @@ def prepared(log: Path) -> None:
     """Wait (bounded) for the standby and the precompile of the next rung, and say what they did."""
     t = time.monotonic()
     st = wait(lambda s: (bool(events_in(log, "engine.rung_precompiled")) and not s["next_start"]["precompiling"])
-              or time.monotonic() - t > PRECOMPILE_WAIT_S, "the precompile")
+              or bool(events_in(log, "spare.asleep")) or time.monotonic() - t > PRECOMPILE_WAIT_S, "the precompile")
     done = events_in(log, "engine.rung_precompiled")
     note(f"after {time.monotonic() - t:.0f}s: precompiles {[(e['profile'], e['ok'], e['took_s']) for e in done]}; "
          f"precompile {st and st['next_start'].get('precompile')}; standby {st and st['next_start']['standby']}; "
@@ -196,6 +208,8 @@ def main() -> int:
         prepared(log)
         n = counted(LONG, "m", MAX_LEN)
         note(f"the long prompt: {n} tokens by the engine's tokenizer")
+        if with_clients:
+            latency_windows(log, clients)
         if part == "shed":
             return shed(clients, n)
         hog = start_hog()
@@ -402,6 +416,21 @@ def second_engines(log: Path, *names: str) -> Any:
                      f"{e['profile']['gpu_memory_utilization']} {e.get('ok', '')} {e.get('took_s', '')} "
                      f"{(e.get('error') or '')[:200]}")
     return say
+
+
+def latency_windows(log: Path, clients: Clients) -> None:
+    """Client latency before, while and after the spare was built beside the serving engine (its spawn -> asleep),
+    from the last READY on."""
+    readies = [e for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"]
+    asleep = events_in(log, "spare.asleep")
+    t_ready, now = (at(readies[-1]) if readies else 0.0), time.time()
+    if not asleep or at(asleep[-1]) < t_ready:
+        note(f"client latency since READY (no spare built meanwhile): {clients.latency(t_ready, now)}")
+        return
+    t_end = at(asleep[-1])
+    t_start = t_end - float(asleep[-1]["took_s"])
+    note(f"client latency: before the spare {clients.latency(t_ready, t_start)}; while it was built "
+         f"{clients.latency(t_start, t_end)}; after {clients.latency(t_end, now)}")
 
 
 def at(event: dict[str, Any]) -> float:
