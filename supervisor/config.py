@@ -480,6 +480,11 @@ class RecoveryConfig:
     # both awake), "first", before it on a free card, the engine then starting beside the spare's sleeping footprint
     # (only at planned starts: the first, a climb, a reload, `restart`), or "auto": beside when it fits, else first.
     spare_order: str = one_of("auto", SPARE_ORDERS)
+    # Wake the sleeping spare this often while the engine serves, ask it the canary and put it back to sleep, so that
+    # a spare vLLM's sleep mode broke is found and rebuilt before an incident needs it (0: never; only where the card
+    # holds it awake beside the engine). Each wake is a sleep/wake cycle, what vllm#21336's pinned memory grows with.
+    spare_check_every_s: float = seconds(0.0, zero_ok=True)
+    spare_max_wakes: int = at_least(3, 1)  # a spare woken this many times by those checks is rebuilt fresh
 
 
 @dataclass(frozen=True)

@@ -586,6 +586,18 @@ class SpareWoken(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpareChecked(Event):
+    """A sleeping spare was woken, answered the canary as before it first slept, and sleeps again."""
+
+    name = "spare.checked"
+    pid: int
+    profile: Profile
+    wakes: int  # how often its checks have woken it
+    took_s: float  # wake, canary and sleep
+    canary: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class SpareDropped(Event):
     """The spare was stopped: it no longer serves the next start, or it failed (``fault``)."""
 

@@ -27,7 +27,7 @@ import structlog
 from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_SLEEP_S, SPARE_WAKE_MARGIN, SPARE_WAKE_S
 from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
-from supervisor.event_stream import Event, SpareAsleep, SpareDropped, SpareWoken
+from supervisor.event_stream import Event, SpareAsleep, SpareChecked, SpareDropped, SpareWoken
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
 from supervisor.host.vllm_http import EngineError
@@ -54,6 +54,8 @@ class Spare(Throwaway):
     asleep: dict[int, int] = field(default_factory=dict)  # ... and asleep
     canary: Canary | None = None  # its answer to the canary prompt before it slept
     footprint_at: float = 0.0  # when its sleeping footprint was last read (monotonic)
+    wakes: int = 0  # how often a check woke it (``spare_check_every_s``)
+    checked_at: float = 0.0  # when it fell asleep or was last checked (monotonic)
 
     def serves(self, profile: Profile) -> bool:
         """It can be the engine at ``profile``: the same rung (the compile key: every knob but the
@@ -100,6 +102,8 @@ class SpareKeeper:
         self.order: Order | None = None  # where the last spare was decided to be built (first, or beside)
         self.last_build_s: float | None = None  # how long the last spare took from its spawn to asleep
         self.why = "not asked yet: no rung has been precompiled"
+        self.last_check: dict[str, Any] | None = None  # the last wake check's result (spare_check_every_s)
+        self._waking = asyncio.Lock()  # a check's wake and a start's never overlap
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -108,7 +112,8 @@ class SpareKeeper:
         """Why no spare at all for ``rung`` (its mode, its arguments, its history), before the card is asked."""
         mode = self.cfg.recovery.spare
         if self.failed.no_spare(rung):
-            return "a second engine at this rung failed to start or to sleep in this run: no spare for it"
+            return ("a second engine at this rung failed to start, to sleep, or its canary after a wake in this run: "
+                    "no spare for it")
         if mode == "off":
             return '[recovery] spare = "off"'
         broken = canary.breaks_on_wake(dict(self.cfg.engine.args))
@@ -186,7 +191,7 @@ class SpareKeeper:
             spare.awake = held_by(await self._snapshot(), pids)
             await spare.fall_asleep()
             spare.asleep = held_by(await self._snapshot(), pids)
-            spare.footprint_at = self.host.monotonic()
+            spare.footprint_at = spare.checked_at = self.host.monotonic()
         except (SpareFailed, GpuLost) as exc:
             self.failed.add(spare.profile, "spare")
             self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile,
@@ -204,7 +209,11 @@ class SpareKeeper:
 
     async def take(self, profile: Profile) -> Spare | None:
         """For a start at ``profile``: the spare, awake and no longer ours to stop, or None (a spare that cannot
-        serve this start is stopped first)."""
+        serve this start is stopped first). A check's wake under way ends first."""
+        async with self._waking:
+            return await self._take(profile)
+
+    async def _take(self, profile: Profile) -> Spare | None:
         spare = self.spare
         if spare is None or await self._dropped_dead(spare):
             return None
@@ -259,6 +268,7 @@ class SpareKeeper:
             "before_sleep": {"tokens": list(spare.canary.tokens), "logprobs": list(spare.canary.logprobs)},
             "after_wake": {"tokens": list(woken.tokens), "logprobs": list(woken.logprobs)},
             "log_tail": spare.tail.snapshot()[-50:]}, self.cfg.engine.secrets(), self.publish, self.host.wall)
+        self.failed.add(spare.profile, "spare")  # vLLM's sleep-mode bugs repeat: no spare at this rung in this run
         await self.drop("canary", fault=True, detail=wrong, incident=path)
         return None
 
@@ -271,6 +281,45 @@ class SpareKeeper:
             await self.drop("the engine's next rung is another one now")
             return
         await self._check_footprint(spare)
+        if self.spare is spare:
+            async with self._waking:
+                await self._check_by_waking(spare)
+
+    async def _check_by_waking(self, spare: Spare) -> None:
+        """Every ``spare_check_every_s``: wake the spare, ask it the canary, put it back to sleep (``spare.checked``);
+        one that answers otherwise, or fails to wake or sleep, is dropped and rebuilt now rather than found broken
+        by the start that needs it. After ``spare_max_wakes`` such wakes it is rebuilt fresh (``recycled``). Only
+        where the card holds it awake beside the engine and a start's headroom: the check must not squeeze it."""
+        r, now = self.cfg.recovery, self.host.monotonic()
+        if self.spare is not spare or not r.spare_check_every_s or now - spare.checked_at < r.spare_check_every_s:
+            return
+        spare.checked_at = now
+        if spare.wakes >= r.spare_max_wakes:
+            await self.drop(f"recycled: woken {spare.wakes} times by its checks (spare_max_wakes)")
+            return
+        try:
+            short = spare.short_to_wake(await self._snapshot(), self.cfg.gpu.start_headroom_bytes)
+        except GpuLost as exc:
+            short = str(exc)
+        if short:
+            self.last_check = {"at": self.host.wall(), "checked": False, "why": f"not woken: {short}"}
+            return
+        try:
+            await spare.wake()
+            spare.wakes += 1
+            checked = await self._check_canary(spare)
+            if checked is None:
+                return  # dropped: it answers otherwise than before it first slept
+            await spare.fall_asleep()
+        except SpareFailed as exc:
+            await self.drop(f"its check: {exc}", fault=True)
+            return
+        took = round(self.host.monotonic() - now, 3)
+        spare.checked_at = self.host.monotonic()
+        self.last_check = {"at": self.host.wall(), "checked": True, "wakes": spare.wakes, "took_s": took,
+                           "canary": checked}
+        self.publish(SpareChecked(at=self.host.wall(), pid=spare.pid, profile=spare.profile, wakes=spare.wakes,
+                                  took_s=took, canary=checked))
 
     async def _check_footprint(self, spare: Spare) -> None:
         """Every FOOTPRINT_EVERY_S: a spare whose sleeping footprint grew is recycled (dropped; the next one is built
@@ -321,7 +370,8 @@ class SpareKeeper:
             return {"state": None, "why": self.why, "order": order}
         return {"state": "asleep", "pid": s.pid, "port": s.port, "profile": s.profile.knobs(),
                 "held_asleep_mib": sum(s.asleep.values()) // MIB, "why": self.why,
-                "canary": s.canary.as_dict() if s.canary else None, "order": order}
+                "canary": s.canary.as_dict() if s.canary else None, "order": order, "wakes": s.wakes,
+                "last_check": self.last_check}
 
     async def close(self) -> None:
         await self.drop("the supervisor stops")

@@ -165,3 +165,51 @@ def test_no_spare_is_built_for_engine_arguments_a_wake_is_known_to_break(supervi
                       "the spare refused")
     assert "LoRA adapters (enable_lora)" in st["next_start"]["spare"]["why"]
     assert not sup.events("spare.asleep")
+
+
+CHECKED = {"recovery": {"spare_check_every_s": 0.5, "spare_max_wakes": 2}}
+
+
+def test_a_sleeping_spare_is_woken_checked_and_rebuilt_after_spare_max_wakes(supervise: Callable[..., Sup]) -> None:
+    """Issue 27, item 4: each check is a sleep/wake cycle (what vllm#21336's pinned memory grows with): after
+    ``spare_max_wakes`` of them the spare is rebuilt fresh; the engine serves throughout."""
+    sup = supervise(CHECKED)
+    engine = sup.wait_ready(30)["engine_pid"]
+    first = asleep(sup)
+    st = sup.wait_for(lambda s: any(e["pid"] == first["pid"] for e in sup.events("spare.dropped")), 60,
+                      "the spare recycled")
+    checks = [e for e in sup.events("spare.checked") if e["pid"] == first["pid"]]
+    assert [e["wakes"] for e in checks] == [1, 2], checks
+    assert all(e["canary"]["checked"] and e["canary"]["equal"] for e in checks), checks
+    (dropped,) = [e for e in sup.events("spare.dropped") if e["pid"] == first["pid"]]
+    assert dropped["reason"] == "recycled: woken 2 times by its checks (spare_max_wakes)", dropped
+    assert dropped["fault"] is False and gone(first["pid"])
+    second = asleep(sup)
+    assert second["pid"] != first["pid"] and second["wakes"] in (0, 1, 2)
+    st = sup.status() or {}
+    assert st["restarts"] == 0 and st["engine_pid"] == engine and st["state"] == "READY"
+    assert sup.gateway is not None and complete(sup.gateway) == 200
+
+
+def test_a_check_finds_a_spare_that_wakes_wrong_before_any_incident_and_none_is_built_again_at_its_rung(
+        supervise: Callable[..., Sup]) -> None:
+    """A spare vLLM's sleep mode breaks is found by its check while the engine serves (not by the start that
+    needed it); the rung gets no spare again in this run, and the failure into it starts cold, not from garbage."""
+    sup = supervise(deep_merge(CHECKED, {"engine": {"env": {"FAKE_VLLM_CORRUPT_AFTER_WAKE": "1"}}}))
+    sup.wait_ready(30)
+    spare = asleep(sup)
+    st = sup.wait_for(lambda s: "canary after a wake" in str((s["next_start"]["spare"] or {}).get("why")), 60,
+                      "the spare dropped by its check and refused for its rung")
+    (dropped,) = sup.events("spare.dropped")
+    assert dropped["pid"] == spare["pid"] and dropped["reason"] == "canary" and dropped["fault"] is True
+    assert json.loads(Path(dropped["incident"]).read_text())["failure"]["kind"] == "spare_canary"
+    assert not sup.events("spare.checked") and gone(spare["pid"])
+    assert st["restarts"] == 0 and st["state"] == "READY"
+    assert len(sup.events("spare.asleep")) == 1  # none built again at that rung
+    assert sup.gateway is not None and send_long_prompt(sup) == 500
+    st = sup.wait_ready(30, restarts=1)
+    assert [e["spare"] for e in sup.events("engine.spawned")] == [False, False]
+    assert st["profile"]["max_num_batched_tokens"] == 6144
+    code, body = http_json(sup.gateway + "/v1/completions", {"model": "fake-model", "prompt": "hello there",
+                                                               "max_tokens": 3})
+    assert code == 200 and body["choices"][0]["text"] == " x2 x3 x4"
