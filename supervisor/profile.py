@@ -108,8 +108,11 @@ class Profile:
         return ",".join(f"{name}={k[name]}" for name in self.MANAGED)
 
     def compile_key(self) -> str:
-        """The rung's identity in vLLM's compile cache: every flag but gpu_memory_utilization."""
-        return " ".join(self.with_(gpu_memory_utilization=None).flags())
+        """The rung's identity in vLLM's compile cache: every flag but gpu_memory_utilization, and chunked prefill
+        on said or left to vLLM (its V1 default, and in no compile hash: a step down says it, the configured rung
+        it climbs back to may not; the H200 compiled that rung twice when they differed)."""
+        chunked = None if self.enable_chunked_prefill else self.enable_chunked_prefill
+        return " ".join(self.with_(gpu_memory_utilization=None, enable_chunked_prefill=chunked).flags())
 
     def diff(self, other: Profile) -> dict[str, list[object]]:
         """Knobs that differ, as {knob: [self value, other value]}."""

@@ -34,6 +34,12 @@ RECORD = "compiled.json"
 UNKNOWN = "?"  # the vLLM version, before any engine of this run said it
 
 
+def _key_now(stored: str) -> str:
+    """A compile key as recorded by an earlier supervisor, as ``Profile.compile_key`` writes it now (chunked prefill
+    said explicitly is vLLM's default)."""
+    return " ".join(t for t in stored.split(" ") if t != "--enable-chunked-prefill")
+
+
 class Precompiler:
     """The record of the rungs whose graphs are in vLLM's cache (``compiled.json``), and whether a throwaway may
     compile one now (``allowed``; ``why`` says why or why not, for /status)."""
@@ -55,7 +61,7 @@ class Precompiler:
         except (OSError, ValueError):
             return {}
         # A record under no version is from a run that never learnt it (no READY): its vLLM may be another now.
-        return {str(k): [str(x) for x in v] for k, v in doc.items()
+        return {str(k): list(dict.fromkeys(_key_now(str(x)) for x in v)) for k, v in doc.items()
                 if isinstance(v, list) and not str(k).startswith(f"{UNKNOWN}:")} if isinstance(doc, dict) else {}
 
     def _engine_id(self, version: str | None) -> str:

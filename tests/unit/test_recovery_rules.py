@@ -113,3 +113,34 @@ def test_compiles_made_before_the_first_ready_are_filed_under_the_vllm_it_report
     later = Precompiler(cfg, host=None)  # type: ignore[arg-type]
     assert later.known_version() == "0.26.0" and later.is_compiled(rung, "0.26.0")
     assert not later.is_compiled(rung.with_(max_num_batched_tokens=2048), None)
+
+
+def test_the_rung_a_failover_climbs_back_to_is_the_configured_rung_compiled_at_the_first_start(tmp_path: Path) -> None:
+    """The H200 (issue 27, gpu_proof.py): the configured 8192 left chunked prefill to vLLM, the step down to 6144
+    says --enable-chunked-prefill, so the climb back to 8192 said it too and was compiled a second time (41 s
+    before the next start's engine) although vLLM's cache held it: chunked prefill is vLLM V1's default and in no
+    compile hash. A record an earlier supervisor wrote with the flag counts too."""
+    import json
+
+    from supervisor.decide.policy import step_down
+    from supervisor.profile import Knob
+    from supervisor.recovery.precompile import RECORD, Precompiler
+
+    configured = Profile(max_num_batched_tokens=8192, max_num_seqs=10, max_model_len=131072)
+    ladder = LadderConfig()
+    policy = Policy(RestartConfig(), ladder, configured)
+    down = step_down(configured, ladder, Knob.MAX_NUM_BATCHED_TOKENS)
+    assert down is not None and "--enable-chunked-prefill" in down.flags()
+    climb = policy.climb_target(down)
+    assert climb is not None and climb.max_num_batched_tokens == 8192
+    assert climb.compile_key() == configured.compile_key()
+    assert configured.with_(enable_chunked_prefill=False).compile_key() != configured.compile_key()
+
+    cfg = parse({"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}})
+    first = Precompiler(cfg, host=None)  # type: ignore[arg-type]  # the record needs no host
+    first.note_compiled(configured, "0.26.0")
+    assert first.is_compiled(climb, "0.26.0")
+    (engine_id,) = first.compiled
+    written_before = {engine_id: [" ".join(down.with_(gpu_memory_utilization=None).flags())]}
+    (tmp_path / RECORD).write_text(json.dumps(written_before))
+    assert Precompiler(cfg, host=None).is_compiled(down, "0.26.0")  # type: ignore[arg-type]
