@@ -5,7 +5,8 @@ at its default (HOG_BEFORE: a share of the card another process holds from befor
 UTIL=0.4), MODEL (default ~/glm9b, ../shared/gpu/mkglm9b.py's GLM-4-9B shape) at 128k, the gateway in front with
 its memory rules off as in the field, 16 clients through it from the first READY on:
   1. the supervisor's first start: the rungs compiled first, the spare built first, then the engine (its KV cache);
-  2. CRASH_AFTER_S (10) after READY, the seed's crash: another process takes all but 16 MiB and stays, the long
+  2. CRASH_AFTER_S (10) after READY (with CRASH_AFTER_SPARE=1: after a spare sleeps beside the engine, e.g. at
+     UTIL=0.5), the seed's crash: another process takes all but 16 MiB and stays, the long
      prompt through the gateway: death -> READY (the spare woken, its canary);
   3. SECOND_AFTER_S (10) after that READY, the EngineCore SIGKILLed: death -> READY (no spare: the standby and
      the compile cache);
@@ -27,7 +28,7 @@ from typing import Any
 
 import psutil
 from common import events_in
-from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status
+from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status, wait
 from gpu_seed import GW, MAX_LEN, Clients, at, ended, latency_windows, ready, saved, second_engines, toml
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
@@ -48,6 +49,11 @@ def main() -> int:
     try:
         first, engine_s = first_start(sup)
         clients.start()
+        if os.environ.get("CRASH_AFTER_SPARE"):  # (e): where the spare is built beside the serving engine
+            st = wait(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", "a spare asleep")
+            if st is None:
+                raise Stop("no spare asleep beside the serving engine")
+            note(f"spare asleep beside the engine: {json.dumps(st['next_start']['spare'])[:400]}")
         time.sleep(float(os.environ.get("CRASH_AFTER_S", "10")))
         latency_windows(LOG, clients)
         hogs.append(seed_crash())
