@@ -122,7 +122,8 @@ class Clients:
             with self.lock:
                 self.codes[verdict] = self.codes.get(verdict, 0) + 1
                 if verdict == "200":
-                    self.done.append((time.time(), time.time() - t0))
+                    now = time.time()
+                    self.done.append((now, now - t0))
                 if verdict != "200" and len(self.errors) < 5:
                     self.errors.append(f"{verdict}: {str(out)[-300:]}")
 

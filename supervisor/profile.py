@@ -30,6 +30,8 @@ VLLM_DEFAULTS: dict[Knob, float] = {
     Knob.GPU_MEMORY_UTILIZATION: 0.9,
 }
 
+CHUNKED_PREFILL_ON = "--enable-chunked-prefill"  # vLLM V1's default, said when a step down sets it
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -89,7 +91,7 @@ class Profile:
             if v is not None:
                 out += ["--" + name.replace("_", "-"), _fmt(v)]
         if self.enable_chunked_prefill is not None:
-            out.append("--enable-chunked-prefill" if self.enable_chunked_prefill else "--no-enable-chunked-prefill")
+            out.append(CHUNKED_PREFILL_ON if self.enable_chunked_prefill else "--no-enable-chunked-prefill")
         return out
 
     def knobs(self) -> dict[str, int | float | None]:

@@ -163,13 +163,13 @@ class Ahead:
         try:
             why = await t.until_healthy(self.cfg.recovery.precompile_timeout_s)
             lines = t.last_lines()  # what it printed while failing, not its shutdown
-            if why is None and not spare:
+            if why is None and spare:
+                kept = await self.keeper.keep(t, t0)
+            elif why is None:
                 # Its graphs are in the cache, whatever comes. Not a spare's: on the H200 a start at a rung only a
                 # spare had compiled compiled it again (24 s): it runs with --enable-sleep-mode and dev mode, and
                 # vLLM's compile hash took them in; the rung is then precompiled plainly as any.
                 self.precompiler.note_compiled(t.profile, version)
-            if why is None and spare:
-                kept = await self.keeper.keep(t, t0)
         finally:
             if not kept:
                 if self._stopped is not None:

@@ -25,7 +25,7 @@ from supervisor.bounds import GIB
 from supervisor.config import Config
 from supervisor.host import Host, files
 from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
-from supervisor.profile import Knob, Profile
+from supervisor.profile import CHUNKED_PREFILL_ON, Knob, Profile
 from supervisor.recovery.sizing import CORES_PER_COMPILE, one_sequence_kv, second_engine_bytes
 from supervisor.recovery.standby import fingerprint
 
@@ -37,7 +37,7 @@ UNKNOWN = "?"  # the vLLM version, before any engine of this run said it
 def _key_now(stored: str) -> str:
     """A compile key as recorded by an earlier supervisor, as ``Profile.compile_key`` writes it now (chunked prefill
     said explicitly is vLLM's default)."""
-    return " ".join(t for t in stored.split(" ") if t != "--enable-chunked-prefill")
+    return " ".join(t for t in stored.split(" ") if t != CHUNKED_PREFILL_ON)
 
 
 class Precompiler:

@@ -281,9 +281,8 @@ class SpareKeeper:
             await self.drop("the engine's next rung is another one now")
             return
         await self._check_footprint(spare)
-        if self.spare is spare:
-            async with self._waking:
-                await self._check_by_waking(spare)
+        async with self._waking:
+            await self._check_by_waking(spare)
 
     async def _check_by_waking(self, spare: Spare) -> None:
         """Every ``spare_check_every_s``: wake the spare, ask it the canary, put it back to sleep (``spare.checked``);

@@ -93,8 +93,6 @@ def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:
     assert vllm_standby.omp_cpus({}) is None
 
 
-
-
 def test_compiles_made_before_the_first_ready_are_filed_under_the_vllm_it_reports(tmp_path: Path) -> None:
     """A start's compile-first (and a spare built first) runs before any engine of the run said which vLLM this
     is: its records wait under "?" and go under the version the first READY reports; before that READY the last
