@@ -12,6 +12,9 @@ its memory rules off as in the field, 16 clients through it from the first READY
      the compile cache);
   4. the other process gone, the supervisor again on the same state directory with `spare = "off"`: the
      warm-cache cold start every ratio is taken against, and its KV cache without a spare beside it.
+WARM_HOST=1 keeps the compile cache and state directory of an earlier run on this machine (a host after a reboot):
+step 1 is then the first READY on a warm host with the spare, side by side with step 4's without it. Each run's
+long prompt is its own (a run number at its head): the host's quarantine keeps an earlier run's.
 $OUT gets summary-proof.txt and events-proof.jsonl. Usage: PART-less, `python3 bench/gpu_proof.py`.
 """
 
@@ -32,13 +35,15 @@ from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog
 from gpu_seed import GW, MAX_LEN, Clients, at, ended, latency_windows, ready, saved, second_engines, toml
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
+WARM = bool(os.environ.get("WARM_HOST"))
+HOST = "a warm host" if WARM else "a fresh host"
 CACHE, STATE = Path("/tmp/vcache-proof"), Path("/tmp/sup-state-proof")
 LOG = OUT / "supervisor-proof.log"
 
 
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    for stale in (CACHE, STATE):
+    for stale in () if WARM else (CACHE, STATE):
         shutil.rmtree(stale, ignore_errors=True)
     gateway = f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n'
     spared, plain = Path("/tmp/sup-proof.toml"), Path("/tmp/sup-proof-off.toml")
@@ -104,11 +109,11 @@ def first_start(sup: Any) -> tuple[float, float]:
     """The first READY on the fresh host (and the engine's own spawn -> READY), each second engine said as it
     ends: the call may run out before READY."""
     progress = second_engines(LOG, "engine.rung_precompiled", "spare.asleep")
-    st = ready(sup, LOG, "the first READY on a fresh host", progress=progress)
+    st = ready(sup, LOG, f"the first READY on {HOST}", progress=progress)
     engine_s = at(next(e for e in events_in(LOG, "engine.state_changed") if e.get("to") == "READY")) \
         - at(events_in(LOG, "engine.spawned")[0])
     first = float(st["timings"]["start_to_ready_s"])
-    note(f"proof: first READY on a fresh host {first:.1f}s, the engine's own start {engine_s:.1f}s; precompile "
+    note(f"proof: first READY on {HOST} {first:.1f}s, the engine's own start {engine_s:.1f}s; precompile "
          f"{json.dumps(st['next_start']['precompile'])[:300]}; spare {json.dumps(st['next_start']['spare'])[:400]}")
     return first, engine_s
 
@@ -118,7 +123,7 @@ def seed_crash() -> Any:
     through the gateway, answered in a thread of its own."""
     unit = " the contract clause"
     per = counted(unit * 10, "m", MAX_LEN) / 10
-    prompt = unit * int(min(100_000, 0.9 * MAX_LEN) / per)
+    prompt = f"case {time.time_ns()}:" + unit * int(min(100_000, 0.9 * MAX_LEN) / per)
     note(f"the long prompt: {counted(prompt, 'm', MAX_LEN)} tokens")
     hog = start_hog()
     t0 = time.monotonic()

@@ -137,6 +137,12 @@ class Tally:
     serving: Serving | None = None
     last_ready: Ready | None = None
 
+    def serving_ended(self, at: float) -> float:
+        """The READY period under way is over at ``at``: how long it lasted (0 when the run never was READY)."""
+        served = at - self.serving.since if self.serving is not None else 0.0
+        self.serving = None
+        return served
+
 
 class Lifecycle:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], heartbeat: Heartbeat,
@@ -286,7 +292,7 @@ class Lifecycle:
             if self.stop_asked.is_set():
                 run.end(TriggerKind.STOP, "stop requested")
             trigger = await self._drive(run)
-            self.tally.serving = None
+            served_s = self.tally.serving_ended(trigger.at_mono)
             if trigger.kind is TriggerKind.STOP:
                 if self.front is not None:  # without one, nothing of the clients' passes through us to drain
                     await self._drain("stop")
@@ -297,7 +303,7 @@ class Lifecycle:
             if trigger.kind in (TriggerKind.CLIMB, TriggerKind.RESTART):
                 await self._planned(run, trigger)
                 continue
-            exit_code = await self._fail(run, trigger)
+            exit_code = await self._fail(run, trigger, served_s)
             if exit_code is not None:
                 return exit_code
 
@@ -384,8 +390,8 @@ class Lifecycle:
             bound = self.cfg.gateway.drain_timeout_s if self.cfg.gateway else 0.0
             await self.heartbeat.wait(self.front.drain(why), self.heartbeat.within(bound + SHORT_SLACK_S))
 
-    async def _fail(self, run: EngineRun, trigger: Trigger) -> ExitCode | None:
-        """STOPPING, classify, ask the policy; BACKOFF and None to go on, or FATAL and its exit code."""
+    async def _fail(self, run: EngineRun, trigger: Trigger, served_s: float) -> ExitCode | None:
+        """STOPPING, classify, ask the policy (``served_s``: READY that long); BACKOFF and None, or FATAL's code."""
         self.publish(FailureDetected(at=self.host.wall(), trigger=trigger.kind, evidence=trigger.evidence,
                                      state=self.state))
         if self.tally.outage is None:
@@ -400,7 +406,7 @@ class Lifecycle:
         at_floor = floor_of(before, self.cfg.ladder) == before
         blame = Blame() if self.front is None else \
             await self.front.blame(verdict.failure.kind, verdict.failure.suspect_request, at_floor, before.chunk())
-        decision = self.policy.judge(verdict.failure, before, self.host.monotonic(), blame)
+        decision = self.policy.judge(verdict.failure, before, self.host.monotonic(), blame, served_s)
         failure = decision.failure
         path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before, decision.profile,
                                     decision.reason, detected_after)

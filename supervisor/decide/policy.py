@@ -50,6 +50,13 @@ def backoff_delay(consecutive: int, cfg: RestartConfig, rand: Callable[[], float
     return base * (1.0 - cfg.backoff_jitter * rand())
 
 
+def after_serving(backoff: float, served_s: float) -> float:
+    """The backoff counts from the engine's READY, as runit and s6 count from a service's start: time it served
+    already spaced the restarts, so an engine that served longer than its backoff restarts at once (a start that
+    fails before READY, the crash loop the backoff is for, waits all of it)."""
+    return max(0.0, backoff - max(0.0, served_s))
+
+
 def step_down(profile: Profile, ladder: LadderConfig, first: Knob | None = None) -> Profile | None:
     """One rung lower for a memory failure, in ``ladder.order`` (``first`` tried first); None at the floors."""
     order = list(ladder.knob_order)
@@ -157,12 +164,14 @@ class Policy:
     device_fatals: int = 0
     _last_unexplained: tuple[str, int | str] | None = None
 
-    def on_failure(self, failure: Failure, profile: Profile, now: float, proven: bool = False) -> Decision:
+    def on_failure(self, failure: Failure, profile: Profile, now: float, proven: bool = False,
+                   served_s: float = 0.0) -> Decision:
         """Decide the next step after ``failure`` of an engine running ``profile`` at time ``now``; ``proven``:
-        one request alone was proven to cause it."""
-        return self.decide(self.explain(failure, profile), profile, now, proven)
+        one request alone was proven to cause it; ``served_s``: how long the engine was READY before it failed."""
+        return self.decide(self.explain(failure, profile), profile, now, proven, served_s)
 
-    def decide(self, failure: Failure, profile: Profile, now: float, proven: bool = False) -> Decision:
+    def decide(self, failure: Failure, profile: Profile, now: float, proven: bool = False,
+               served_s: float = 0.0) -> Decision:
         """``on_failure`` for a failure already through ``explain``."""
         kind = failure.kind
         if not proven:
@@ -191,7 +200,7 @@ class Policy:
 
         if proven and kind.request_can_cause:
             # BACKOFF's shortest step: the next engine is as needed as after any death, and nothing loops here.
-            return Decision(True, nxt, failure, self.restart.backoff_initial_s,
+            return Decision(True, nxt, failure, after_serving(self.restart.backoff_initial_s, served_s),
                             f"{reason}; caused by one request alone at the engine: no restart budget spent")
         if self.in_a_row >= self.restart.max_consecutive_failures:
             return Decision(False, profile, failure, exit_code=ExitCode.RESTART_BUDGET_SPENT,
@@ -205,7 +214,8 @@ class Policy:
                                    f"{self.restart.window_s:g}s")
         self.restarts.append(now)
         self.consecutive += 1
-        return Decision(True, nxt, failure, backoff_delay(self.consecutive, self.restart, self.rand), reason)
+        delay = after_serving(backoff_delay(self.consecutive, self.restart, self.rand), served_s)
+        return Decision(True, nxt, failure, delay, reason)
 
     def forgive(self, n: int) -> None:
         """``n`` earlier failures turned out to be one request's doing (proven later): their restarts are given
@@ -297,13 +307,13 @@ class Policy:
         """`reset-profile`: every rung may be tried again."""
         self.rung_failures.clear()
 
-    def judge(self, raw: Failure, profile: Profile, now: float, blame: Blame) -> Decision:
-        """The decision after ``raw``, with what the gateway found (``blame``)."""
+    def judge(self, raw: Failure, profile: Profile, now: float, blame: Blame, served_s: float = 0.0) -> Decision:
+        """The decision after ``raw``, with what the gateway found (``blame``); ``served_s`` as in ``decide``."""
         # A death one request alone was proven to cause is that request's (the gateway quarantines it), never read
         # as the engine's memory signature.
         failure = raw if blame.proven else self.explain(raw, profile)
         self.forgive(blame.explained)
-        decision = self.decide(failure, profile, now, proven=blame.proven)
+        decision = self.decide(failure, profile, now, blame.proven, served_s)
         if decision.restart and failure.kind.memory and blame.floor:
             decision = self.to_floor(decision)
         return decision

@@ -56,6 +56,18 @@ def test_backoff_jitter_only_shortens() -> None:
     assert backoff_delay(1, cfg, lambda: 1.0) == pytest.approx(8.0)
 
 
+@pytest.mark.parametrize(("served", "proven", "expected"), [
+    (0.0, False, 4.0), (1.5, False, 2.5), (4.0, False, 0.0), (600.0, False, 0.0),  # the third failure: 4 s
+    (0.0, True, 1.0), (0.4, True, 0.6), (14.0, True, 0.0)])  # one request's doing: the shortest step
+def test_time_served_before_a_failure_is_taken_off_its_backoff(served: float, proven: bool, expected: float) -> None:
+    pol = policy(backoff_initial_s=1, backoff_max_s=60)
+    dead = Failure(FailureKind.ENGINE_DEAD, "EngineDeadError")
+    pol.on_failure(dead, P, 0)
+    pol.on_failure(dead, P, 1)
+    d = pol.on_failure(dead, P, 2, proven=proven, served_s=served)
+    assert d.restart and d.delay_s == pytest.approx(expected)
+
+
 def test_restart_budget_spent_is_fatal() -> None:
     pol = policy(max_restarts=2, window_s=60)
     dead = Failure(FailureKind.ENGINE_DEAD, "EngineDeadError")

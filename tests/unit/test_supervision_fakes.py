@@ -234,6 +234,32 @@ async def test_backoff_grows_on_the_fake_clock_until_the_budget_is_spent(tmp_pat
     assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "signal"
 
 
+async def test_time_an_engine_served_counts_toward_its_backoff(tmp_path: Path) -> None:
+    """READY 1.5 s, then a death: 0.5 s of the 2 s backoff is left; READY 30 s: the restart is at once. A start
+    that fails before READY (the crash loop the backoff is for) still waits its whole backoff."""
+    arb, host, client = make(tmp_path)
+    run = asyncio.create_task(arb.run())
+
+    def delays() -> list[float]:
+        return [h["delay_s"] for h in arb.history.entries if h["to"] == "BACKOFF"]
+
+    for n, served in enumerate((1.5, 30.0)):
+        child = await host.spawned.get()
+        await until(lambda c=child: arb.lifecycle.state.value == "READY" and arb.lifecycle.run is not None
+                    and arb.lifecycle.run.child is c, "READY")
+        host.now += served
+        child.proc.exit(-11)
+        await until(lambda k=n: len(delays()) > k, "BACKOFF")
+    assert delays() == [0.5, 0.0]  # the second death's backoff would be 4 s, and it served 30
+    client.healthy = False
+    child = await host.spawned.get()
+    child.proc.exit(-11)  # dies while starting: never READY
+    await until(lambda: len(delays()) == 3, "a third BACKOFF")
+    assert delays()[-1] == 8.0
+    arb.lifecycle.request_stop("test")
+    assert await run == ExitCode.OK
+
+
 async def test_warmup_failure_is_a_startup_failure(tmp_path: Path) -> None:
     arb, host, client = make(tmp_path, restart={"max_restarts": 0})
 
