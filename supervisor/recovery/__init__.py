@@ -80,7 +80,7 @@ class Recovery:
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when there is none that can serve it."""
-        return await self.ahead.keeper.take(profile)
+        return await self.ahead.spare_for(profile)
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start's spawn: the rungs within reach compiled and a spare built and asleep, each when

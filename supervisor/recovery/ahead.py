@@ -22,7 +22,7 @@ from supervisor.host import Host
 from supervisor.host.gpu import GpuLost
 from supervisor.profile import Profile
 from supervisor.recovery.precompile import Precompiler
-from supervisor.recovery.spare import SpareKeeper
+from supervisor.recovery.spare import Spare, SpareKeeper
 from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
 
 
@@ -67,6 +67,13 @@ class Ahead:
         if todo and await self.precompiler.allowed(todo[0]):
             rung = await self.precompiler.beside_the_engine(todo[0])
             self._task = asyncio.create_task(self._guarded(rung, version, False), name="recovery:precompile")
+
+    async def spare_for(self, profile: Profile) -> Spare | None:
+        """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's restart at the
+        same rung (a death that was not memory's) leaves a spare of the rung below asleep for the next one."""
+        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        keep_for = targets[0] if targets and not self.planned else None
+        return await self.keeper.take(profile, keep_for)
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start at ``profile``, on the card its gates found free: the rungs within reach not yet

@@ -207,17 +207,20 @@ class SpareKeeper:
                                  held_asleep_mib=sum(spare.asleep.values()) // MIB))
         return True
 
-    async def take(self, profile: Profile) -> Spare | None:
-        """For a start at ``profile``: the spare, awake and no longer ours to stop, or None (a spare that cannot
-        serve this start is stopped first). A check's wake under way ends first."""
+    async def take(self, profile: Profile, keep_for: Profile | None = None) -> Spare | None:
+        """For a start at ``profile``: the spare, awake and no longer ours to stop, or None. A spare that cannot
+        serve this start is stopped first, unless it serves ``keep_for`` (a failure's restart at the same rung:
+        the rung its next memory failure picks), which it stays asleep for. A check's wake under way ends first."""
         async with self._waking:
-            return await self._take(profile)
+            return await self._take(profile, keep_for)
 
-    async def _take(self, profile: Profile) -> Spare | None:
+    async def _take(self, profile: Profile, keep_for: Profile | None) -> Spare | None:
         spare = self.spare
         if spare is None or await self._dropped_dead(spare):
             return None
         if not spare.serves(profile):
+            if keep_for is not None and spare.serves(keep_for):
+                return None  # at 0.9 no spare starts beside the engine: losing this one loses the fast path
             await self.drop(f"this start wants another rung ({profile.compile_key()})")
             return None
         try:

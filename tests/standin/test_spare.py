@@ -119,6 +119,28 @@ def test_a_spare_that_cannot_serve_the_start_is_stopped_and_the_start_is_cold(
     assert gone(third["pid"])
 
 
+def test_a_death_that_restarts_the_same_rung_leaves_the_spare_asleep_for_the_next_memory_failure(
+        supervise: Callable[..., Sup]) -> None:
+    """The engine (8192) is SIGKILLed: a death that is not memory's restarts at 8192, which the spare (6144) cannot
+    serve. It stays asleep, since 6144 is still the rung the next runtime OOM picks (at 0.9 no spare starts beside a
+    serving engine, so a spare dropped here was lost until a planned start); that OOM then wakes it."""
+    sup = supervise()
+    first = sup.wait_ready(30)
+    spare = asleep(sup)
+    os.kill(first["engine_pid"], signal.SIGKILL)
+    st = sup.wait_ready(30, restarts=1)
+    assert st["last_failure"]["kind"] == "signal" and st["profile"]["max_num_batched_tokens"] == 8192
+    assert st["engine_pid"] not in (first["engine_pid"], spare["pid"])
+    assert sup.events("spare.dropped") == [] and psutil.pid_exists(spare["pid"])
+    assert asleep(sup)["pid"] == spare["pid"]
+
+    assert send_long_prompt(sup) == 500  # a (stand-in) runtime OOM
+    st = sup.wait_ready(30, restarts=2)
+    assert st["engine_pid"] == spare["pid"] and st["profile"]["max_num_batched_tokens"] == 6144
+    assert [e["pid"] for e in sup.events("spare.woken")] == [spare["pid"]]
+    assert st["timings"]["start_to_ready_s"] < COLD_S / 2, st["timings"]
+
+
 def test_a_spare_left_by_a_sigkilled_supervisor_is_stopped_by_the_next_one(
         supervise: Callable[..., Sup]) -> None:
     sup = supervise()
