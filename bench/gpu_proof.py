@@ -13,8 +13,9 @@ its memory rules off as in the field, 16 clients through it from the first READY
   4. the other process gone, the supervisor again on the same state directory with `spare = "off"`: the
      warm-cache cold start every ratio is taken against, and its KV cache without a spare beside it.
 WARM_HOST=1 keeps the compile cache and state directory of an earlier run on this machine (a host after a reboot):
-step 1 is then the first READY on a warm host with the spare, side by side with step 4's without it. Each run's
-long prompt is its own (a run number at its head): the host's quarantine keeps an earlier run's.
+step 1 is then the first READY on a warm host with the spare, side by side with step 4's without it. Its
+quarantine is cleared first, as an operator would (`vllm-supervisor quarantine clear`): it holds the earlier run's
+long prompt, and refuses its variants too (the H200 run that kept it answered this run's 413 with no crash).
 $OUT gets summary-proof.txt and events-proof.jsonl. Usage: PART-less, `python3 bench/gpu_proof.py`.
 """
 
@@ -24,6 +25,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,6 +52,10 @@ def main() -> int:
     spared, plain = Path("/tmp/sup-proof.toml"), Path("/tmp/sup-proof-off.toml")
     spared.write_text(toml(STATE, CACHE, gateway, UTIL, "auto"))
     plain.write_text(toml(STATE, CACHE, gateway, UTIL, "off"))
+    if WARM:
+        clear = subprocess.run([sys.executable, "-m", "supervisor", "quarantine", "clear", "--config", str(spared)],
+                               capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        note(f"quarantine clear: rc {clear.returncode} {(clear.stdout + clear.stderr).strip()[:200]}")
     hogs = [start_hog_share(float(os.environ.get("HOG_BEFORE", "0")))]
     clients, sup = Clients(), run_supervisor(spared, LOG)
     try:
@@ -75,7 +82,7 @@ def main() -> int:
         cold = float(st["timings"]["start_to_ready_s"])
         note(f"proof: warm-cache cold start (spare off, same host) {cold:.1f}s; phases {st['timings']['phases']}")
         note(f"proof: death -> READY {rec1:.1f}s = {rec1 / cold:.3f}x (the seed's crash), {rec2:.1f}s = "
-             f"{rec2 / cold:.3f}x (a second death); first READY on the fresh host {first:.1f}s = {first / cold:.2f}x "
+             f"{rec2 / cold:.3f}x (a second death); first READY on {HOST} {first:.1f}s = {first / cold:.2f}x "
              f"(the engine's own start {engine_s:.1f}s)")
         kv = [line.split("]")[-1].strip() for line in LOG.read_text(errors="replace").splitlines()
               if "GPU KV cache size" in line]
@@ -123,7 +130,7 @@ def seed_crash() -> Any:
     through the gateway, answered in a thread of its own."""
     unit = " the contract clause"
     per = counted(unit * 10, "m", MAX_LEN) / 10
-    prompt = f"case {time.time_ns()}:" + unit * int(min(100_000, 0.9 * MAX_LEN) / per)
+    prompt = unit * int(min(100_000, 0.9 * MAX_LEN) / per)
     note(f"the long prompt: {counted(prompt, 'm', MAX_LEN)} tokens")
     hog = start_hog()
     t0 = time.monotonic()
