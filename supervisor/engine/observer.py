@@ -27,6 +27,16 @@ AOT_HINT = ("vLLM compiles the model again at every start (2-3 s of each on the 
             "VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older compile cache, which loads")
 
 
+def env_report(event: dict[str, Any], at: float) -> EngineEnvReported | None:
+    """The ``vllm_env`` IPC record (what vLLM set for an EngineCore) as an event; None for any other record."""
+    if event.get("kind") != vllm_hook.VLLM_ENV_KIND:
+        return None
+    env, pid = event.get("env"), event.get("pid")
+    return EngineEnvReported(at=at, pid=pid if isinstance(pid, int) else None,
+                             env={k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
+                             if isinstance(env, dict) else {})
+
+
 class Observer:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], secrets: Sequence[str],
                  on_death: Callable[[str], None], echo: TextIO | None = None) -> None:
@@ -43,12 +53,9 @@ class Observer:
 
     def on_event(self, event: dict[str, Any]) -> None:
         """One IPC record from any vLLM process."""
-        if event.get("kind") == vllm_hook.VLLM_ENV_KIND:  # not a log record: never evidence, never in an incident
-            env, pid = event.get("env"), event.get("pid")
-            self.publish(EngineEnvReported(
-                at=self.host.wall(), pid=pid if isinstance(pid, int) else None,
-                env={k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
-                if isinstance(env, dict) else {}))
+        reported = env_report(event, self.host.wall())
+        if reported is not None:  # not a log record: never evidence, never in an incident
+            self.publish(reported)
             return
         if self.secrets:
             event = {k: self._redact(v) for k, v in event.items()}

@@ -56,6 +56,8 @@ class Recovery:
     def on_event(self, event: Event) -> None:
         if isinstance(event, EngineEnvReported):
             self.pool.engine_env(vllm_env_of(dict(event.env)))
+            if self.ahead.building_first:  # a second engine's report: the engine that follows them spawns warm
+                self.pool.want()
         elif isinstance(event, StateChanged):
             if event.new is EngineState.READY:
                 version = event.ready.engine_version if event.ready else None

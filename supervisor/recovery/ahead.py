@@ -41,6 +41,7 @@ class Ahead:
         self._asked_in_s: float | None = None  # how long until the engine has been READY long enough to build
         self.version: str | None = None  # the vLLM of the last READY engine (the spare's is the same install)
         self._stopped: set[int] | None = None  # while compiling first: the processes of the throwaways stopped
+        self.building_first = False  # a planned start's second engines are being built before its engine
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -82,8 +83,12 @@ class Ahead:
         that start is the outage."""
         if not self.planned:
             return False
-        await self._compile_first(profile)
-        return await self._spare_first(profile)
+        self.building_first = True
+        try:
+            await self._compile_first(profile)
+            return await self._spare_first(profile)
+        finally:
+            self.building_first = False
 
     async def _compile_first(self, profile: Profile) -> None:
         version = self.version or self.precompiler.known_version()
@@ -169,6 +174,7 @@ class Ahead:
         kept = False
         try:
             why = await t.until_healthy(self.cfg.recovery.precompile_timeout_s)
+            t.deaf()  # a spare kept is adopted by an engine's run, which binds its events socket anew
             lines = t.last_lines()  # what it printed while failing, not its shutdown
             if why is None and spare:
                 kept = await self.keeper.keep(t, t0)

@@ -26,6 +26,7 @@ from supervisor.bounds import THROWAWAY_STOP_S
 from supervisor.config import Config
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
+from supervisor.engine.observer import env_report
 from supervisor.event_stream import Event, PrecompileStarted
 from supervisor.host import Host, leftovers
 from supervisor.host.proctree import Child
@@ -64,6 +65,7 @@ class Throwaway:
     argv: tuple[str, ...] = ()  # secrets masked
     version: str | None = None  # the vLLM that runs it (the serving engine's: the same install)
     record: str = leftovers.PRECOMPILE  # its leftovers record's name
+    ear: ipc.EventServer | None = None  # its events socket, heard until /health: what vLLM set for its EngineCore
 
     @property
     def pid(self) -> int:
@@ -94,6 +96,12 @@ class Throwaway:
             await self.host.sleep(HEALTH_POLL_S)
         return f"no /health 200 within {timeout_s:g}s"
 
+    def deaf(self) -> None:
+        """Stop hearing its events socket (idempotent): an engine that adopts it binds that path anew."""
+        if self.ear is not None:
+            self.ear.close()
+            self.ear = None
+
     async def hand_over(self) -> Child:
         """Stop reading its pipes and its client: whoever adopts it reads them from here on."""
         await cancel_and_wait(*self.drains)
@@ -112,6 +120,7 @@ class Throwaway:
         """Stop it and everything it started; its run directory and its record go too. The processes go first:
         this runs in the cleanup of a cancelled task too, where any later await may be cut short."""
         await self.host.terminate_tree(self.child, grace_s, kill_s)
+        self.deaf()
         for d in self.drains:
             d.cancel()
         await self.client.close()
@@ -160,16 +169,34 @@ class Launcher:
         secrets = e.secrets()  # vLLM prints its args, --api-key included: errors quote its last lines
         tail = LogTail(TAIL_LINES, redact=lambda line: launch.redact(line, secrets))
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
-        child = await self._spawn(argv, env)
+        listener = ipc.EventServer(work / ipc.SOCKET_NAME, self._heard)
+        ear: ipc.EventServer | None = listener
+        try:
+            await listener.start()
+        except OSError:  # a socket path too long for AF_UNIX: unheard, as before it was listened to
+            ear = None
+        try:
+            child = await self._spawn(argv, env)
+        except BaseException:
+            if ear is not None:
+                ear.close()
+            raise
         taken = {t.record for t in self.current}
         record = next(n for n in map(leftovers.precompile_record, range(len(taken) + 1)) if n not in taken)
         t = Throwaway(child, rung, engine.base_url, work, tail, [], EngineClient(engine.base_url, e.api_key(),
                       ipc.control_token(env)), self.host, self.cfg.state.dir, tuple(launch.masked(argv, secrets)),
-                      version, record)
+                      version, record, ear)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
         t.drains += [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
         t.record_as(record)
         return t
+
+    def _heard(self, event: dict[str, Any]) -> None:
+        """A second engine's IPC record: only what vLLM set for its EngineCore is news (``engine.vllm_env``, with
+        its pid): the standby a first start makes while these engines are built imports under it."""
+        reported = env_report(event, self.host.wall())
+        if reported is not None:
+            self.publish(reported)
 
     async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
         """Cancelled meanwhile (the engine died), the process that did start is stopped before the cancellation
