@@ -502,9 +502,10 @@ class EngineEnvReported(Event):
     name = "engine.vllm_env"
     pid: int | None
     env: Mapping[str, str]
+    second_engine: bool = False  # a precompile throwaway's or a spare's EngineCore, not the engine's
 
     def fields(self) -> dict[str, Any]:
-        return {"pid": self.pid, "names": sorted(self.env)}
+        return {"pid": self.pid, "names": sorted(self.env), "second_engine": self.second_engine}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,14 +27,14 @@ AOT_HINT = ("vLLM compiles the model again at every start (2-3 s of each on the 
             "VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older compile cache, which loads")
 
 
-def env_report(event: dict[str, Any], at: float) -> EngineEnvReported | None:
+def env_report(event: dict[str, Any], at: float, second_engine: bool = False) -> EngineEnvReported | None:
     """The ``vllm_env`` IPC record (what vLLM set for an EngineCore) as an event; None for any other record."""
     if event.get("kind") != vllm_hook.VLLM_ENV_KIND:
         return None
     env, pid = event.get("env"), event.get("pid")
     return EngineEnvReported(at=at, pid=pid if isinstance(pid, int) else None,
                              env={k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
-                             if isinstance(env, dict) else {})
+                             if isinstance(env, dict) else {}, second_engine=second_engine)
 
 
 class Observer:

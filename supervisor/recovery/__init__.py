@@ -43,6 +43,7 @@ class Recovery:
         self._idle_since: float | None = None
         self._ready_since: float | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self._engine_reported = False  # an engine (not a second one) said what vLLM set for it
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
@@ -55,8 +56,13 @@ class Recovery:
     # ---- the subscriber ------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         if isinstance(event, EngineEnvReported):
-            self.pool.engine_env(vllm_env_of(dict(event.env)))
-            if self.ahead.building_first:  # a second engine's report: the engine that follows them spawns warm
+            if not event.second_engine:
+                self._engine_reported = True
+                self.pool.engine_env(vllm_env_of(dict(event.env)))
+            elif self.ahead.building_first and not self._engine_reported:
+                # No engine has said it yet: a second engine built before the first one says it for the same
+                # install, and the standby it lets start now is what that engine spawns from.
+                self.pool.engine_env(vllm_env_of(dict(event.env)))
                 self.pool.want()
         elif isinstance(event, StateChanged):
             if event.new is EngineState.READY:

@@ -194,7 +194,7 @@ class Launcher:
     def _heard(self, event: dict[str, Any]) -> None:
         """A second engine's IPC record: only what vLLM set for its EngineCore is news (``engine.vllm_env``, with
         its pid): the standby a first start makes while these engines are built imports under it."""
-        reported = env_report(event, self.host.wall())
+        reported = env_report(event, self.host.wall(), second_engine=True)
         if reported is not None:
             self.publish(reported)
 

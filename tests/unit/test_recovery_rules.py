@@ -10,8 +10,10 @@ from pathlib import Path
 from supervisor.child import vllm_standby
 from supervisor.config import LadderConfig, RestartConfig, parse
 from supervisor.decide.policy import Policy
+from supervisor.event_stream import EngineEnvReported
 from supervisor.host.real import RealHost
 from supervisor.profile import Profile
+from supervisor.recovery import Recovery
 from supervisor.recovery.standby import VLLM_CLI, StandbyPool, entry_of, start_env, vllm_env_of
 
 
@@ -83,6 +85,27 @@ def test_what_vllm_set_is_forgotten_when_the_engine_command_or_environment_chang
     assert ns.vllm_env == {"LD_PRELOAD": "gomp.so"}
     ns.configure(parse({**raw, "engine": {"model": "m", "env": {"A": "2"}}}))
     assert ns.vllm_env == {}
+
+
+def test_a_second_engines_report_of_what_vllm_set_counts_only_before_any_engine_said_it(tmp_path: Path) -> None:
+    """A spare or throwaway built before the first engine says it for the same install, and lets the standby start
+    (``want``); beside a serving engine, or once an engine has reported, the engine's own report is the one kept."""
+    raw = {"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}, "recovery": {"standby": False}}
+    rec = Recovery(parse(raw), RealHost(), lambda _: None, lambda p: [])
+    wanted: list[bool] = []
+    rec.pool.want = lambda: wanted.append(True)  # type: ignore[method-assign]
+
+    def heard(env: dict[str, str], second: bool) -> None:
+        rec.on_event(EngineEnvReported(at=0.0, pid=1, env=env, second_engine=second))
+
+    heard({"A": "throwaway"}, True)  # beside a serving engine (no first build): not the standby's
+    assert rec.pool.vllm_env == {} and wanted == []
+    rec.ahead.building_first = True
+    heard({"A": "spare"}, True)
+    assert rec.pool.vllm_env == {"A": "spare"} and wanted == [True]
+    heard({"A": "engine"}, False)
+    heard({"A": "later spare"}, True)  # a climb's spare built first: the engine's report stands
+    assert rec.pool.vllm_env == {"A": "engine"} and wanted == [True]
 
 
 def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:
