@@ -53,7 +53,7 @@ class Ahead:
         On a GPU host its compile is CPU work on many cores, niced, and its GPU memory is bounded by what the
         serving engine left, so it does not wait for a lull that busy servers never have: the seed's crash came
         under steady traffic. A spare whose rung is no longer the first target (or that died asleep) goes first."""
-        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        targets = self._below(profile)
         await self.keeper.check(targets[0] if targets else None)
         if self.running():
             return
@@ -72,9 +72,13 @@ class Ahead:
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's restart at the
         same rung (a death that was not memory's) leaves a spare of the rung below asleep for the next one."""
-        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        targets = self._below(profile)
         keep_for = targets[0] if targets and not self.planned else None
         return await self.keeper.take(profile, keep_for)
+
+    def _below(self, profile: Profile) -> list[Profile]:
+        """The rungs a failure at ``profile`` may go to, other than ``profile``'s own; the first is the spare's."""
+        return [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start at ``profile``, on the card its gates found free: the rungs within reach not yet
@@ -92,7 +96,7 @@ class Ahead:
 
     async def _compile_first(self, profile: Profile) -> None:
         version = self.version or self.precompiler.known_version()
-        within_reach = [profile, *(p for p in self.targets(profile) if p.compile_key() != profile.compile_key())]
+        within_reach = [profile, *self._below(profile)]
         todo = [p for p in within_reach if not self.precompiler.is_compiled(p, version)
                 and not self.failed.no_precompile(p)]  # the engine's own rung too: on a fresh host it starts warm
         plan = await self.precompiler.first(todo, profile)
@@ -117,7 +121,7 @@ class Ahead:
     async def _spare_first(self, profile: Profile) -> bool:
         if self.keeper.spare is not None:
             return False
-        targets = [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+        targets = self._below(profile)
         util = await self.keeper.first(targets[0], profile) if targets else None
         if util is None:
             return False
