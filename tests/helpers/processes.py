@@ -24,10 +24,19 @@ FIXTURES = HERE.parent / "fixtures" / "vllm-logs"  # real vLLM logs, unedited
 LONG_PROMPT = "word " * 30_000
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, never one handed out before in this process: the kernel may give a just-released port
+    again, and two calls for one config then collide (CI saw admin.listen on the engine's port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def toml_value(v: Any) -> str:
