@@ -22,7 +22,7 @@ from typing import Any
 
 from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
-from supervisor.engine_states import EngineState
+from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, FailureClassified, StateChanged
 from supervisor.host import Host
 from supervisor.profile import Profile
@@ -79,6 +79,7 @@ class Recovery:
                 self.ahead.stop()  # the host is the next start's now
         elif isinstance(event, FailureClassified):
             self.ahead.planned = False  # until the next READY: the restarts of an outage build no spare first
+            self.ahead.device_fault = event.kind is FailureKind.DEVICE_FATAL
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 

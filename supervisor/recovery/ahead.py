@@ -42,6 +42,7 @@ class Ahead:
         self.version: str | None = None  # the vLLM of the last READY engine (the spare's is the same install)
         self._stopped: set[int] | None = None  # while compiling first: the processes of the throwaways stopped
         self.building_first = False  # a planned start's second engines are being built before its engine
+        self.device_fault = False  # the last failure was the GPU's own (Xid, ECC): nothing on it is kept
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -71,9 +72,10 @@ class Ahead:
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's restart at the
-        same rung (a death that was not memory's) leaves a spare of the rung below asleep for the next one."""
+        same rung (a death that was not memory's, nor the GPU's) leaves a spare of the rung below asleep for the
+        next one."""
         targets = self._below(profile)
-        keep_for = targets[0] if targets and not self.planned else None
+        keep_for = targets[0] if targets and not self.planned and not self.device_fault else None
         return await self.keeper.take(profile, keep_for)
 
     def _below(self, profile: Profile) -> list[Profile]:

@@ -15,6 +15,7 @@ from supervisor.host.real import RealHost
 from supervisor.profile import Profile
 from supervisor.recovery import Recovery
 from supervisor.recovery.standby import VLLM_CLI, StandbyPool, entry_of, start_env, vllm_env_of
+from tests.helpers.events import failed
 
 
 def test_a_standby_knows_the_engine_commands_it_can_become(tmp_path: Path) -> None:
@@ -106,6 +107,27 @@ def test_a_second_engines_report_of_what_vllm_set_counts_only_before_any_engine_
     heard({"A": "engine"}, False)
     heard({"A": "later spare"}, True)  # a climb's spare built first: the engine's report stands
     assert rec.pool.vllm_env == {"A": "engine"} and wanted == [True]
+
+
+async def test_a_failures_restart_at_the_same_rung_keeps_the_spare_unless_the_gpu_itself_failed(
+        tmp_path: Path) -> None:
+    """The spare (6144) stays asleep through an engine_dead's restart at 8192; after a device_fatal (an Xid, ECC),
+    which may have taken every context on the card with it, and at a planned start, it goes."""
+    raw = {"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}, "recovery": {"standby": False}}
+    top, below = Profile(max_num_batched_tokens=8192), Profile(max_num_batched_tokens=6144)
+    rec = Recovery(parse(raw), RealHost(), lambda _: None, lambda p: [below] if p == top else [])
+    asked: list[Profile | None] = []
+
+    async def take(profile: Profile, keep_for: Profile | None = None) -> None:
+        asked.append(keep_for)
+
+    rec.ahead.keeper.take = take  # type: ignore[method-assign,assignment]
+    await rec.spare_for(top)  # a planned start (the first)
+    rec.on_event(failed("engine_dead", "engine core exited unexpectedly"))
+    await rec.spare_for(top)
+    rec.on_event(failed("device_fatal", "Xid 79: GPU has fallen off the bus"))
+    await rec.spare_for(top)
+    assert asked == [None, below, None]
 
 
 def test_omp_cpu_sets_are_read_as_an_openmp_runtime_would() -> None:
