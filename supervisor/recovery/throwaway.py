@@ -169,12 +169,7 @@ class Launcher:
         secrets = e.secrets()  # vLLM prints its args, --api-key included: errors quote its last lines
         tail = LogTail(TAIL_LINES, redact=lambda line: launch.redact(line, secrets))
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
-        listener = ipc.EventServer(work / ipc.SOCKET_NAME, self._heard)
-        ear: ipc.EventServer | None = listener
-        try:
-            await listener.start()
-        except OSError:  # a socket path too long for AF_UNIX: unheard, as before it was listened to
-            ear = None
+        ear = await self._listen(work / ipc.SOCKET_NAME)
         try:
             child = await self._spawn(argv, env)
         except BaseException:
@@ -190,6 +185,16 @@ class Launcher:
         t.drains += [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
         t.record_as(record)
         return t
+
+    async def _listen(self, path: Path) -> ipc.EventServer | None:
+        """Its events socket, listened to; None where it cannot be bound (a path too long for AF_UNIX): unheard,
+        as second engines were before."""
+        ear = ipc.EventServer(path, self._heard)
+        try:
+            await ear.start()
+        except OSError:
+            return None
+        return ear
 
     def _heard(self, event: dict[str, Any]) -> None:
         """A second engine's IPC record: only what vLLM set for its EngineCore is news (``engine.vllm_env``, with
