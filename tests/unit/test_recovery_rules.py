@@ -3,17 +3,20 @@ precompile, OpenMP CPU sets."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from supervisor.child import vllm_standby
 from supervisor.config import LadderConfig, RestartConfig, parse
-from supervisor.decide.policy import Policy
+from supervisor.decide.policy import Policy, step_down
 from supervisor.event_stream import EngineEnvReported
 from supervisor.host.real import RealHost
-from supervisor.profile import Profile
+from supervisor.profile import Knob, Profile
 from supervisor.recovery import Recovery
+from supervisor.recovery.precompile import RECORD, Precompiler
 from supervisor.recovery.standby import VLLM_CLI, StandbyPool, entry_of, start_env, vllm_env_of
 from tests.helpers.events import failed
 
@@ -88,11 +91,15 @@ def test_what_vllm_set_is_forgotten_when_the_engine_command_or_environment_chang
     assert ns.vllm_env == {}
 
 
+def recovery(tmp_path: Path, next_rungs: Callable[[Profile], list[Profile]]) -> Recovery:
+    raw = {"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}, "recovery": {"standby": False}}
+    return Recovery(parse(raw), RealHost(), lambda _: None, next_rungs)
+
+
 def test_a_second_engines_report_of_what_vllm_set_counts_only_before_any_engine_said_it(tmp_path: Path) -> None:
     """A spare or throwaway built before the first engine says it for the same install, and lets the standby start
     (``want``); beside a serving engine, or once an engine has reported, the engine's own report is the one kept."""
-    raw = {"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}, "recovery": {"standby": False}}
-    rec = Recovery(parse(raw), RealHost(), lambda _: None, lambda p: [])
+    rec = recovery(tmp_path, lambda p: [])
     wanted: list[bool] = []
     rec.pool.want = lambda: wanted.append(True)  # type: ignore[method-assign]
 
@@ -113,9 +120,8 @@ async def test_a_failures_restart_at_the_same_rung_keeps_the_spare_unless_the_gp
         tmp_path: Path) -> None:
     """The spare (6144) stays asleep through an engine_dead's restart at 8192; after a device_fatal (an Xid, ECC),
     which may have taken every context on the card with it, and at a planned start, it goes."""
-    raw = {"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}, "recovery": {"standby": False}}
     top, below = Profile(max_num_batched_tokens=8192), Profile(max_num_batched_tokens=6144)
-    rec = Recovery(parse(raw), RealHost(), lambda _: None, lambda p: [below] if p == top else [])
+    rec = recovery(tmp_path, lambda p: [below] if p == top else [])
     asked: list[Profile | None] = []
 
     async def take(profile: Profile, keep_for: Profile | None = None) -> None:
@@ -142,8 +148,6 @@ def test_compiles_made_before_the_first_ready_are_filed_under_the_vllm_it_report
     """A start's compile-first (and a spare built first) runs before any engine of the run said which vLLM this
     is: its records wait under "?" and go under the version the first READY reports; before that READY the last
     version seen on the host is assumed; a "?" left by a run that never reached READY is not trusted later."""
-    from supervisor.recovery.precompile import Precompiler
-
     cfg = parse({"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}})
     rung = Profile(max_num_batched_tokens=4096)
     first = Precompiler(cfg, host=None)  # type: ignore[arg-type]  # the record needs no host
@@ -163,12 +167,6 @@ def test_the_rung_a_failover_climbs_back_to_is_the_configured_rung_compiled_at_t
     says --enable-chunked-prefill, so the climb back to 8192 said it too and was compiled a second time (41 s
     before the next start's engine) although vLLM's cache held it: chunked prefill is vLLM V1's default and in no
     compile hash. A record an earlier supervisor wrote with the flag counts too."""
-    import json
-
-    from supervisor.decide.policy import step_down
-    from supervisor.profile import Knob
-    from supervisor.recovery.precompile import RECORD, Precompiler
-
     configured = Profile(max_num_batched_tokens=8192, max_num_seqs=10, max_model_len=131072)
     ladder = LadderConfig()
     policy = Policy(RestartConfig(), ladder, configured)
