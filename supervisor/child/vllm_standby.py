@@ -12,7 +12,8 @@ the PRELOAD modules, touches the file named by ``VLLM_SUPERVISOR_STANDBY_READY``
 that took, and waits for one JSON line on stdin: ``{"argv": [...], "env": {...}}``. It then
 takes that environment as its own, re-applies vLLM's logging config from it (the start's event
 socket), and runs the target as ``__main__`` with that argv. End of stdin before the line (the
-supervisor is gone) exits quietly. Nothing here initialises CUDA: importing torch does not.
+supervisor is gone) exits quietly. Nothing here initialises CUDA: importing torch does not. What the imports made
+is frozen for the garbage collector (``freeze_imports``), so the collections of vLLM's start skip it.
 
 Three things keep a forked engine process the same as the new interpreter vLLM would have started. Always,
 ``prepare_titles`` (see there); and when the start's environment says ``VLLM_WORKER_MULTIPROC_METHOD=fork``
@@ -28,6 +29,7 @@ Three things keep a forked engine process the same as the new interpreter vLLM w
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging.config
@@ -51,6 +53,19 @@ def preload(mode: str, target: str, extra: list[str]) -> None:
         importlib.import_module(target.partition(":")[0])
     for name in extra:
         importlib.import_module(name)
+
+
+def freeze_imports() -> None:
+    """Take what the imports made out of the garbage collector's reach, as vLLM does with its own heap once started.
+
+    vLLM's engine start runs a full collection about ten times (memory snapshots around the weights, the KV-cache
+    profile, graph capture, its own freeze), and each walks every object torch and vLLM made at import: about
+    0.3 s apiece for 600,000 objects on this project's CPU machine. Frozen, they are skipped, and a forked
+    EngineCore does not copy the pages the walk would write to. CPython's gc docs give this for a process that
+    forks without exec. What was garbage at import is collected first.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def become(message: dict[str, object]) -> tuple[list[str], dict[str, str]]:
@@ -162,6 +177,7 @@ def main() -> None:
     mode, target, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     t0 = time.monotonic()
     preload(mode, target, extra)
+    freeze_imports()
     ready = os.environ.get("VLLM_SUPERVISOR_STANDBY_READY")
     if ready:
         with open(ready, "w", encoding="utf-8") as f:

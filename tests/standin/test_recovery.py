@@ -84,6 +84,19 @@ def test_a_forked_process_gets_the_openmp_cpus_its_parent_set_for_it() -> None:
     assert unset == sorted(os.sched_getaffinity(0))  # nothing set for it: left as it was
 
 
+def test_the_standby_takes_its_imports_out_of_the_garbage_collectors_walks(tmp_path: Path) -> None:
+    """vLLM's start collects garbage about ten times; what the standby imported is frozen, so none walks it."""
+    (tmp_path / "heavy_import.py").write_text("KEPT = [[i] for i in range(50_000)]\n")
+    (tmp_path / "engine.py").write_text("import gc, json\nif __name__ == '__main__':\n"
+                                        "    print(json.dumps({'frozen': gc.get_freeze_count()}))\n")
+    script = Path(vllm_standby.__file__)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script), "script", str(tmp_path / "engine.py"), "heavy_import"],
+                          input=json.dumps({"argv": [], "env": env}) + "\n", env=env, capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert json.loads(done.stdout)["frozen"] >= 50_000, done.stderr
+
+
 def _import_reads(sup: Sup) -> list[str]:
     """The values the engine cores' "import vllm" read, as the stand-in logs them, one per EngineCore start."""
     return [line.split("import: ", 1)[1] for line in sup.log_path.read_text().splitlines()
