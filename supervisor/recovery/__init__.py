@@ -59,6 +59,8 @@ class Recovery:
             if not event.second_engine:
                 self._engine_reported = True
                 self.pool.engine_env(vllm_env_of(dict(event.env)))
+                if self._early_standby():
+                    self.pool.want()
             elif self.ahead.building_first and not self._engine_reported:
                 # No engine has said it yet: a second engine built before the first one says it for the same
                 # install, and the standby it lets start now is what that engine spawns from.
@@ -85,7 +87,17 @@ class Recovery:
 
     # ---- the calls of the lifecycle and its runs -----------------------------------------------------
     def take(self) -> Standby | None:
-        return self.pool.take()
+        standby = self.pool.take()
+        if standby is not None and self._early_standby():
+            self.pool.want()
+        return standby
+
+    def _early_standby(self) -> bool:
+        """The next start's standby imports during a planned start on a GPU host, not after its READY: a failure
+        in the first seconds of serving then finds vLLM imported (the H200 imports for 15-24 s). A planned start
+        is no outage, and on a GPU host its engine's start is GPU work with cores to spare (16 on the H200); on a
+        CPU host it is CPU work on every core, and a failure's restart is the outage: both wait for READY."""
+        return self.ahead.planned and self.ahead.gpu_host
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when there is none that can serve it."""

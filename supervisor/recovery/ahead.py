@@ -89,6 +89,7 @@ class Ahead:
         that start is the outage."""
         if not self.planned:
             return False
+        await self._on_gpu()
         self.building_first = True
         try:
             await self._compile_first(profile)
@@ -101,7 +102,7 @@ class Ahead:
         within_reach = [profile, *self._below(profile)]
         todo = [p for p in within_reach if not self.precompiler.is_compiled(p, version)
                 and not self.failed.no_precompile(p)]  # the engine's own rung too: on a fresh host it starts warm
-        plan = await self.precompiler.first(todo, profile)
+        plan = await self.precompiler.first(todo, profile, soon=within_reach[:2])
         if plan is None:
             return
         slots, self._stopped = asyncio.Semaphore(plan.at_once), set()
@@ -112,7 +113,7 @@ class Ahead:
 
         timeout = self.cfg.recovery.precompile_timeout_s
         try:
-            await asyncio.wait_for(asyncio.gather(*map(one, todo)), timeout)
+            await asyncio.wait_for(asyncio.gather(*map(one, plan.rungs)), timeout)
         except TimeoutError:
             self.precompiler.why = f"first: not all compiled within precompile_timeout_s ({timeout:g}s): {plan.why}"
         finally:
@@ -129,6 +130,11 @@ class Ahead:
             return False
         await self._guarded(targets[0].with_(gpu_memory_utilization=util), self.version, True)
         return self.keeper.spare is not None
+
+    @property
+    def gpu_host(self) -> bool:
+        """NVML saw a device when last asked (a planned start asks before its spawn)."""
+        return bool(self._gpu_host)
 
     async def _on_gpu(self) -> bool:
         if self._gpu_host is None:

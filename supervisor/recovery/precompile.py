@@ -15,7 +15,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +130,14 @@ class Precompiler:
             return rung
         return rung.with_(gpu_memory_utilization=round(max(0.01, free / 2), 3))
 
-    async def first(self, todo: Sequence[Profile], engine: Profile) -> CompileFirst | None:
+    async def first(self, todo: Sequence[Profile], engine: Profile,
+                    soon: Sequence[Profile] = ()) -> CompileFirst | None:
         """Before a planned start at ``engine`` on the card its gates found free: how the rungs in ``todo`` are
         compiled first, when a throwaway would not fit beside the engine (``precompile_order``); None otherwise,
-        ``self.why`` says why."""
+        ``self.why`` says why. Where they would fit beside, ``"auto"`` still compiles the ones of ``todo`` in
+        ``soon`` first (the start's own rung and the next memory failure's): beside the engine they would wait
+        for ``precompile_idle_s`` after READY, and a failure in those minutes would compile on its critical path
+        (70 s on the H200), while the engine compiles its own rung in its start anyway."""
         rc, e = self.cfg.recovery, self.cfg.engine
         if rc.precompile == "off" or rc.precompile_order == "beside" or not todo:
             return None
@@ -149,8 +153,18 @@ class Precompiler:
             self.why = "first: the model is not a local directory with weights and a config.json: its size is unknown"
             return None
         need = max(size.need for size in sizes if size is not None)
-        plan = plan_first(snaps, need, kv, engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9,
-                          self.cfg.gpu.start_headroom_bytes, rc.precompile_order, os.cpu_count() or 1)
+        util = engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+        args = (snaps, need, kv, util, self.cfg.gpu.start_headroom_bytes)
+        plan = replace(plan_first(*args, rc.precompile_order, os.cpu_count() or 1), rungs=tuple(todo))
+        keys = {p.compile_key() for p in soon}
+        urgent = tuple(r for r in todo if r.compile_key() in keys)
+        if plan.order == "beside" and urgent:
+            first = plan_first(*args, "first", os.cpu_count() or 1)
+            if first.at_once:
+                plan = replace(first, rungs=urgent, why=(
+                    f"auto: the start's own rung and the next memory failure's before the engine (a failure in the "
+                    f"minutes after READY would compile on its critical path), {first.why.partition(', ')[2]}; the "
+                    f"rest beside it: {plan.why.partition(': ')[2]}"))
         self.why, self.order = plan.why, plan.order
         return plan if plan.at_once else None
 
@@ -170,6 +184,7 @@ class CompileFirst:
     util: float
     kv_bytes: int
     why: str
+    rungs: tuple[Profile, ...] = ()  # the rungs to compile first (Precompiler.first fills it in)
 
 
 def plan_first(snaps: Sequence[DeviceSnapshot], need: int, kv: int, engine_util: float, headroom: int,

@@ -242,6 +242,49 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     assert len(again.events("precompile.started")) == 1  # only the spare, before the first READY
 
 
+def _ready_at(sup: Sup, n: int = 0) -> str:
+    return [e for e in sup.events("engine.state_changed") if e.get("to") == "READY"][n]["timestamp"]
+
+
+def test_where_throwaways_fit_beside_a_fresh_host_compiles_the_two_rungs_of_the_first_minutes_before_the_engine(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 27 (c), "elsewhere": at 0.4 a throwaway fits beside the engine, so the rungs waited for
+    precompile_idle_s after READY, and the seed's crash 8 s after READY compiled 6144 on its critical path (70 s on
+    the H200, 1.14x a cold start). Now the start's own rung and the next memory failure's are compiled first (the
+    rest stays beside), and on a GPU host the next start's standby imports during a planned start, not after its
+    READY: a failure in the first seconds finds both ready. A warm host compiles nothing first, and its standby
+    starts on the engine's own report of what vLLM set."""
+    state = tmp_path / "state"
+    overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_IMPORT_DELAY": "1.0"}},
+                 "profile": {"gpu_memory_utilization": 0.4},
+                 "recovery": {"precompile": "auto", "standby": True}, "state": {"dir": str(state)}}
+    sup = supervise(overrides)
+    st = sup.wait_ready(120)
+    precompile = st["next_start"]["precompile"]
+    assert precompile["order"] == "first" and "own rung and the next memory failure's" in precompile["why"], precompile
+    assert "the rest beside it" in precompile["why"], precompile
+    started, engine = sup.events("precompile.started"), sup.events("engine.spawned")[0]
+    assert sorted(e["profile"]["max_num_batched_tokens"] for e in started) == [6144, 8192], started
+    assert max(e["timestamp"] for e in sup.events("engine.rung_precompiled")) < engine["timestamp"]
+    standbys = sup.events("standby.spawned")
+    assert engine["standby"] is True and engine["pid"] == standbys[0]["pid"]  # imported while the rungs compiled
+    assert len(standbys) == 2 and standbys[1]["timestamp"] < _ready_at(sup), standbys  # the next one, before READY
+    sup.proc.terminate()
+    assert sup.proc.wait(60) == 0
+
+    again = supervise(overrides)
+    st = again.wait_ready(120)
+    assert again.events("precompile.started") == [] and st["next_start"]["precompile"]["order"] == "beside"
+    assert again.events("engine.spawned")[0]["standby"] is False  # nothing built first: a cold start
+    assert again.events("standby.spawned")[0]["timestamp"] < _ready_at(again)  # on the engine's own report
+    again.wait_standby_imported(30)
+    assert send_long_prompt(again) == 500  # the seed's crash, right after READY
+    st = again.wait_ready(30, restarts=1)
+    assert st["profile"]["max_num_batched_tokens"] == 6144
+    assert again.events("engine.spawned")[-1]["standby"] is True
+    assert again.events("precompile.started") == []  # 6144 was compiled before the first supervisor's READY
+
+
 def test_throwaways_compiling_side_by_side_outlive_a_sigkilled_supervisor_only_until_the_next_one(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:
     """Each throwaway of a start's compile-first has its own leftovers record: a supervisor SIGKILLed while they
