@@ -166,7 +166,8 @@ def _check(cfg: config_mod.Config, strict: bool = False) -> int:
     from supervisor.ops import statefile
 
     learned = statefile.load(cfg.state.dir)
-    profile: Profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
+    profile: Profile = clamp_to_configured(learned.profile, cfg.profile, learned.configured) if learned \
+        else cfg.profile
     errors, warnings = preflight.preflight(cfg)
     argv = launch.masked(launch.build_argv(cfg.engine, profile, cfg.health.hang_timeout_s), cfg.engine.secrets())
     # What would stop or slow a start on this machine. Not a bad config: a late mount is waited for, and a

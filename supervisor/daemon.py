@@ -87,7 +87,7 @@ class Daemon:
         self.bus = EventBus()
         publish = self.bus.publish
         learned = statefile.load(cfg.state.dir)
-        profile = clamp_to_configured(learned.profile, cfg.profile) if learned else cfg.profile
+        profile = clamp_to_configured(learned.profile, cfg.profile, learned.configured) if learned else cfg.profile
         policy = Policy(cfg.restart, cfg.ladder, cfg.profile,
                         rung_failures=dict(learned.rung_failures) if learned else {})
         self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
@@ -116,7 +116,7 @@ class Daemon:
         self.bus.subscribe("metrics", self.metrics)
         self.bus.subscribe("notify", self.notifier)
         self.bus.subscribe("history", self.history)
-        self.bus.subscribe("statefile", statefile.StateFileWriter(cfg.state.dir))
+        self.bus.subscribe("statefile", statefile.StateFileWriter(cfg.state.dir, cfg.profile))
         self.bus.subscribe("alerts", self)  # forwards to self.alerts, which a reload may replace
         self.bus.subscribe("recovery", self.recovery)
         if self.gateway is not None:
@@ -289,7 +289,7 @@ class Daemon:
             publish(ReloadFailed(at=self.host.wall(), error=f"{type(exc).__name__}: {exc}"))
             return False, f"reload refused (reading the file failed: {type(exc).__name__}: {exc}), " \
                           "still running on the old config"
-        self.cfg = new
+        old, self.cfg = self.cfg, new
         changed = plan.changed
         self.lifecycle.reconfigure(new)
         if alerts is not None:
@@ -303,6 +303,6 @@ class Daemon:
                          configured_profile=new.profile))
         if not plan.engine_restart:
             return True, f"reloaded ({', '.join(changed) or 'nothing'} changed); the engine keeps running"
-        ok, message = self.lifecycle.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile),
+        ok, message = self.lifecycle.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
                                                 "config reloaded: engine settings changed")
         return ok, f"reloaded ({', '.join(changed)} changed); {message}"

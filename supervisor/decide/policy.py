@@ -137,11 +137,15 @@ def _raise(cur_p: Profile, conf_p: Profile, knob: Knob, ladder: LadderConfig) ->
     return cur_p.with_knob(knob, nxt)
 
 
-def clamp_to_configured(saved: Profile, configured: Profile) -> Profile:
-    """A remembered profile never exceeds what the operator configured now."""
+def clamp_to_configured(saved: Profile, configured: Profile, saved_under: Profile | None = None) -> Profile:
+    """A remembered profile never exceeds what the operator configured now, and a knob the operator changed since
+    it was learned (``saved_under``: what was configured then) takes the new value: raising
+    gpu_memory_utilization from 0.4 to 0.5 is a decision, not a step down to remember."""
     out = configured
     for knob in Knob:
         s, c = saved.value(knob), configured.effective(knob)
+        if saved_under is not None and saved_under.effective(knob) != c:
+            continue
         if s is not None and (c is None or s < c):
             out = out.with_knob(knob, s)
     if out != configured and configured.enable_chunked_prefill is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from supervisor.event_stream import Event, LearnedChanged
+from supervisor.event_stream import Event, LearnedChanged, Reloaded
 from supervisor.host.files import read_json
 from supervisor.profile import Profile
 
@@ -32,11 +32,13 @@ class Learned:
     restarts_total: int = 0
     slowest_start_s: float | None = None
     fatal: dict[str, Any] | None = None  # the supervisor gave up: exit_code, reason, at, kind
+    configured: Profile | None = None  # what the operator had configured when it was learned (None: an older file)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "profile": self.profile.as_dict(), "rung_failures": self.rung_failures,
                 "last_failure": self.last_failure, "restarts_total": self.restarts_total,
-                "slowest_start_s": self.slowest_start_s, "fatal": self.fatal}
+                "slowest_start_s": self.slowest_start_s, "fatal": self.fatal,
+                "configured": self.configured.as_dict() if self.configured is not None else None}
 
 
 def path_in(state_dir: str | Path) -> Path:
@@ -58,7 +60,9 @@ def load(state_dir: str | Path) -> Learned | None:
                        last_failure=last if isinstance(last, dict) else None,
                        restarts_total=int(raw.get("restarts_total") or 0),
                        slowest_start_s=_seconds(raw.get("slowest_start_s")),
-                       fatal=raw["fatal"] if isinstance(raw.get("fatal"), dict) else None)
+                       fatal=raw["fatal"] if isinstance(raw.get("fatal"), dict) else None,
+                       configured=Profile.from_dict(raw["configured"]) if isinstance(raw.get("configured"), dict)
+                       else None)
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, KeyError, OSError, AttributeError, OverflowError) as exc:
@@ -98,16 +102,18 @@ def save(state_dir: str | Path, learned: Learned) -> None:
 class StateFileWriter:
     """Event-stream subscriber: persists what the supervisor learned whenever it changes."""
 
-    def __init__(self, state_dir: str | Path) -> None:
-        self.state_dir = state_dir
+    def __init__(self, state_dir: str | Path, configured: Profile) -> None:
+        self.state_dir, self.configured = state_dir, configured
 
     def on_event(self, event: Event) -> None:
+        if isinstance(event, Reloaded) and event.configured_profile is not None:
+            self.configured = event.configured_profile
         if not isinstance(event, LearnedChanged):
             return
         try:
             save(self.state_dir, Learned(event.profile, dict(event.rung_failures),
                                          dict(event.last_failure) if event.last_failure else None,
                                          event.restarts_total, event.slowest_start_s,
-                                         dict(event.fatal) if event.fatal else None))
+                                         dict(event.fatal) if event.fatal else None, self.configured))
         except OSError as exc:
             log.error("state.save_failed", dir=str(self.state_dir), error=str(exc))

@@ -62,6 +62,25 @@ def test_30k_prompt_that_ooms_at_8192_is_served_after_stepping_down(supervise: C
     assert send_long_prompt(again) == 200
 
 
+def test_a_knob_the_operator_changed_since_takes_the_new_value_over_what_was_learned(
+        supervise: Callable[..., Sup]) -> None:
+    """The state file kept the whole profile and every knob of it below the configuration won: a host run at 0.4
+    and configured to 0.5 afterwards came back at 0.4 (the H200, 2026-12-03). What was learned at a knob the
+    operator left alone (the chunk here) still stands."""
+    oom = {"engine": {"env": {"FAKE_VLLM_OOM_TOKENS": "5000"}}}
+    sup = supervise({**oom, "profile": {"gpu_memory_utilization": 0.4}})
+    sup.wait_ready()
+    assert send_long_prompt(sup) == 500
+    assert sup.wait_ready(restarts=1)["profile"]["max_num_batched_tokens"] == 6144
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(30) == 0
+    again = supervise({**oom, "profile": {"gpu_memory_utilization": 0.5}, "state": {"dir": str(sup.state_dir)}})
+    profile = again.wait_ready()["profile"]
+    assert profile["gpu_memory_utilization"] == 0.5 and profile["max_num_batched_tokens"] == 6144, profile
+    argv = again.events("engine.spawned")[0]["argv"]
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.5"
+
+
 def test_poison_loop_exhausts_the_budget_and_exits_non_zero(supervise: Callable[..., Sup]) -> None:
     sup = supervise({"engine": {"env": {"FAKE_VLLM_DIE_AFTER_READY": "0.3"}},
                      "restart": {"max_restarts": 2}})

@@ -89,7 +89,7 @@ def test_log_subscriber_alone_writes_one_line_per_event_at_its_level() -> None:
 
 
 def test_statefile_subscriber_alone(tmp_path: Path) -> None:
-    w = statefile.StateFileWriter(tmp_path)
+    w = statefile.StateFileWriter(tmp_path, P2)
     for ev in STREAM:
         w.on_event(ev)
     assert statefile.load(tmp_path) is None  # nothing learned, nothing written
@@ -97,6 +97,12 @@ def test_statefile_subscriber_alone(tmp_path: Path) -> None:
                               last_failure={"kind": "runtime_oom"}, restarts_total=3))
     back = statefile.load(tmp_path)
     assert back is not None and back.profile.max_num_batched_tokens == 6144 and back.restarts_total == 3
+    assert back.configured == P2  # what was configured when it was learned
+    reloaded = P2.with_(gpu_memory_utilization=0.5)
+    w.on_event(Reloaded(at=6.0, changed=("profile",), engine_restart=True, configured_profile=reloaded))
+    w.on_event(LearnedChanged(at=7.0, profile=P2, rung_failures={}, last_failure=None, restarts_total=3))
+    back = statefile.load(tmp_path)
+    assert back is not None and back.configured == reloaded
 
 
 def test_notify_subscriber_alone_on_a_real_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -156,6 +156,15 @@ def test_saved_profile_is_clamped_to_what_is_configured_now() -> None:
     assert clamp_to_configured(saved, P) == P.with_(max_num_batched_tokens=6144)
 
 
+def test_a_knob_configured_differently_since_it_was_learned_takes_the_configured_value() -> None:
+    then = P.with_(gpu_memory_utilization=0.4)
+    saved = then.with_(max_num_batched_tokens=6144)
+    now = P.with_(gpu_memory_utilization=0.5)
+    assert clamp_to_configured(saved, now, then) == now.with_(max_num_batched_tokens=6144)
+    assert clamp_to_configured(saved, now) == saved  # a state file from before it says nothing of then
+    assert clamp_to_configured(saved, then, then) == saved
+
+
 def test_startup_memory_max_model_len_without_estimate_halves_the_length() -> None:
     f = Failure(FailureKind.STARTUP_MEMORY, "max seq len (4096)", knob=Knob.MAX_MODEL_LEN, suggested=2048)
     assert policy().on_failure(f, P.with_(max_model_len=4096), 0).profile.max_model_len == 2048
