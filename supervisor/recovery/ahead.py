@@ -102,7 +102,11 @@ class Ahead:
         within_reach = [profile, *self._below(profile)]
         todo = [p for p in within_reach if not self.precompiler.is_compiled(p, version)
                 and not self.failed.no_precompile(p)]  # the engine's own rung too: on a fresh host it starts warm
-        plan = await self.precompiler.first(todo, profile, soon=within_reach[:2])
+        # At the supervisor's first start (no READY yet), also where throwaways would fit beside the engine: no
+        # client has been served, and a failure in its first minutes would compile on its critical path. A later
+        # planned start (a reload that changed the engine's arguments) holds clients through it: those wait beside.
+        soon = within_reach[:2] if self.version is None else []
+        plan = await self.precompiler.first(todo, profile, soon=soon)
         if plan is None:
             return
         slots, self._stopped = asyncio.Semaphore(plan.at_once), set()

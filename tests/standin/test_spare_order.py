@@ -21,6 +21,7 @@ from tests.helpers.processes import (
     STANDIN_BASE,
     Launcher,
     Sup,
+    cli,
     deep_merge,
     http_json,
     send_long_prompt,
@@ -283,6 +284,16 @@ def test_where_throwaways_fit_beside_a_fresh_host_compiles_the_two_rungs_of_the_
     assert st["profile"]["max_num_batched_tokens"] == 6144
     assert again.events("engine.spawned")[-1]["standby"] is True
     assert again.events("precompile.started") == []  # 6144 was compiled before the first supervisor's READY
+
+    # A reload that changes the engine's arguments needs rungs never compiled, but it holds clients through its
+    # restart: after a READY they are compiled beside the engine, not first.
+    text = again.config.read_text()
+    assert "max_num_seqs = 16" in text
+    again.config.write_text(text.replace("max_num_seqs = 16", "max_num_seqs = 12"))
+    assert cli("reload", "--config", str(again.config)).returncode == 0
+    st = again.wait_for(lambda s: s["ready"] and s["start"] == 3, 60, "the restart after the reload")
+    assert st["profile"]["max_num_seqs"] == 12 and again.events("precompile.started") == []
+    assert st["next_start"]["precompile"]["order"] == "beside", st["next_start"]["precompile"]
 
 
 def test_throwaways_compiling_side_by_side_outlive_a_sigkilled_supervisor_only_until_the_next_one(
