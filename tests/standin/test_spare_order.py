@@ -70,6 +70,21 @@ def free_mib(card: Path) -> float:
     return CARD_MIB - sum(held)
 
 
+def filed_under(sup: Sup, version: str) -> list[str]:
+    """The rungs compiled.json files under ``version``. READY reaches the supervisor's recovery (which notes the
+    engine's rung and re-files what was compiled before it under the vLLM it reported) a moment after /status
+    says READY: read the record once it did."""
+    found: list[str] = []
+
+    def filed(_: dict[str, Any]) -> bool:
+        record = json.loads((sup.state_dir / "compiled.json").read_text())
+        found[:] = [c for k, v in record.items() if k.startswith(f"{version}:") for c in v]
+        return any("--max-num-batched-tokens 8192" in c for c in found)
+
+    sup.wait_for(filed, 10, f"compiled.json filed under {version}")
+    return found
+
+
 @pytest.mark.parametrize(("foreign", "util"), [(0.0, None), (0.47, 0.4)],
                          ids=["utilization-0.9", "shared-card-0.4"])
 def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_the_runtime_oom(
@@ -95,10 +110,9 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
         # the spare had compiled compiled it again), so that rung is still to be precompiled plainly.
         version = first["engine_version"]
         assert version == "0.32.0+standin"
-        compiled = json.loads((sup.state_dir / "compiled.json").read_text())
-        ours = [c for k, v in compiled.items() if k.startswith(f"{version}:") for c in v]
-        assert any("--max-num-batched-tokens 8192" in c for c in ours), compiled
-        assert not any("--max-num-batched-tokens 6144" in c for c in ours), compiled
+        ours = filed_under(sup, version)
+        assert any("--max-num-batched-tokens 8192" in c for c in ours), ours
+        assert not any("--max-num-batched-tokens 6144" in c for c in ours), ours
 
         # The seed's crash: another process takes all but 16 MiB, then the long prompt. The spare wakes into what
         # the engine freed: on the H200 a spare that kept 932 MiB asleep was refused the wake by a margin of 1 GiB.
@@ -217,8 +231,7 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     assert started[5]["timestamp"] < sup.events("engine.spawned")[0]["timestamp"]  # ... then the engine
     assert st["next_start"]["spare"]["state"] == "asleep"
     version = st["engine_version"]
-    record = json.loads((state / "compiled.json").read_text())
-    keys = next(v for k, v in record.items() if k.startswith(f"{version}:"))
+    keys = filed_under(sup, version)
     assert sum(f"--max-num-batched-tokens {n} " in k + " " for k in keys for n in (8192, 6144, 4096, 2048, 512)) \
         == 5, keys
 
