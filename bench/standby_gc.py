@@ -44,8 +44,10 @@ gc.callbacks.append(_probe)
 SET_BY_VLLM = re.compile(r"vLLM's platform set (.+) for its engine processes")
 
 
-def activate(python: str, script: Path, model: str, env: dict[str, str], log: Path) -> tuple[float, float]:
-    """One standby: imported, then activated with the start's argv; (seconds to /health, its own gc seconds)."""
+def activate(python: str, script: Path, model: str, env: dict[str, str], log: Path,
+             learn: bool = False) -> tuple[float, float]:
+    """One standby: imported, then activated with the start's argv; (seconds to /health, its own gc seconds).
+    ``learn``: take into ``env`` the variables vLLM set for its engine processes (a start that spawned them)."""
     port = free_port()
     ready = log.with_suffix(".ready")
     imports = dict(env, VLLM_SUPERVISOR_STANDBY_READY=str(ready))
@@ -76,7 +78,8 @@ def activate(python: str, script: Path, model: str, env: dict[str, str], log: Pa
                 raise SystemExit(f"the engine did not answer /health: {log}")
             time.sleep(0.1)
         took = time.monotonic() - t0
-        learn_vllm_env(proc.pid, log, env)
+        if learn:
+            learn_vllm_env(proc.pid, log, env)
     finally:
         with open(log) as f:
             own = sum(float(m.group(1)) for m in re.finditer(rf"GC-PROBE {proc.pid} ([\d.]+)", f.read()))
@@ -112,7 +115,7 @@ def main() -> int:
     plain.write_text(text.replace("\n    freeze_imports()\n", "\n", 1))
     env = dict(os.environ, PYTHONPATH=str(work), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     model = str(Path(args.model).resolve())
-    took, _ = activate(args.python, SCRIPT, model, env, work / "learn.log")
+    took, _ = activate(args.python, SCRIPT, model, env, work / "learn.log", learn=True)
     learnt = sorted(k for k in env if k not in os.environ and k not in ("PYTHONPATH", "HF_HUB_OFFLINE",
                                                                        "VLLM_NO_USAGE_STATS"))
     if not learnt:

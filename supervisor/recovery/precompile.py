@@ -155,16 +155,17 @@ class Precompiler:
         need = max(size.need for size in sizes if size is not None)
         util = engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
         args = (snaps, need, kv, util, self.cfg.gpu.start_headroom_bytes)
-        plan = replace(plan_first(*args, rc.precompile_order, os.cpu_count() or 1), rungs=tuple(todo))
+        cpus = os.cpu_count() or 1
+        plan = replace(plan_first(*args, rc.precompile_order, cpus), rungs=tuple(todo))
         keys = {p.compile_key() for p in soon}
         urgent = tuple(r for r in todo if r.compile_key() in keys)
         if plan.order == "beside" and urgent:
-            first = plan_first(*args, "first", os.cpu_count() or 1)
+            first = plan_first(*args, "first", cpus)
             if first.at_once:
                 plan = replace(first, rungs=urgent, why=(
                     f"auto: the start's own rung and the next memory failure's before the engine (a failure in the "
-                    f"minutes after READY would compile on its critical path), {first.why.partition(', ')[2]}; the "
-                    f"rest beside it: {plan.why.partition(': ')[2]}"))
+                    f"minutes after READY would compile on its critical path): {first.why}; the rest beside it: "
+                    f"{plan.why}"))
         self.why, self.order = plan.why, plan.order
         return plan if plan.at_once else None
 

@@ -256,8 +256,9 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     assert len(again.events("precompile.started")) == 1  # only the spare, before the first READY
 
 
-def _ready_at(sup: Sup, n: int = 0) -> str:
-    return [e for e in sup.events("engine.state_changed") if e.get("to") == "READY"][n]["timestamp"]
+def _ready_at(sup: Sup) -> str:
+    """When the first start was READY."""
+    return next(e for e in sup.events("engine.state_changed") if e.get("to") == "READY")["timestamp"]
 
 
 def test_where_throwaways_fit_beside_a_fresh_host_compiles_the_two_rungs_of_the_first_minutes_before_the_engine(
