@@ -93,11 +93,12 @@ class Recovery:
         return standby
 
     def _early_standby(self) -> bool:
-        """The next start's standby imports during a planned start on a GPU host, not after its READY: a failure
-        in the first seconds of serving then finds vLLM imported (the H200 imports for 15-24 s). A planned start
-        is no outage, and on a GPU host its engine's start is GPU work with cores to spare (16 on the H200); on a
-        CPU host it is CPU work on every core, and a failure's restart is the outage: both wait for READY."""
-        return self.ahead.planned and self.ahead.gpu_host
+        """On a GPU host the next start's standby imports during a start, not after its READY: a failure in the
+        first seconds of serving then finds vLLM imported (the H200 imports for 15-24 s; a second death 10 s after
+        a recovery waited 11 s for it). There an engine's start is GPU work with cores to spare (16 on the H200),
+        and the import takes one of them. On a CPU host a start is CPU work on every core, and the next standby
+        waits for READY."""
+        return self.ahead.gpu_host
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when there is none that can serve it."""

@@ -20,7 +20,7 @@ from supervisor.engine import gates
 from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
 from supervisor.host import Host
 from supervisor.host.gpu import GpuLost
-from supervisor.profile import Profile
+from supervisor.profile import Knob, Profile
 from supervisor.recovery.precompile import Precompiler
 from supervisor.recovery.spare import Spare, SpareKeeper
 from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
@@ -43,6 +43,7 @@ class Ahead:
         self._stopped: set[int] | None = None  # while compiling first: the processes of the throwaways stopped
         self.building_first = False  # a planned start's second engines are being built before its engine
         self.device_fault = False  # the last failure was the GPU's own (Xid, ECC): nothing on it is kept
+        self._at_ready: Profile | None = None  # a rung compiled beside the engine at READY, not precompile_idle_s on
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -58,6 +59,8 @@ class Ahead:
         await self.keeper.check(targets[0] if targets else None)
         if self.running():
             return
+        if await self._compile_at_ready(version):
+            return
         self._asked_in_s = self.cfg.recovery.precompile_idle_s - (ready_for_s if await self._on_gpu() else idle_for_s)
         if self._asked_in_s > 0:
             return
@@ -69,6 +72,21 @@ class Ahead:
         if todo and await self.precompiler.allowed(todo[0]):
             rung = await self.precompiler.beside_the_engine(todo[0])
             self._task = asyncio.create_task(self._guarded(rung, version, False), name="recovery:precompile")
+
+    async def _compile_at_ready(self, version: str | None) -> bool:
+        """The next memory failure's rung, when the supervisor's first start found its own rung compiled and not
+        that one: a failure in the first minutes would compile it on its critical path (70 s on the H200)."""
+        rung, self._at_ready = self._at_ready, None
+        if rung is None or self.precompiler.is_compiled(rung, version) or self.failed.no_precompile(rung):
+            return False
+        if not await self.precompiler.allowed(rung):
+            return False
+        self.precompiler.why += (f"; the next memory failure's rung (max_num_batched_tokens "
+                                 f"{rung.effective(Knob.MAX_NUM_BATCHED_TOKENS)}) at READY, not after "
+                                 "precompile_idle_s: the first start found only its own rung compiled")
+        beside = await self.precompiler.beside_the_engine(rung)
+        self._task = asyncio.create_task(self._guarded(beside, version, False), name="recovery:precompile")
+        return True
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's restart at the
@@ -105,9 +123,17 @@ class Ahead:
         # At the supervisor's first start (no READY yet), also where throwaways would fit beside the engine: no
         # client has been served, and a failure in its first minutes would compile on its critical path. A later
         # planned start (a reload that changed the engine's arguments) holds clients through it: those wait beside.
-        soon = within_reach[:2] if self.version is None else []
+        # Only when the engine would compile its own rung in its start anyway: with that one compiled (a reboot),
+        # compiling the next first would hold the first READY for a whole compile (77 s on the H200), so that one
+        # is compiled beside the engine the moment it is READY.
+        missing = {p.compile_key() for p in todo}
+        first_start = self.version is None and self.gpu_host
+        own_missing = profile.compile_key() in missing
+        soon = within_reach[:2] if first_start and own_missing else []
         plan = await self.precompiler.first(todo, profile, soon=soon)
         if plan is None:
+            if first_start and not own_missing and self.precompiler.order == "beside":
+                self._at_ready = next((p for p in within_reach[1:2] if p.compile_key() in missing), None)
             return
         slots, self._stopped = asyncio.Semaphore(plan.at_once), set()
 

@@ -310,6 +310,40 @@ def test_where_throwaways_fit_beside_a_fresh_host_compiles_the_two_rungs_of_the_
     assert st["next_start"]["precompile"]["order"] == "beside", st["next_start"]["precompile"]
 
 
+def test_a_first_start_with_its_own_rung_compiled_starts_at_once_and_compiles_the_next_beside_at_ready(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 27 on the H200: a supervisor started again on a host whose remembered rung (6144) was compiled but not
+    the next one (4096) compiled 4096 first, and its first READY took 93 s, 77 of them that compile. Now the engine
+    starts at once and 4096 is compiled beside it the moment it is READY, not precompile_idle_s later. And on a
+    GPU host a failure's restart lets the next standby import during it, not after its READY: a second death 10 s
+    after the seed's crash was recovered waited 11 s for that import."""
+    overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_IMPORT_DELAY": "1.0"}},
+                 "profile": {"gpu_memory_utilization": 0.4},
+                 "recovery": {"precompile": "off", "standby": True}, "state": {"dir": str(tmp_path / "state")}}
+    sup = supervise(overrides)
+    sup.wait_ready(60)
+    sup.wait_standby_imported(30)
+    assert send_long_prompt(sup) == 500  # the seed's crash: the restart at 6144 compiles it in its own start
+    sup.wait_ready(30, restarts=1)
+    restart = sup.events("engine.spawned")[-1]
+    ready = [e["timestamp"] for e in sup.events("engine.state_changed") if e.get("to") == "READY"]
+    assert restart["standby"] is True
+    during = [e for e in sup.events("standby.spawned") if restart["timestamp"] <= e["timestamp"] < ready[-1]]
+    assert len(during) == 1, (restart, ready, sup.events("standby.spawned"))
+    sup.proc.terminate()
+    assert sup.proc.wait(60) == 0
+
+    again = supervise({**overrides, "recovery": {"precompile": "auto", "standby": True}})
+    st = again.wait_ready(60)
+    assert st["profile"]["max_num_batched_tokens"] == 6144  # remembered
+    assert again.events("precompile.started") == [], "nothing compiled before the engine: its own rung is compiled"
+    done = again.wait_for(lambda _: bool(again.events("engine.rung_precompiled")), 60, "4096 compiled beside")
+    compiled = again.events("engine.rung_precompiled")[0]
+    assert compiled["profile"]["max_num_batched_tokens"] == 4096 and compiled["ok"], compiled
+    assert compiled["timestamp"] > _ready_at(again)
+    assert "at READY, not after precompile_idle_s" in done["next_start"]["precompile"]["why"], done["next_start"]
+
+
 def test_throwaways_compiling_side_by_side_outlive_a_sigkilled_supervisor_only_until_the_next_one(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:
     """Each throwaway of a start's compile-first has its own leftovers record: a supervisor SIGKILLed while they
