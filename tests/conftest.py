@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +34,34 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
         r.close()
 
 
+
+
+# What a failed test's supervisors did, in its report: a CI run keeps no tmp_path, and a race seen once there
+# (a 200 where a 413 was due) could not be told from its assertion alone.
+TOLD = ("engine.state_changed", "engine.failed", "engine.spawned", "engine.recovered", "gateway.request_quarantined",
+        "gateway.request_replayed", "gateway.request_rejected", "standby.spawned", "precompile.started",
+        "engine.rung_precompiled", "spare.asleep", "spare.woken", "spare.dropped")
+KEPT = ("from", "to", "reason", "kind", "evidence", "at_floor", "pid", "standby", "profile", "request_id", "ok")
+
+
+def told(log: Path, last: int = 60) -> str:
+    lines = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line) if line.startswith("{") else None
+        except ValueError:
+            continue
+        if e and e.get("event") in TOLD:
+            kept = {k: e[k] for k in KEPT if k in e}
+            lines.append(f"{str(e.get('timestamp', ''))[11:23]} {e['event']} {json.dumps(kept)[:300]}")
+    return "\n".join(lines[-last:])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and isinstance(tmp, Path):
+        for log in sorted(tmp.glob("sup*.log")):
+            report.sections.append((f"{log.name}: its events", told(log)))
