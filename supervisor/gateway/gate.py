@@ -92,6 +92,7 @@ class EngineGate:
         self.waiting = 0
         self.suspects: list[Flight] = []  # each goes alone, in turn; none goes in a batch
         self._dead_batch: list[Flight] = []
+        self._batch_taken = False  # on_failure named the dead batch before the READY -> STOPPING edge came
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -128,7 +129,9 @@ class EngineGate:
             self.open = False
             # Unplanned: a planned stop drains first (READY -> DRAINING).
             if old is EngineState.READY and new is EngineState.STOPPING:
-                self._dead_batch = list(self.at_engine.values())
+                if not self._batch_taken:
+                    self._dead_batch = list(self.at_engine.values())
+                self._batch_taken = False
         self._notify()
 
     @property
@@ -145,6 +148,11 @@ class EngineGate:
         # A request answered between the death and its classification is nobody's suspect: made the one to go
         # alone, it would never come back, and every other request would wait for it.
         dead, self._dead_batch = self._dead_batch, []
+        if self.state is EngineState.READY:
+            # The READY -> STOPPING edge is still on its way (the lifecycle waits for it only so long: under load
+            # it came late, the death looked like one with nothing in flight, the poison's strikes were cleared
+            # and it was served at the floor's 512). What is at the engine now is what was there at the death.
+            dead, self._batch_taken = list(self.at_engine.values()), True
         if not kind.request_can_cause:
             return Blamed()
         if not dead:  # nothing in flight: the engine dies whatever it serves, and no strike stands on that

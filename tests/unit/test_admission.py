@@ -229,6 +229,25 @@ async def test_after_a_death_the_suspect_goes_alone_and_a_second_death_quarantin
     assert await small_again is True
 
 
+async def test_a_verdict_before_the_gateway_saw_the_engine_leave_ready_blames_the_requests_at_the_engine() -> None:
+    """Seen once in CI: the STOPPING edge reached the gateway after the lifecycle's bounded wait for it, the death
+    looked like one with nothing in flight, the poison's strikes were cleared and it was served at 512 (200)."""
+    gate = EngineGate(max_held=10)
+    gate.on_state(S.WARMING, S.READY)
+    small, big = flight("small"), flight("big", 30000)
+    await gate.admit(small, 1.0)
+    await gate.admit(big, 1.0)
+    gate._strike(big)  # an earlier death already proved it once
+    blamed = gate.on_failure(FailureKind.RUNTIME_OOM, "cmpl-big-0-aa")  # vLLM's dump named it: a second strike
+    assert big.strikes == 2 and blamed.quarantined is big
+    gate.on_state(S.READY, S.STOPPING)  # the edge, late
+    gate.forget(big)  # its 413; small waits to be sent again
+    # The next start fails before READY: the late edge left no dead batch behind for it to blame small with.
+    gate.on_state(S.STOPPING, S.STARTING)
+    gate.on_state(S.STARTING, S.STOPPING)
+    assert gate.on_failure(FailureKind.RUNTIME_OOM, None).proven is False and gate.solo is None
+
+
 async def test_a_suspect_that_lives_alone_releases_the_others() -> None:
     gate = EngineGate(max_held=10)
     gate.on_state(S.WARMING, S.READY)
