@@ -12,29 +12,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from multidict import CIMultiDict
 
 from supervisor.host.vllm_http import parse_progress
+from tests.helpers.gateway_client import completion, post
 from tests.helpers.processes import Sup
 
 GW: dict[str, Any] = {"gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2}}
 LONG = "word " * 30_000
-
-
-async def post(s: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None,
-               raw: bytes | None = None) -> tuple[int, dict[str, Any], CIMultiDict[str]]:
-    data = raw if raw is not None else json.dumps(body).encode()
-    async with s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
-        text = await r.text()
-        try:
-            doc = json.loads(text)
-        except ValueError:
-            doc = {"_text": text}
-        return r.status, doc, CIMultiDict(r.headers)
-
-
-def completion(prompt: str | list[int], max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
-    return {"model": "fake-model", "prompt": prompt, "max_tokens": max_tokens, **extra}
 
 
 def engine_running(sup: Sup) -> float:

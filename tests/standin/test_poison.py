@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 
+from tests.helpers.gateway_client import completion, post
 from tests.helpers.processes import Sup
-from tests.standin.test_gateway import completion, post
 
 # The stand-in's engine core dies of a real SIGSEGV on any prompt holding this word: no scheduler dump, no name.
 SEGV = {"engine": {"env": {"FAKE_VLLM_SEGV_WORD": "ZAP", "FAKE_VLLM_TOKEN_DELAY": "0.002"}},
