@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.processes import STANDIN_BASE, Launcher, Sup
+from tests.helpers.processes import STANDIN_BASE, Launcher, Sup, log_events
 from tests.helpers.receivers import Receiver
 
 
@@ -34,8 +34,6 @@ def receiver() -> Iterator[Callable[..., Receiver]]:
         r.close()
 
 
-
-
 # What a failed test's supervisors did, in its report: a CI run keeps no tmp_path, and a race seen once there
 # (a 200 where a 413 was due) could not be told from its assertion alone.
 TOLD = ("engine.state_changed", "engine.failed", "engine.spawned", "engine.recovered", "gateway.request_quarantined",
@@ -45,15 +43,8 @@ KEPT = ("from", "to", "reason", "kind", "evidence", "at_floor", "pid", "standby"
 
 
 def told(log: Path, last: int = 60) -> str:
-    lines = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            e = json.loads(line) if line.startswith("{") else None
-        except ValueError:
-            continue
-        if e and e.get("event") in TOLD:
-            kept = {k: e[k] for k in KEPT if k in e}
-            lines.append(f"{str(e.get('timestamp', ''))[11:23]} {e['event']} {json.dumps(kept)[:300]}")
+    lines = [f"{str(e.get('timestamp', ''))[11:23]} {e['event']} {json.dumps({k: e[k] for k in KEPT if k in e})[:300]}"
+             for e in log_events(log) if e.get("event") in TOLD]
     return "\n".join(lines[-last:])
 
 

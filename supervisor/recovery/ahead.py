@@ -68,24 +68,31 @@ class Ahead:
         if spare is not None:  # a spare compiles its rung too, compiled already or not
             self._task = asyncio.create_task(self._guarded(spare, version, True), name="recovery:spare")
             return
-        todo = [p for p in targets if not self.precompiler.is_compiled(p, version) and not self.failed.no_precompile(p)]
+        todo = [p for p in targets if self._to_compile(p, version)]
         if todo and await self.precompiler.allowed(todo[0]):
-            rung = await self.precompiler.beside_the_engine(todo[0])
-            self._task = asyncio.create_task(self._guarded(rung, version, False), name="recovery:precompile")
+            await self._compile_beside(todo[0], version)
+
+    def _to_compile(self, rung: Profile, version: str | None) -> bool:
+        """Not in ``compiled.json`` for ``version``, and no throwaway failed at it."""
+        return not self.precompiler.is_compiled(rung, version) and not self.failed.no_precompile(rung)
+
+    async def _compile_beside(self, rung: Profile, version: str | None) -> None:
+        """A throwaway compiles ``rung`` beside the serving engine, in what the engine left free."""
+        beside = await self.precompiler.beside_the_engine(rung)
+        self._task = asyncio.create_task(self._guarded(beside, version, False), name="recovery:precompile")
 
     async def _compile_at_ready(self, version: str | None) -> bool:
         """The next memory failure's rung, when the supervisor's first start found its own rung compiled and not
         that one: a failure in the first minutes would compile it on its critical path (70 s on the H200)."""
         rung, self._at_ready = self._at_ready, None
-        if rung is None or self.precompiler.is_compiled(rung, version) or self.failed.no_precompile(rung):
+        if rung is None or not self._to_compile(rung, version):
             return False
         if not await self.precompiler.allowed(rung):
             return False
         self.precompiler.why += (f"; the next memory failure's rung (max_num_batched_tokens "
                                  f"{rung.effective(Knob.MAX_NUM_BATCHED_TOKENS)}) at READY, not after "
                                  "precompile_idle_s: the first start found only its own rung compiled")
-        beside = await self.precompiler.beside_the_engine(rung)
-        self._task = asyncio.create_task(self._guarded(beside, version, False), name="recovery:precompile")
+        await self._compile_beside(rung, version)
         return True
 
     async def spare_for(self, profile: Profile) -> Spare | None:
@@ -118,8 +125,8 @@ class Ahead:
     async def _compile_first(self, profile: Profile) -> None:
         version = self.version or self.precompiler.known_version()
         within_reach = [profile, *self._below(profile)]
-        todo = [p for p in within_reach if not self.precompiler.is_compiled(p, version)
-                and not self.failed.no_precompile(p)]  # the engine's own rung too: on a fresh host it starts warm
+        # The engine's own rung too: on a fresh host it then starts from a warm cache.
+        todo = [p for p in within_reach if self._to_compile(p, version)]
         # At the supervisor's first start (no READY yet), also where throwaways would fit beside the engine: no
         # client has been served, and a failure in its first minutes would compile on its critical path. A later
         # planned start (a reload that changed the engine's arguments) holds clients through it: those wait beside.

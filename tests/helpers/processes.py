@@ -82,6 +82,18 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 30.
             return e.code, {}
 
 
+def log_events(log: Path) -> list[dict[str, Any]]:
+    """Every structlog JSON event in a supervisor's log (its other lines are vLLM's and the stand-in's)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 @dataclass
 class Sup:
     """One running `vllm-supervisor run` process."""
@@ -143,16 +155,7 @@ class Sup:
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """The supervisor's own structlog JSON events called ``name``."""
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("event") == name:
-                    out.append(ev)
-        return out
+        return [ev for ev in log_events(self.log_path) if ev.get("event") == name]
 
     def engine_tree(self) -> list[psutil.Process]:
         doc = self.status()
