@@ -10,12 +10,17 @@ On loopback over the stand-in engine, for ``--seconds`` (default 75), under ``ma
   field, a nudged temperature, a few words removed), two streaming clients that never read their answers,
   requests to unknown and engine-changing routes, and a local process posting vLLM's dev routes (/sleep) to
   the engine's own port.
-Printed: what the ordinary clients lost (goal 0: every request 200, every stream ending in [DONE] with no
+Then a "frame" round (issue 36, ``--frame-seconds``, default 40): 16 ordinary clients send chats that share a long
+system prompt and completions of the soak's prompts, while an attacker sends those very prompts with a field that
+kills the engine (a stop string the stand-in's engine core segfaults on), each framed request resent until refused,
+then variants of it. Printed: how many ordinary requests were refused (goal 0: the quarantine blocks the request
+that kills, never its prompt for others) and how many engine deaths each attacker request cost before its 413.
+Printed for the soak: what the ordinary clients lost (goal 0: every request 200, every stream ending in [DONE] with no
 error event), the engine deaths and whether the supervisor gave up (goal: never), the supervisor's longest
 event-loop stall during the soak (goal <= 100 ms: /status `loop`), and its RSS and open descriptors before
 the hostile clients and after they left (goal: back to where they started). Never gates CI.
 
-    python bench/hostile.py [--seconds 75]
+    python bench/hostile.py [--seconds 75] [--rounds 2] [--frame-seconds 40]
 """
 
 from __future__ import annotations
@@ -307,10 +312,75 @@ async def soak(sup: Supervisor, gw: str, admin: str, pid: int, engine_port: int,
     return rss1, fds1
 
 
+SYSTEM_PROMPT = " ".join(f"rule {i}: answer politely, briefly and cite the policy section" for i in range(30))
+
+
+def shared_chat(question: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "max_tokens": 8, **extra,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]}
+
+
+async def framed_ordinary(s: aiohttp.ClientSession, gw: str, n0: int, until: float, t: Tally) -> None:
+    """An ordinary client: chats sharing the system prompt, and the soak's completions, in turn."""
+    n = n0
+    while time.monotonic() < until:
+        n += 1
+        path, body = ("/v1/chat/completions", shared_chat(f"question {n % 5}?")) if n % 2 else \
+            ("/v1/completions", completion(f"hello number {n % 5} " * 8))
+        try:
+            async with s.post(gw + path, json=body) as r:
+                text = await r.text()
+                if r.status == 200:
+                    t.ok += 1
+                else:
+                    t.lost.append(f"{path} {r.status} {text[:120]}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            t.lost.append(repr(exc))
+
+
+async def attacker(s: aiohttp.ClientSession, gw: str, sup: Supervisor) -> list[tuple[str, list[int], int]]:
+    """The ordinary clients' prompts with a killing stop string, each resent until refused: (what, codes, deaths)."""
+    killing = {"stop": ["ZAP"]}
+    attempts = [("shared system prompt + killing stop", "/v1/chat/completions", shared_chat("question 1?", **killing)),
+                ("ordinary completion + killing stop", "/v1/completions", completion("hello number 2 " * 8) | killing),
+                ("variant: the same, a word changed", "/v1/chat/completions", shared_chat("question 1 ?", **killing)),
+                ("variant: the same, temperature nudged", "/v1/completions",
+                 completion("hello number 2 " * 8) | killing | {"temperature": 0.9}),
+                ("variant: another killing stop list", "/v1/chat/completions",
+                 shared_chat("question 1?", stop=["ZAP", "never"]))]
+    out = []
+    for what, path, body in attempts:
+        await asyncio.sleep(3.0)
+        before, codes = len(sup.events("engine.failed")), list[int]()
+        while len(codes) < 5 and (not codes or codes[-1] == 200 or codes[-1] >= 500):
+            async with s.post(gw + path, json=body) as r:
+                codes.append(r.status)
+                await r.read()
+        out.append((what, codes, len(sup.events("engine.failed")) - before))
+    return out
+
+
+async def frame(sup: Supervisor, gw: str, seconds: float) -> None:
+    tally = Tally()
+    until = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as s:
+        plain = [asyncio.create_task(framed_ordinary(s, gw, i, until, tally)) for i in range(16)]
+        framed = await attacker(s, gw, sup)
+        await asyncio.gather(*plain)
+    st = status(sup.admin) or {}
+    print(f"frame round: ordinary requests {tally.ok} answered, {len(tally.lost)} refused or lost {tally.lost[:3]}")
+    for what, codes, deaths in framed:
+        print(f"  attacker, {what}: answers {codes}, engine deaths {deaths}")
+    print(f"  quarantined {st.get('gateway', {}).get('quarantined')}; state {st.get('state')}, gave up: "
+          f"{st.get('fatal')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=75.0)
     ap.add_argument("--rounds", type=int, default=2, help="soaks in a row: a leak grows each round, a plateau not")
+    ap.add_argument("--frame-seconds", type=float, default=40.0, help="the frame round (0: none)")
     a = ap.parse_args()
     gw_port = free_port()
     toml = TOML.format(python=sys.executable, fake=here().parent / "tests" / "helpers" / "fake_vllm.py", gw=gw_port)
@@ -320,6 +390,10 @@ def main() -> None:
         for n in range(a.rounds):
             print(f"--- round {n + 1} of {a.rounds}")
             asyncio.run(soak(sup, f"http://127.0.0.1:{gw_port}", sup.admin, sup.proc.pid, sup.port, a.seconds))
+        if a.frame_seconds:
+            print("--- frame round")
+            wait_ready(sup.admin, 0, 60)
+            asyncio.run(frame(sup, f"http://127.0.0.1:{gw_port}", a.frame_seconds))
     finally:
         sup.stop()
 

@@ -15,30 +15,46 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.bounds import GIB, MIB
+from supervisor.decide import prompts
+from supervisor.decide.prompts import CHAT_TOKENS_FIXED, CHAT_TOKENS_PER_MESSAGE  # noqa: F401 - re-exported
 
-# Chat templates add role markers and a generation prompt: a generous bound per message and per request.
-CHAT_TOKENS_PER_MESSAGE = 16
-CHAT_TOKENS_FIXED = 256
 # vLLM computes prompt logprobs from float32 logits over the whole vocabulary, one prefill chunk at a time,
 # and keeps the logprobs beside them: about 8 bytes per (token, vocabulary entry).
 PROMPT_LOGPROBS_BYTES = 8
-# The quarantine's key (docs/interface.md): what vLLM will run, not the body's bytes. vLLM ignores fields it does
-# not know (a junk field makes no other request of it), and a sampling value changes numbers, not the code that
-# runs: a client nudging temperature 0.7 -> 0.71 must not make a quarantined request new. So the key holds the
-# route, the model, the prompt with its whitespace normalised, the fields below as sent (each selects what the
-# engine computes), and for sampling only which paths are on.
+# The quarantine's key (docs/interface.md): the request as vLLM runs it, never the prompt alone. vLLM ignores fields
+# it does not know (a junk field makes no other request of it), so only the fields its request models read count:
+# - ENGINE_FIELDS select what the engine computes (stop strings, logits processors, structured output, n, ...):
+#   as sent, in the key and in its shape. A prompt that killed the engine with one of them is another request
+#   than the same prompt without it (a shared system prompt must not be refused for everyone because one client
+#   sent it with a stop string that kills);
+# - VALUE_FIELDS change numbers, not the code that runs: as sent in the key (the request as vLLM ran it), and in
+#   the shape only as which sampling paths are on (SAMPLING_SWITCHES), so a variant of a quarantined prompt with
+#   temperature 0.7 -> 0.71 is still that prompt's variant;
+# - the rest (stream, user, request ids, priority, ...) changes neither: a retry that streams is the same request.
 ENGINE_FIELDS = ("n", "best_of", "use_beam_search", "echo", "logprobs", "top_logprobs", "prompt_logprobs",
-                 "logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids", "guided_json", "guided_regex",
-                 "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-                 "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                 "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                 "documents", "add_special_tokens", "truncate_prompt_tokens", "suffix", "logits_processors",
-                 "vllm_xargs", "kv_transfer_params", "prompt_embeds", "mm_processor_kwargs", "ignore_eos",
-                 "skip_special_tokens", "return_tokens_as_token_ids", "encoding_format", "dimensions",
-                 "reasoning_effort", "thinking_token_budget")
+                 "logprob_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "stop", "stop_token_ids",
+                 "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                 "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                 "guided_whitespace_pattern", "structured_outputs", "response_format", "text", "tools", "tool_choice",
+                 "parallel_tool_calls", "max_tool_calls", "chat_template", "chat_template_kwargs",
+                 "add_generation_prompt", "continue_final_message", "add_special_tokens", "truncate_prompt_tokens",
+                 "truncation_side", "truncation", "suffix", "logits_processors", "vllm_xargs", "kv_transfer_params",
+                 "ec_transfer_params", "prompt_embeds", "mm_payload", "mm_processor_kwargs", "media_io_kwargs",
+                 "return_tokens_as_token_ids", "return_token_ids", "return_token_offsets", "return_prompt_text",
+                 "return_mm_kwargs", "encoding_format", "embed_dtype", "endianness", "dimensions", "padding",
+                 "use_activation", "task", "embedding_types", "input_type", "output_dimension", "truncate",
+                 "instruction", "reasoning", "reasoning_effort", "include_reasoning", "thinking_token_budget",
+                 "repetition_detection", "watermarking", "cache_salt", "previous_response_id", "include",
+                 "enable_response_messages", "routed_experts_prompt_start")
 # Sampling field -> (vLLM's default, the value that switches its path off).
 SAMPLING_SWITCHES = {"temperature": (1.0, 0), "top_p": (1.0, 1), "top_k": (-1, -1), "min_p": (0.0, 0),
                      "presence_penalty": (0.0, 0), "frequency_penalty": (0.0, 0), "repetition_penalty": (1.0, 1)}
+VALUE_FIELDS = (*SAMPLING_SWITCHES, "seed", "max_tokens", "max_completion_tokens", "max_output_tokens",
+                "min_tokens", "length_penalty", "max_tokens_per_doc", "max_tokens_per_query", "top_n")
+# Where a route's prompt is (prompts.py reads them): the key holds them whitespace-normalised, the sketch their words.
+PROMPT_FIELDS = ("prompt", "messages", "input", "instructions", "system", "query", "documents", "queries", "items",
+                 "text_1", "text_2", "data_1", "data_2", "texts", "inputs", "token_ids")
+KEY_VERSION = "v3"  # v2 keys (the prompt and a shorter field list) match no v3 request: they expire unused
 SKETCH_SIZE = 128  # bottom-k hashes of the prompt's 3-word shingles
 SKETCH_MIN_WORDS = 32  # shorter prompts are matched exactly only: a few words are a large share of them
 # The sketch reads the prompt's first and last this many words (about 0.7 us a word): a few words removed or
@@ -67,39 +83,82 @@ def bad_request(message: str, code: str = "invalid_request") -> Rejection:
 
 @dataclass(frozen=True)
 class Parsed:
-    """What the gateway needs to know about one generation request."""
+    """What the gateway needs to know about one request to a route that runs the model."""
 
-    route: str  # completions | chat | embeddings, or the path of a route whose prompt is not read here
+    route: str  # the kind of route (routes.COUNTED), or the path of one whose body is not read here
     stream: bool
-    text_bytes: int  # UTF-8 bytes of the prompt text: an upper bound on its tokens (plus specials)
+    text_bytes: int  # UTF-8 bytes of all its prompts' text
     messages: int  # chat messages (0 for a plain prompt)
-    token_ids: int  # prompt tokens given as ids: counted exactly
+    token_ids: int  # prompt tokens given as ids, in all its prompts
     prompt_logprobs: int | None
-    digest: str  # the quarantine's key: what vLLM will run (ENGINE_FIELDS); identical retries share it
-    # What /tokenize needs to count it exactly, as JSON bytes: encoded here, where the parse runs (the parser pool
-    # for a big body), never on the event loop (100 held 16 MiB prompts encoded there stalled it 15 s).
+    digest: str  # the quarantine's key: what vLLM will run; identical retries share it
+    # What /tokenize needs to count its longest prompt exactly, as JSON bytes: encoded here, where the parse runs
+    # (the parser pool for a big body), never on the event loop (100 held 16 MiB prompts encoded there stalled it
+    # 15 s). Nothing to ask when ``countable`` is false (token ids alone are counted exactly; some prompts cannot be).
     tokenize_body: bytes = b""
     shape: str = ""  # the key without the prompt: variants of a quarantined prompt are looked for among these
+    longest: prompts.Prompt | None = None  # the prompt vLLM judges against max_model_len (None: none was read)
 
     @property
     def upper_bound(self) -> int:
-        """No tokenizer makes more tokens than bytes (plus a few specials; chat templates add their markers)."""
-        extra = CHAT_TOKENS_FIXED + CHAT_TOKENS_PER_MESSAGE * self.messages if self.route == "chat" else 8
-        return self.text_bytes + self.token_ids + extra
+        """No tokenizer makes more tokens than bytes (plus a few specials; chat templates add their markers): the
+        longest prompt's bound, 0 when no prompt was read."""
+        return self.longest.upper_bound if self.longest is not None else 0
+
+    @property
+    def countable(self) -> bool:
+        """/tokenize can count its longest prompt."""
+        return self.longest is not None and bool(self.longest.tokenize)
+
+    @property
+    def exact(self) -> int | None:
+        """The longest prompt's tokens when they are known without the engine (token ids alone)."""
+        return self.longest.token_ids if self.longest is not None and self.longest.exact else None
+
+
+STRICT = ("completions", "chat", "embeddings")  # a wrong field is a 400 here; the others are vLLM's to judge
 
 
 def parse(route: str, raw: bytes) -> Parsed | Rejection:
-    """Parse and type-check a request body; a Rejection (400) names the field that is wrong."""
+    """Parse, type-check and hash a body for a route of ``route``'s kind; a Rejection (400) names the field that
+    is wrong (strictly read kinds only: the others are hashed as they are, and vLLM answers a malformed body)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
+        if route not in STRICT:
+            return parse_opaque(route, raw)
         return bad_request(f"the request body is not valid JSON ({type(exc).__name__} at {_where(exc)}); "
                            "send a JSON object", "invalid_json")
     except RecursionError:
         return bad_request("the request body is nested too deeply to parse; send a flatter JSON object",
                            "invalid_json")
     if not isinstance(body, dict):
+        if route not in STRICT:
+            return parse_opaque(route, raw)
         return bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+    refused = _typed(body) if route in STRICT else None
+    if refused is not None:
+        return refused
+    try:
+        found = prompts.of(route, body)
+        key = engine_key(route, body)
+        longest = max(found, key=lambda p: p.upper_bound) if found else None
+        tokenize = {"model": body["model"]} if isinstance(body.get("model"), str) and body["model"] else {}
+        encoded = json.dumps({**tokenize, **(longest.tokenize if longest else {})}, ensure_ascii=False).encode()
+    except prompts.BadPrompt as exc:
+        return bad_request(str(exc), exc.code)
+    except (RecursionError, ValueError):
+        return bad_request("the request body is nested too deeply to hash; send a flatter JSON object",
+                           "invalid_json")
+    prompt_logprobs = body.get("prompt_logprobs")
+    return Parsed(route, body.get("stream") is True, sum(p.text_bytes for p in found),
+                  sum(p.messages for p in found), sum(p.token_ids for p in found),
+                  prompt_logprobs if isinstance(prompt_logprobs, int) and not isinstance(prompt_logprobs, bool)
+                  else None, key.digest, encoded, key.shape, longest)
+
+
+def _typed(body: dict[str, Any]) -> Rejection | None:
+    """The fields every strictly read route relies on, type-checked (a 400 names the field)."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         return bad_request(f"'stream' must be true or false, got {type(stream).__name__}", "invalid_type")
@@ -110,41 +169,11 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         return bad_request(f"'model' must be a string, got {type(model).__name__}", "invalid_type")
-    if route == "chat":
-        got = _messages(body.get("messages"))
-    else:
-        field_name = "input" if route == "embeddings" else "prompt"
-        got = _prompt(body.get(field_name), field_name)
-    if isinstance(got, Rejection):
-        return got
-    texts, ids, n_messages = got
-    try:
-        key = engine_key(route, body)
-        if route == "chat" and body.get("tools") is not None:
-            # Chat templates render the tool schemas into the prompt: they count against every token gate.
-            texts.append(json.dumps(body["tools"], ensure_ascii=False))
-    except (RecursionError, ValueError):
-        return bad_request("the request body is nested too deeply to hash; send a flatter JSON object",
-                           "invalid_json")
-    tokenize: dict[str, Any] = {"model": model} if model else {}
-    if route == "chat":
-        tokenize["messages"] = body["messages"]
-        for extra in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
-            if extra in body:
-                tokenize[extra] = body[extra]
-    elif ids == 0:
-        tokenize["prompt"] = "".join(texts)
-    try:
-        encoded = json.dumps(tokenize, ensure_ascii=False).encode()
-    except (RecursionError, ValueError):
-        return bad_request("the request body is nested too deeply to encode; send a flatter JSON object",
-                           "invalid_json")
-    return Parsed(route, bool(stream), sum(len(t.encode()) for t in texts), n_messages, ids, prompt_logprobs,
-                  key.digest, encoded, key.shape)
+    return None
 
 
 def parse_opaque(route: str, raw: bytes) -> Parsed:
-    """A model route whose prompt this gateway does not read (responses, pooling, score, audio, ...): held,
+    """A model route whose prompt this gateway does not read (audio, or a body that is not a JSON object): held,
     shed and quarantined like the others, by the key of what the engine gets; its length is the engine's to
     judge. Never refused here: vLLM answers a malformed body itself."""
     try:
@@ -166,17 +195,29 @@ class EngineKey:
 
 
 def engine_key(route: str, body: Any) -> EngineKey:
-    """What vLLM will run for ``body`` on ``route`` (see ENGINE_FIELDS). Raises RecursionError or ValueError on a
-    body too deep to serialise."""
+    """What vLLM will run for ``body`` on ``route`` (ENGINE_FIELDS, VALUE_FIELDS, the prompt). Raises RecursionError
+    or ValueError on a body too deep to serialise."""
     if not isinstance(body, dict):
-        digest = _hash(["v2", route, body])
+        digest = _hash([KEY_VERSION, route, body])
         return EngineKey(digest, digest)
-    features = {k: body[k] for k in ENGINE_FIELDS if k in body}
+    features = {k: _as_run(k, body[k]) for k in ENGINE_FIELDS if body.get(k) is not None}
     switches = {k: (body[k] if _number(body.get(k)) else default) != off
                 for k, (default, off) in SAMPLING_SWITCHES.items()}
-    shape = _hash(["v2", route, body.get("model"), features, switches])
+    shape = _hash([KEY_VERSION, route, body.get("model"), features, switches])
+    values = {k: _as_run(k, body[k]) for k in VALUE_FIELDS if body.get(k) is not None}
+    for k, (default, _) in SAMPLING_SWITCHES.items():  # a default sent is the default left out
+        values[k] = values[k] if _number(values.get(k)) else float(default)
     prompt, _ = _prompt_of(body)
-    return EngineKey(_hash([shape, prompt]), shape)
+    return EngineKey(_hash([shape, values, prompt]), shape)
+
+
+def _as_run(field_name: str, value: Any) -> Any:
+    """A field as vLLM reads it: one stop string is a list of one; a number is the same whether 1 or 1.0."""
+    if field_name == "stop" and isinstance(value, str):
+        return [value]
+    if _number(value):
+        return float(value)
+    return value
 
 
 def _hash(material: Any) -> str:
@@ -184,40 +225,31 @@ def _hash(material: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+NOT_TEXT = frozenset({"role", "type", "name", "id", "tool_call_id", "format", "detail"})  # labels in a prompt
+
+
 def _prompt_of(body: dict[str, Any]) -> tuple[Any, list[str]]:
-    """The prompt as the engine gets it, whitespace normalised, and its words (or token ids) for the sketch."""
+    """The prompt as the engine gets it (every PROMPT_FIELDS field, its text whitespace-normalised), and its words
+    (or, for token ids alone, the ids) for the sketch."""
     words: list[str] = []
+    ids: list[str] = []
 
-    def norm(text: str) -> str:
-        split = text.split()
-        words.extend(split)
-        return " ".join(split)
+    def norm(value: Any, key: str = "") -> Any:
+        if isinstance(value, str):
+            split = value.split()
+            if key not in NOT_TEXT:
+                words.extend(split)
+            return " ".join(split)
+        if isinstance(value, list):
+            return [norm(v, key) for v in value]
+        if isinstance(value, dict):
+            return {k: norm(v, k) for k, v in value.items()}
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.append(str(value))
+        return value
 
-    def content(c: Any) -> Any:
-        if isinstance(c, str):
-            return norm(c)
-        if isinstance(c, list):
-            return [norm(p["text"]) if isinstance(p, dict) and isinstance(p.get("text"), str) else p for p in c]
-        return c
-
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        out = []
-        for m in messages:
-            if isinstance(m, dict):
-                out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content(m.get("content"))})
-            else:
-                out.append(m)
-        return out, words
-    prompt = body.get("prompt", body.get("input"))
-    if isinstance(prompt, str):
-        return norm(prompt), words
-    if isinstance(prompt, list):
-        out_p = [norm(p) if isinstance(p, str) else p for p in prompt]
-        if not words:
-            words = [str(i) for i in prompt if isinstance(i, int)]
-        return out_p, words
-    return prompt, words
+    prompt = {k: norm(body[k]) for k in PROMPT_FIELDS if k in body}
+    return prompt, words or ids
 
 
 def body_sketch(raw: bytes) -> tuple[int, ...]:
@@ -226,9 +258,9 @@ def body_sketch(raw: bytes) -> tuple[int, ...]:
     for a big one)."""
     try:
         body = json.loads(raw)
+        return sketch(_prompt_of(body)[1]) if isinstance(body, dict) else ()
     except (UnicodeDecodeError, ValueError, RecursionError):
         return ()
-    return sketch(_prompt_of(body)[1]) if isinstance(body, dict) else ()
 
 
 def sketch(words: Sequence[str]) -> tuple[int, ...]:
@@ -261,50 +293,6 @@ def similarity(a: Sequence[int], b: Sequence[int]) -> float:
 def _where(exc: Exception) -> str:
     pos = getattr(exc, "pos", None)
     return f"byte {pos}" if pos is not None else "the start"
-
-
-def _prompt(value: Any, key: str) -> tuple[list[str], int, int] | Rejection:
-    """A completions prompt: a string, a list of strings, a list of token ids, or a list of those lists."""
-    if isinstance(value, str):
-        return [value], 0, 0
-    if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value):
-            return list(value), 0, 0
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return [], len(value), 0
-        if all(isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v) for v in value):
-            return [], sum(len(v) for v in value), 0
-    return bad_request(f"'{key}' is required: a string, a list of strings, or a list of token ids",
-                       "missing_prompt" if value is None else "invalid_type")
-
-
-def _messages(value: Any) -> tuple[list[str], int, int] | Rejection:
-    if not isinstance(value, list) or not value:
-        return bad_request("'messages' is required: a non-empty list of {role, content} objects",
-                           "missing_prompt" if value is None else "invalid_type")
-    texts: list[str] = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            return bad_request(f"'messages[{i}]' must be an object with 'role' and 'content'", "invalid_type")
-        content = m.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict):
-                    return bad_request(f"'messages[{i}].content[{j}]' must be an object", "invalid_type")
-                if isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-        elif content is not None:
-            return bad_request(f"'messages[{i}].content' must be a string or a list of parts, got "
-                               f"{type(content).__name__}", "invalid_type")
-        if m.get("tool_calls") is not None:  # rendered into the prompt by chat templates, arguments and all
-            try:
-                texts.append(json.dumps(m["tool_calls"], ensure_ascii=False))
-            except (RecursionError, ValueError):
-                return bad_request(f"'messages[{i}].tool_calls' is nested too deeply; send a flatter object",
-                                   "invalid_json")
-    return texts, 0, len(value)
 
 
 # ---- 413: the prompt against the limits of the current profile ---------------------------------------------

@@ -23,11 +23,14 @@ class PromptCounter:
 
     async def tokens_if_long(self, parsed: Parsed, flight: Flight, limit: int | None,
                              always: bool = False) -> int | None:
-        """The prompt's exact tokens when its byte bound exceeds ``limit`` (or ``always``); else the bound."""
+        """The longest prompt's exact tokens when its byte bound exceeds ``limit`` (or ``always``); else the bound
+        (None: not known, the engine judges it)."""
         if flight.tokens is None:
-            if parsed.token_ids and not parsed.text_bytes:
-                flight.tokens = parsed.token_ids
-            elif (limit is not None and parsed.upper_bound > limit) or always:
+            if parsed.exact is not None:
+                flight.tokens = parsed.exact
+            elif parsed.longest is None:
+                return None  # no prompt read here: the engine judges it
+            elif ((limit is not None and parsed.upper_bound > limit) or always) and parsed.countable:
                 try:
                     flight.tokens = await self.client.tokenize(parsed.tokenize_body)
                 except EngineError:

@@ -13,6 +13,7 @@ against ``max_body_bytes_in_flight`` until its request is over; a body that woul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from aiohttp import web
 
@@ -22,6 +23,8 @@ from supervisor.decide.admission import Parsed, Rejection
 from supervisor.gateway import parsing, routes
 
 CHUNK = 1 << 16
+LINGER_S = 5.0  # after a refusal mid-body: how long the rest is read and dropped before the connection closes
+LINGER_IDLE_S = 1.0  # ... unless nothing of it comes for this long (a stalled body's connection closes at once)
 
 
 class BodyBudget:
@@ -53,6 +56,8 @@ class Body:
         (408) when it has not all arrived within ``timeout_s``, (503) when the gateway holds too many bytes."""
         if request.content_length is not None and request.content_length > cap:
             return too_big(cap)
+        if request.content_length is not None and self.budget.cap and request.content_length > self.budget.cap:
+            return too_big_for_all(self.budget.cap)
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._read(request, cap, retry_after_s)
@@ -67,6 +72,8 @@ class Body:
             size += len(chunk)
             if size > cap:
                 return too_big(cap)
+            if self.budget.cap and size > self.budget.cap:  # chunked: its size is known only as it comes
+                return too_big_for_all(self.budget.cap)
             if not self.budget.take(len(chunk)):
                 return Rejection(503, "too_many_bodies", "the server holds as many request bodies as it may; "
                                  f"retry after {retry_after_s:g}s", "server_error", retry_after_s)
@@ -80,7 +87,15 @@ class Body:
 
 
 def too_big(cap: int) -> Rejection:
-    return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server")
+    return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server on one "
+                                            "request body ([gateway] max_body_bytes); send a smaller body")
+
+
+def too_big_for_all(cap: int) -> Rejection:
+    """A body larger than every body held at once may be: it could never be admitted, so not a 503 to retry."""
+    return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server on all "
+                                            "request bodies held at once ([gateway] max_body_bytes_in_flight); "
+                                            "send a smaller body")
 
 
 class Intake:
@@ -114,12 +129,23 @@ class Intake:
         self.parser.close()
 
 
-async def close_with(answer: web.Response, request: web.Request) -> web.Response:
-    """Send ``answer`` and close the connection: the rest of its body is never read (aiohttp would otherwise
-    wait on it to drain the body)."""
+async def close_with(answer: web.Response, request: web.Request, linger_s: float = LINGER_S) -> web.Response:
+    """Send ``answer`` and close the connection once the client has had the time to read it.
+
+    A socket closed with bytes of the client's still unread makes the kernel send a reset, which destroys the
+    answer on its way if the client has not read it yet; most clients write their whole body before they read,
+    and saw a bare reset and no status line. So, like nginx's and Apache's lingering close, the rest of the body
+    is read and dropped (never held, never counted) for at most ``linger_s`` (LINGER_IDLE_S without a byte ends it:
+    nginx's lingering_time and lingering_timeout), then the connection is closed."""
     answer.force_close()
     await answer.prepare(request)
     await answer.write_eof()
+    deadline = asyncio.get_running_loop().time() + linger_s
+    with contextlib.suppress(Exception):  # a timeout, a reset or a malformed rest of body: close now
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            async with asyncio.timeout(min(left, LINGER_IDLE_S)):  # a client that went quiet is not writing
+                if not await request.content.readany():
+                    break
     if request.transport is not None:
         request.transport.close()
     return answer

@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor.gateway import streams
+from supervisor.gateway import routes, streams
 from supervisor.gateway.streams import StreamState
 from supervisor.host import vllm_http
 
@@ -71,9 +71,12 @@ async def _write(resp: Forwarded, data: bytes) -> None:
 
 
 def passed(headers: Mapping[str, str], rid: str) -> CIMultiDict[str]:
-    """The end-to-end headers (either way), with the request's id: vLLM names it in its dumps."""
+    """The end-to-end headers (either way), with the request's id: vLLM names it in its dumps, and the credentials
+    in the one form every vLLM reads (routes.canonical_auth)."""
     out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP)
     out["X-Request-Id"] = rid
+    if "Authorization" in out:
+        out["Authorization"] = routes.canonical_auth(out["Authorization"])
     return out
 
 

