@@ -356,6 +356,7 @@ async def attacker(s: aiohttp.ClientSession, gw: str, sup: Supervisor) -> list[t
             async with s.post(gw + path, json=body) as r:
                 codes.append(r.status)
                 await r.read()
+        await asyncio.to_thread(wait_ready, sup.admin, 0, 120)  # the last death's event is logged by then
         out.append((what, codes, len(sup.events("engine.failed")) - before))
     return out
 

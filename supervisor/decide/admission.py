@@ -98,6 +98,7 @@ class Parsed:
     tokenize_body: bytes = b""
     shape: str = ""  # the key without the prompt: variants of a quarantined prompt are looked for among these
     longest: prompts.Prompt | None = None  # the prompt vLLM judges against max_model_len (None: none was read)
+    prompt_key: str = ""  # the key of its prompt alone (EngineKey.prompt)
 
     @property
     def upper_bound(self) -> int:
@@ -154,7 +155,7 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     return Parsed(route, body.get("stream") is True, sum(p.text_bytes for p in found),
                   sum(p.messages for p in found), sum(p.token_ids for p in found),
                   prompt_logprobs if isinstance(prompt_logprobs, int) and not isinstance(prompt_logprobs, bool)
-                  else None, key.digest, encoded, key.shape, longest)
+                  else None, key.digest, encoded, key.shape, longest, key.prompt)
 
 
 def _typed(body: dict[str, Any]) -> Rejection | None:
@@ -183,15 +184,17 @@ def parse_opaque(route: str, raw: bytes) -> Parsed:
     except (UnicodeDecodeError, ValueError, RecursionError):  # multipart audio, or not JSON at all
         digest = hashlib.sha256(route.encode() + b"\0" + raw).hexdigest()[:32]
         return Parsed(route, False, 0, 0, 0, None, digest, b"", digest)
-    return Parsed(route, stream, 0, 0, 0, None, key.digest, b"", key.shape)
+    return Parsed(route, stream, 0, 0, 0, None, key.digest, b"", key.shape, prompt_key=key.prompt)
 
 
 @dataclass(frozen=True)
 class EngineKey:
-    """The quarantine's key of a body (``digest``), and the same without its prompt (``shape``)."""
+    """The quarantine's key of a body (``digest``), the same without its prompt (``shape``), and its prompt alone
+    (``prompt``: what a request that reuses a quarantined prompt with other fields shares with it)."""
 
     digest: str
     shape: str
+    prompt: str = ""
 
 
 def engine_key(route: str, body: Any) -> EngineKey:
@@ -208,7 +211,7 @@ def engine_key(route: str, body: Any) -> EngineKey:
     for k, (default, _) in SAMPLING_SWITCHES.items():  # a default sent is the default left out
         values[k] = values[k] if _number(values.get(k)) else float(default)
     prompt, _ = _prompt_of(body)
-    return EngineKey(_hash([shape, values, prompt]), shape)
+    return EngineKey(_hash([shape, values, prompt]), shape, _hash([KEY_VERSION, route, body.get("model"), prompt]))
 
 
 def _as_run(field_name: str, value: Any) -> Any:
@@ -386,9 +389,17 @@ class Quarantine:
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(self, digest: str, until: float, tokens: int | None, reason: str, kind: str = "", shape: str = "",
-            sketch: Sequence[int] = ()) -> None:
+            sketch: Sequence[int] = (), prompt: str = "") -> None:
         self.entries[digest] = {"until": until, "tokens": tokens, "reason": reason, "kind": kind, "shape": shape,
-                                "sketch": list(sketch)}
+                                "sketch": list(sketch), "prompt": prompt}
+
+    def kinship(self, prompt: str, shape: str, now: float) -> int:
+        """How close a request not refused comes to a live entry: 2 its prompt and its fields (only sampling values
+        differ), 1 its prompt with other fields, 0 neither. A kin is the first suspect of a death it is at (gate.py),
+        never refused for it."""
+        kin = [2 if e.get("shape") == shape else 1 for e in self.entries.values()
+               if prompt and e["until"] > now and e.get("prompt") == prompt]
+        return max(kin, default=0)
 
     def has_shape(self, shape: str, now: float) -> bool:
         """A live entry has this shape: a body of it may be a variant (its sketch is worth computing)."""
@@ -446,11 +457,11 @@ class Quarantine:
         dropped: list[str] = []
         for k, v in raw.items():
             if isinstance(v, dict) and _number(v.get("until")) and (v.get("tokens") is None or _count(v["tokens"])) \
-                    and all(isinstance(v.get(f, ""), str) for f in ("reason", "kind", "shape")) \
+                    and all(isinstance(v.get(f, ""), str) for f in ("reason", "kind", "shape", "prompt")) \
                     and isinstance(v.get("sketch", []), list) and all(_count(h) for h in v.get("sketch", [])):
                 ok[str(k)] = {"until": float(v["until"]), "tokens": v.get("tokens"), "reason": v.get("reason", ""),
                               "kind": v.get("kind", ""), "shape": v.get("shape", ""),
-                              "sketch": v.get("sketch", [])[:SKETCH_SIZE]}
+                              "sketch": v.get("sketch", [])[:SKETCH_SIZE], "prompt": v.get("prompt", "")}
             else:
                 dropped.append(str(k))
         return cls(ok), dropped

@@ -11,8 +11,11 @@ when it died: of an out-of-memory error, or of any death a request can cause (a 
 "engine dead") once the engine had served its control period without it. Being the largest in
 a batch is a reason to send it alone, never a strike; an engine that dies during its control
 period, or with nothing in flight, dies whatever it serves: the suspect's strikes are void, so
-a crash loop quarantines no one. Two strikes quarantine the request; strikes are remembered by
-the quarantine's key, so a client that sends the request again inherits them. A death that a
+a crash loop quarantines no one. A request that carries a quarantined request's prompt with other
+fields (its ``kin``: an attacker's next try, or an innocent sharing the prompt) is the first
+suspect of a death it is at, with a strike; it goes alone then, and living alone clears it.
+Two strikes quarantine the request; strikes are remembered by the quarantine's key, so a client
+that sends the request again inherits them. A death that a
 request alone was proven to cause spends no restart budget (``Blame.proven``): the budget is for
 loops the supervisor cannot explain. Flights are tracked by the gateway's own identity, never
 by the client's X-Request-Id, which several requests may share.
@@ -51,6 +54,8 @@ class Flight:
     gone: bool = False  # answered, refused, or its client left: it will not come back to the gate
     arrived: float = 0.0  # the host's monotonic clock at arrival
     shape: str = ""  # the quarantine's key without the prompt (admission.engine_key)
+    prompt: str = ""  # the key of its prompt alone (admission.EngineKey.prompt)
+    kin: int = 0  # it carries a quarantined request's prompt: 2 with its fields too, 1 with others (Quarantine.kinship)
     sketch: tuple[int, ...] = ()  # its prompt's, computed only when asked (admission.body_sketch)
     body: bytes = b""  # as the client sent it (held anyway, to be sent again): what the sketch reads
 
@@ -170,10 +175,13 @@ class EngineGate:
         if named is not None:
             suspect = max((f for f in batch if f.rid == named), key=lambda f: f.size)
         else:
-            suspect = max(batch, key=lambda f: (f.strikes, f.deaths, f.size))
+            suspect = max(batch, key=lambda f: (f.strikes, 0 if f.strikes else f.kin, f.deaths, f.size))
         alone = len(dead) == 1 and dead[0] is suspect
         proven = alone and (kind is FailureKind.RUNTIME_OOM or suspect.controlled)
-        if named is not None or proven:
+        # A request that reuses a quarantined request's prompt with other fields (an attacker's next try) takes its
+        # first strike at a death it was at. Never an innocent's quarantine: struck, it goes alone from then on, and
+        # its second strike needs a death alone (or vLLM naming it); living alone voids the first (leave).
+        if named is not None or proven or (suspect.kin and not suspect.strikes):
             self._strike(suspect)
         explained = self._explain(suspect, dead, proven)
         floor = suspect.strikes >= 2 and kind.memory and not at_floor and not suspect.floor_tried

@@ -77,9 +77,9 @@ class StoredQuarantine(Quarantine):
         return entry
 
     def keep(self, digest: str, now: float, ttl_s: float, tokens: int | None, reason: str, kind: str, shape: str,
-             sketch: tuple[int, ...]) -> None:
+             sketch: tuple[int, ...], prompt: str = "") -> None:
         """Quarantine a request for ``ttl_s`` and save the file."""
-        self.add(digest, now + ttl_s, tokens, reason, kind, shape, sketch)
+        self.add(digest, now + ttl_s, tokens, reason, kind, shape, sketch, prompt)
         self.save(now)
 
     def undo(self, key: str | None, now: float) -> tuple[bool, str]:

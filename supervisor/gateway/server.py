@@ -179,7 +179,7 @@ class Gateway:
         reason = quarantine_store.reason(kind.value, flight.tokens, at_floor, chunk)
         # Only a measured count may lower the prompt limit for others (Quarantine.safe_len).
         self.quarantine.keep(flight.digest, self.host.wall(), self.g.quarantine_ttl_s, flight.tokens, reason,
-                             kind.value, flight.shape, flight.sketch)
+                             kind.value, flight.shape, flight.sketch, flight.prompt)
         self.counters["quarantined"] += 1
         self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
                                         evidence=f"{reason} (request {flight.rid})"))
@@ -235,10 +235,12 @@ class Gateway:
         if isinstance(parsed, Rejection):
             return self.answers.reject(rid, parsed)
         flight = Flight(rid, parsed.digest if parsed else None, parsed.upper_bound if parsed else 0,
-                        arrived=self.host.monotonic(), shape=parsed.shape if parsed else "", body=body)
+                        arrived=self.host.monotonic(), shape=parsed.shape if parsed else "", body=body,
+                        prompt=parsed.prompt_key if parsed else "")
         entry = await self.quarantine.refuses(flight, self.intake.sketch, self.host.wall())
         if entry is not None:
             return self.answers.reject(rid, admission.quarantined(entry, flight.digest or ""))
+        flight.kin = self.quarantine.kinship(flight.prompt, flight.shape, self.host.wall())
         if parsed is not None and self.pressure is not None and self.gate.open:
             tokens = await self.counter.tokens_if_long(parsed, flight, self.proven_tokens)
             refused = admission.shed(self.pressure, tokens, self.proven_tokens, self.g.retry_after_s)

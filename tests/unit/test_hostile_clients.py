@@ -137,6 +137,35 @@ def test_a_segfaulting_request_alone_is_struck_twice_quarantined_and_its_deaths_
     asyncio.run(go())
 
 
+def test_a_quarantined_prompt_resent_with_other_fields_is_the_first_suspect_and_struck_but_never_an_innocents_end(
+        ) -> None:
+    """Issue 36: an attacker's next try (a quarantined prompt with another killing field) cost three deaths under
+    traffic: one in a batch (no strike), two alone. Framed, it is struck at the batch death and ends at the next;
+    an innocent carrying that prompt, struck there too, is cleared by living alone and is never quarantined."""
+    async def go() -> None:
+        clock = Clock()
+        gate = EngineGate(max_held=10, solo_after_s=2.0, clock=clock)
+        attacker, bystander = Flight("a", "d-attack", 20, kin=1), Flight("b", "d-big", 900)
+        first = await die_with(gate, clock, [attacker, bystander], FailureKind.SIGNAL)
+        assert attacker.strikes == 1 and gate.solo is attacker and not first.proven  # chosen over the larger one
+        second = await die_with(gate, clock, [attacker], FailureKind.SIGNAL, served_s=2.5)
+        assert second.proven and second.quarantined is attacker  # two deaths
+        # An innocent with the framed prompt, in a batch with a request that kills: struck once, then alone, lives.
+        innocent, killer = Flight("i", "d-innocent", 20, kin=1), Flight("k", "d-killer", 900)
+        await die_with(gate, clock, [innocent, killer], FailureKind.SIGNAL)
+        assert innocent.strikes == 1 and gate.solo is innocent
+        gate.on_state(S.WARMING, S.READY)
+        clock.t += 2.5
+        assert await gate.admit(innocent, 0.01) is False
+        gate.leave(innocent)  # it lived alone
+        assert gate.solo is None and gate.strikes_of("d-innocent") == 0 and not innocent.quarantined
+        # Among several carrying the prompt (ordinary clients send it too), the one with the entry's fields first.
+        near, plain = Flight("n", "d-near", 20, kin=2), Flight("p", "d-plain", 900, kin=1)
+        await die_with(gate, clock, [plain, near], FailureKind.SIGNAL)
+        assert gate.solo is near and near.strikes == 1 and plain.strikes == 0
+    asyncio.run(go())
+
+
 def test_others_go_during_the_control_period_and_the_suspect_alone_after_it() -> None:
     async def go() -> None:
         clock = Clock()
@@ -557,3 +586,17 @@ def test_dev_mode_is_read_as_vllm_reads_it_so_no_dev_mode_engine_goes_unguarded(
     for off in ("", "0", "00"):
         assert not ipc.dev_mode({"VLLM_SERVER_DEV_MODE": off}), off
     assert not ipc.dev_mode({})
+
+
+def test_kinship_to_a_quarantined_request_is_its_prompt_with_or_without_its_fields() -> None:
+    q = admission.Quarantine()
+    killer = parsed({"model": "m", "prompt": "hello number 2", "stop": ["ZAP"]})
+    q.add(killer.digest, 1e12, None, "r", "engine_dead", killer.shape, (), killer.prompt_key)
+    nudged = parsed({"model": "m", "prompt": "hello number 2", "stop": ["ZAP"], "temperature": 0.9})
+    plain = parsed({"model": "m", "prompt": "hello number 2"})
+    other = parsed({"model": "m", "prompt": "hello number 3", "stop": ["ZAP"]})
+    assert q.holds(nudged.digest, 0.0) is None and q.holds(plain.digest, 0.0) is None  # none of them refused
+    assert [q.kinship(p.prompt_key, p.shape, 0.0) for p in (nudged, plain, other)] == [2, 1, 0]
+    assert q.kinship(plain.prompt_key, plain.shape, 2e12) == 0  # expired
+    loaded, dropped = admission.Quarantine.load(q.as_dict())
+    assert not dropped and loaded.kinship(nudged.prompt_key, nudged.shape, 0.0) == 2
