@@ -116,7 +116,11 @@ class Intake:
         return Body(self.budget)
 
     async def read(self, request: web.Request, body: Body) -> bytes | Rejection:
-        return await body.read(request, self.g.max_body_bytes, self.g.body_timeout_s, self.g.retry_after_s)
+        """The body, or its refusal (its bytes given back at once, before close_with drops the rest of it)."""
+        got = await body.read(request, self.g.max_body_bytes, self.g.body_timeout_s, self.g.retry_after_s)
+        if isinstance(got, Rejection):
+            body.release()
+        return got
 
     async def parse(self, route: str, raw: bytes) -> Parsed | Rejection:
         return await self.parser.parse(route, raw)

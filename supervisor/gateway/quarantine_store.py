@@ -68,12 +68,14 @@ class StoredQuarantine(Quarantine):
 
     async def refuses(self, flight: Flight, sketcher: Sketcher, now: float) -> dict[str, Any] | None:
         """The entry that refuses ``flight``: its own key's, or, when a live entry has its shape, the one its
-        prompt is a variant of (its sketch computed then, once)."""
+        prompt is a variant of (its sketch computed then, once). Not refused, its ``kin`` is set."""
         if flight.digest is None:
             return None
         entry = self.holds(flight.digest, now)
         if entry is None and self.has_shape(flight.shape, now):
             entry = self.holds(flight.digest, now, flight.shape, await sketched(flight, sketcher))
+        if entry is None:
+            flight.kin = self.kinship(flight.prompt, flight.shape, now)
         return entry
 
     def keep(self, digest: str, now: float, ttl_s: float, tokens: int | None, reason: str, kind: str, shape: str,

@@ -228,7 +228,6 @@ class Gateway:
     async def _with_body(self, request: web.Request, rid: str, reading: intake.Body) -> web.StreamResponse:
         body = await self.intake.read(request, reading)
         if isinstance(body, Rejection):
-            reading.release()  # given back before the rest of the body is dropped (close_with's linger)
             return await intake.close_with(self.answers.reject(rid, body), request)
         route = routes.model_route(request.path) if request.method == "POST" else None
         parsed = await self.intake.parse(route, body) if route else None
@@ -240,7 +239,6 @@ class Gateway:
         entry = await self.quarantine.refuses(flight, self.intake.sketch, self.host.wall())
         if entry is not None:
             return self.answers.reject(rid, admission.quarantined(entry, flight.digest or ""))
-        flight.kin = self.quarantine.kinship(flight.prompt, flight.shape, self.host.wall())
         if parsed is not None and self.pressure is not None and self.gate.open:
             tokens = await self.counter.tokens_if_long(parsed, flight, self.proven_tokens)
             refused = admission.shed(self.pressure, tokens, self.proven_tokens, self.g.retry_after_s)
