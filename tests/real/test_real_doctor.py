@@ -53,3 +53,47 @@ def test_doctor_reads_a_vllm_serve_command_through_its_scripts_interpreter(tmp_p
     assert doctor(tmp_path, {}, serve)["engine_args"]["level"] == "ok"
     bad = doctor(tmp_path, {"max_loras": "many"}, serve)["engine_args"]
     assert bad["level"] == "fail" and "--max-loras" in bad["message"] and "many" in bad["message"], bad
+
+
+def test_what_check_refuses_as_a_managed_knob_is_what_vllms_own_parser_reads_as_one() -> None:
+    """Issue 39: the parent never imports vLLM, so `check` refuses by the prefix rule (config.managed_knob_of); here
+    the installed vLLM's serve parser reads each refused key, and a key next to them, to show the rule is its own."""
+    from supervisor.config import MANAGED_FLAGS, managed_knob_of
+
+    keys = ["max_num_seq", "max_num_seqs", "max-num-batched", "gpu_memory_util", "gpu_mem", "max_model",
+            "no_enable_chunked", "enable_chunked", "max_num_partial_prefills", "max_loras", "enable_prefix_caching"]
+    script = """
+import json, sys
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+managed, keys = json.loads(sys.stdin.read())
+parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+flags = sorted(o for a in parser._actions for o in a.option_strings)
+default = vars(parser.parse_args([]))
+out = {"prefixes": [o for o in flags for m in managed
+                    for f in ("--" + m.replace("_", "-"), "--no-" + m.replace("_", "-")) if f.startswith(o) and f != o]}
+for key in keys:
+    flag = "--" + key.replace("_", "-")
+    for argv in ([flag, "7"], [flag]):  # a value, or a switch
+        try:
+            got = vars(parser.parse_args(argv))
+            break
+        except SystemExit:
+            got = default
+    changed = [m for m in managed if got.get(m) != default.get(m)]
+    out[key] = changed[0] if changed else None
+print(json.dumps(out))
+"""
+    r = subprocess.run([VLLM_PYTHON, "-c", script], input=json.dumps([list(MANAGED_FLAGS), keys]),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    read = json.loads(r.stdout.strip().splitlines()[-1])
+    assert read.pop("prefixes") == []  # no vLLM option is itself a prefix of a managed knob's flag
+    for key in keys:
+        assert read[key] == managed_knob_of(key), (key, read[key])

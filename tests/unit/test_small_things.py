@@ -42,6 +42,30 @@ def test_enable_chunked_prefill_in_engine_args_is_refused_as_the_managed_knob_it
                                                         "max_num_batched_tokens": 32768}})
 
 
+ABBREVIATED = {"max_num_seq": "max_num_seqs", "gpu_memory_util": "gpu_memory_utilization", "max-model": "max_model_len",
+               "max_num_batched": "max_num_batched_tokens", "no_enable_chunked": "enable_chunked_prefill",
+               "gpu-memory-utilization": "gpu_memory_utilization"}
+
+
+def test_a_key_vllm_would_read_as_a_managed_knob_is_refused_naming_the_profile_key() -> None:
+    """Issue 39: [engine.args] max_num_seq = 4 passed check and doctor and reached vLLM as --max-num-seq 4, which its
+    parser reads as --max-num-seqs: the knob the ladder lowers stayed at 4, and its steps down did nothing."""
+    from supervisor.config import managed_knob_of
+
+    for key, knob in ABBREVIATED.items():
+        assert managed_knob_of(key) == knob, key
+        with pytest.raises(ConfigError) as err:
+            parse({"engine": {"model": "m", "args": {key: 4}}})
+        assert f"engine.args.{key}: managed knob: set it in [profile] {knob}" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse({"engine": {"model": "m", "args": {"max_num_seq": 4}}})
+    assert "abbreviation" in str(err.value)
+    for other in ("max_num_partial_prefills", "max_loras", "enable_prefix_caching", "kv_cache_memory_bytes",
+                  "max_logprobs", "compilation_config.level", "gpu"):
+        assert managed_knob_of(other) is None if other != "gpu" else managed_knob_of(other) == "gpu_memory_utilization"
+    assert parse({"engine": {"model": "m", "args": {"max_num_partial_prefills": 2, "max_loras": 1}}})
+
+
 def test_the_engine_numbers_cards_as_nvml_does_unless_told_otherwise() -> None:
     cfg = parse({"engine": {"model": "m"}})
     assert build_env(cfg.engine, {}, "/hook", base={"PATH": "/bin"})["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
