@@ -92,7 +92,7 @@ class Daemon:
                         rung_failures=dict(learned.rung_failures) if learned else {})
         self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
         self.recovery = Recovery(cfg, host, publish, policy.next_rungs)
-        side = SupervisorSide(caught_up=lambda: self.bus.drain_one("gateway"), sound=lambda: self.heartbeat.alive())
+        side = SupervisorSide(sound=lambda: self.heartbeat.alive())
         self.gateway = Gateway(cfg, host, publish, self._engine_view, side) if cfg.gateway else None
         self.heartbeat = Heartbeat(host, self.notifier, publish, lambda: self.lifecycle.state)
         self.loop_lag = LoopLag()
@@ -221,7 +221,7 @@ class Daemon:
     def _engine_view(self) -> EngineView:
         life = self.lifecycle
         return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
-                          life.restart_eta_s(), life.remembered.slowest_start_s, life.restarting())
+                          life.tally.restart_eta_s(), life.remembered.slowest_start_s, life.restarting())
 
     async def engine_metrics(self) -> tuple[int, bytes, str]:
         """The serving engine's own /metrics for /metrics/engine; 503 with the reason while none serves."""
@@ -253,7 +253,7 @@ class Daemon:
         if command == "quarantine-clear":
             if self.gateway is None:
                 return False, "this supervisor has no [gateway]: nothing is quarantined"
-            return self.gateway.clear_quarantine(arg)
+            return self.gateway.quarantine.undo(arg, self.host.wall())  # on-call's undo: one entry, or all
         if command == "reload":
             return await self.reload()
         if command == "reset-profile":

@@ -62,10 +62,11 @@ S = EngineState
 
 
 class Front(Protocol):
-    """What the lifecycle asks of the gateway: drain before a planned stop, who caused a death, whether clients are
-    at the engine."""
+    """What the lifecycle asks of the gateway: drain before a planned stop, take what is at the engine as it stops
+    (told synchronously, before the state is written), who caused a death, whether clients are at the engine."""
 
     async def drain(self, why: str) -> None: ...
+    def stopping(self, planned: bool) -> None: ...
     async def blame(self, kind: FailureKind, suspect_request: str | None, at_floor: bool,
                     chunk: int | None) -> Blame: ...
     def busy(self) -> bool: ...
@@ -137,6 +138,13 @@ class Tally:
     serving: Serving | None = None
     last_ready: Ready | None = None
 
+    def restart_eta_s(self) -> float:
+        """How long the last start took to READY (30 s before any): what a held client is told to expect."""
+        return float(self.last_ready.timings.get("start_to_ready_s", 30.0)) if self.last_ready else 30.0
+
+    def outage_s(self, now: float) -> float | None:
+        return None if self.outage is None else round(now - self.outage.since, 3)
+
     def serving_ended(self, at: float) -> float:
         """The READY period under way is over at ``at``: how long it lasted (0 when the run never was READY)."""
         served = at - self.serving.since if self.serving is not None else 0.0
@@ -167,7 +175,8 @@ class Lifecycle:
         if new is S.READY:
             self.tally.outage = None
         self.publish(StateChanged(at=self.host.wall(), old=old, new=new, after_s=round(now - self.state_since, 3),
-                                  profile=self.profile, restarts=self.restarts, outage_s=self._outage_s(), **why))
+                                  profile=self.profile, restarts=self.restarts, outage_s=self.tally.outage_s(now),
+                                  **why))
         self.state_since = now
 
     def change_profile(self, new: Profile, reason: str, failure: Failure | None = None) -> None:
@@ -186,16 +195,12 @@ class Lifecycle:
     def learned(self) -> None:
         r, failed = self.remembered, dict(self.policy.rung_failures)
         self.publish(LearnedChanged(at=self.host.wall(), profile=self.profile, rung_failures=failed,
-                                    last_failure=_copy(self.last_failure), restarts_total=self.restarts_total,
+                                    last_failure=_copy(self.last_failure), restarts_total=r.restarts_total,
                                     slowest_start_s=r.slowest_start_s, fatal=_copy(r.fatal)))
 
     @property
     def restarts(self) -> int:  # since the engine was last stable: what max_restarts counts
         return self.tally.restarts
-
-    @property
-    def restarts_total(self) -> int:
-        return self.remembered.restarts_total
 
     @property
     def last_failure(self) -> dict[str, Any] | None:
@@ -241,16 +246,10 @@ class Lifecycle:
         """The current engine's processes (the GPU memory holders)."""
         return self.run.pids() if self.run else set()
 
-    def _outage_s(self) -> float | None:
-        return None if self.tally.outage is None else round(self.host.monotonic() - self.tally.outage.since, 3)
-
     def restarting(self) -> bool:
         """The supervisor is bringing the engine back: a start or a restart it began is under way."""
         return not self.stop_asked.is_set() and self.state in (S.STOPPED, S.STARTING, S.WARMING, S.STOPPING,
                                                                S.BACKOFF, S.DRAINING)
-
-    def restart_eta_s(self) -> float:
-        return float(self.tally.last_ready.timings.get("start_to_ready_s", 30.0)) if self.tally.last_ready else 30.0
 
     def status(self) -> dict[str, Any]:
         now = self.host.monotonic()
@@ -266,7 +265,7 @@ class Lifecycle:
             "profile": self.profile.knobs(),
             "configured_profile": self.cfg.profile.knobs(),
             "restarts": self.tally.restarts,
-            "restarts_total": self.restarts_total,
+            "restarts_total": self.remembered.restarts_total,
             "failures_in_a_row": self.policy.in_a_row,
             "last_failure": self.last_failure,
             "engine_pid": run_status["engine_pid"],
@@ -277,7 +276,7 @@ class Lifecycle:
             "engine_version": run_status["engine_version"],
             "degraded": self.profile.knobs() != self.cfg.profile.knobs(),
             "state_for_s": round(now - self.state_since, 3),
-            "outage_s": self._outage_s(),
+            "outage_s": self.tally.outage_s(now),
             "timings": last.as_dict() if last else {},
             "fatal": self.remembered.fatal,
         }
@@ -296,7 +295,7 @@ class Lifecycle:
             if trigger.kind is TriggerKind.STOP:
                 if self.front is not None:  # without one, nothing of the clients' passes through us to drain
                     await self._drain("stop")
-                self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
+                self._stopping(trigger, planned=True)
                 await self.heartbeat.wait(run.conclude(trigger), run.deadline_at)
                 self.change_state(S.STOPPED, reason=trigger.evidence)  # STOPPING -> STOPPED
                 return ExitCode.OK
@@ -374,12 +373,18 @@ class Lifecycle:
         """A planned restart (a climb, or asked by the operator): drain, stop, and start at the target profile."""
         target = trigger.target or self.profile
         await self._drain(trigger.kind.value, target=target)
-        self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
+        self._stopping(trigger, planned=True)
         await self.heartbeat.wait(run.conclude(trigger), run.deadline_at)
         if trigger.kind is TriggerKind.RESTART:
             self.publish(PlannedRestart(at=self.host.wall(), reason=trigger.evidence))
         self.change_profile(target, trigger.evidence)
         self.learned()
+
+    def _stopping(self, trigger: Trigger, planned: bool) -> None:
+        """X -> STOPPING, the gateway told first: it takes what is at the engine, with no event queue between."""
+        if self.front is not None:
+            self.front.stopping(planned)
+        self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
 
     async def _drain(self, why: str, target: Profile | None = None) -> None:
         """READY -> DRAINING before a planned stop; with a gateway, its in-flight requests finish first."""
@@ -399,7 +404,7 @@ class Lifecycle:
         if self.tally.outage.first_failure is None:
             self.tally.outage.first_failure = trigger.at_mono
         detected_after = round(trigger.at_mono - self.state_since, 3)
-        self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
+        self._stopping(trigger, planned=False)
         verdict = await self.heartbeat.wait(run.conclude(trigger), run.deadline_at)
         assert verdict.failure is not None
         before = self.profile

@@ -96,8 +96,7 @@ class EngineGate:
         self.at_engine: dict[int, Flight] = {}  # by id(flight): clients may share an X-Request-Id
         self.waiting = 0
         self.suspects: list[Flight] = []  # each goes alone, in turn; none goes in a batch
-        self._dead_batch: list[Flight] = []
-        self._batch_taken = False  # on_failure named the dead batch before the READY -> STOPPING edge came
+        self._dead_batch: list[Flight] = []  # at the engine when it was told to stop unplanned (``stopping``)
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -132,11 +131,14 @@ class EngineGate:
                 asyncio.get_running_loop().call_later(self.solo_after_s, self._notify)  # the control is over
         else:
             self.open = False
-            # Unplanned: a planned stop drains first (READY -> DRAINING).
-            if old is EngineState.READY and new is EngineState.STOPPING:
-                if not self._batch_taken:
-                    self._dead_batch = list(self.at_engine.values())
-                self._batch_taken = False
+        self._notify()
+
+    def stopping(self, planned: bool) -> None:
+        """Told by the lifecycle, synchronously, before it writes STOPPING: nothing more goes to this engine, and an
+        unplanned stop's dead batch is what is at the engine now (a planned one drained first: nobody's death).
+        Never learned from the event stream: its queue may deliver the edge after the verdict is asked for."""
+        self.open = False
+        self._dead_batch = [] if planned else list(self.at_engine.values())
         self._notify()
 
     @property
@@ -153,11 +155,6 @@ class EngineGate:
         # A request answered between the death and its classification is nobody's suspect: made the one to go
         # alone, it would never come back, and every other request would wait for it.
         dead, self._dead_batch = self._dead_batch, []
-        if self.state is EngineState.READY:
-            # The READY -> STOPPING edge is still on its way (the lifecycle waits for it only so long: under load
-            # it came late, the death looked like one with nothing in flight, the poison's strikes were cleared
-            # and it was served at the floor's 512). What is at the engine now is what was there at the death.
-            dead, self._batch_taken = list(self.at_engine.values()), True
         if not kind.request_can_cause:
             return Blamed()
         if not dead:  # nothing in flight: the engine dies whatever it serves, and no strike stands on that

@@ -11,11 +11,10 @@ supervisor's state (the supervisor asks it to drain before a planned stop).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -162,12 +161,13 @@ class Gateway:
                 self.proven_tokens = max(event.ready.warmup_prompts, default=0)
             self.gate.on_state(event.old, event.new)
 
+    def stopping(self, planned: bool) -> None:
+        """Told by the lifecycle before the engine stops: the gate takes what is at the engine (gate.stopping)."""
+        self.gate.stopping(planned)
+
     async def blame(self, kind: FailureKind, suspect_request: str | None, at_floor: bool, chunk: int | None) -> Blame:
         """Asked by the lifecycle after a death, before its policy decides: who goes alone, who is quarantined,
         whether one request alone was proven to cause it."""
-        if self.side.caught_up is not None:  # the READY -> STOPPING edge that names the dead batch is read first
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.side.caught_up(), 2.0)
         blame = self.gate.on_failure(kind, suspect_request, at_floor)
         if blame.quarantined is not None and blame.quarantined.digest is not None:
             await self._quarantine(blame.quarantined, kind, at_floor, chunk)
@@ -183,10 +183,6 @@ class Gateway:
         self.counters["quarantined"] += 1
         self.publish(RequestQuarantined(at=self.host.wall(), request_hash=flight.digest, prompt_tokens=flight.size,
                                         evidence=f"{reason} (request {flight.rid})"))
-
-    def clear_quarantine(self, key: str | None) -> tuple[bool, str]:
-        """On-call's undo (`vllm-supervisor quarantine clear [KEY]`): one entry, or every entry."""
-        return self.quarantine.undo(key, self.host.wall())
 
     def _shedding_changed(self, p: admission.Pressure | None) -> None:
         self.pressure = p
@@ -385,7 +381,6 @@ class Gateway:
 class SupervisorSide:
     """What the gateway asks of the supervisor around it."""
 
-    caught_up: Callable[[], Awaitable[None]] | None = None  # until the gateway read every event published so far
     sound: Callable[[], bool] = lambda: True  # the supervisor's loop beats (what /healthz answers)
 
 

@@ -172,6 +172,7 @@ async def test_the_gate_holds_until_ready_then_times_out_with_503() -> None:
     assert gate.waiting == 1 and not waiter.done()
     gate.on_state(S.WARMING, S.READY)
     assert await waiter is True and list(gate.at_engine.values()) == [f]
+    gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
     gate.on_state(S.READY, S.STOPPING)
     with pytest.raises(Refused) as r:
         await gate.admit(flight("b"), 0.05)
@@ -211,6 +212,7 @@ async def test_after_a_death_the_suspect_goes_alone_and_a_second_death_quarantin
     small, big = flight("small", 10), flight("big", 30000)
     await gate.admit(small, 1.0)
     await gate.admit(big, 1.0)
+    gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
     gate.on_state(S.READY, S.STOPPING)  # unplanned: both were at the engine
     assert await gate.engine_left(small, 0.1) and await gate.engine_left(big, 0.1)
     gate.leave(small)
@@ -222,6 +224,7 @@ async def test_after_a_death_the_suspect_goes_alone_and_a_second_death_quarantin
     await asyncio.sleep(0)
     assert not small_again.done()  # waits while the suspect goes alone
     assert await gate.admit(big, 1.0) is False
+    gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
     gate.on_state(S.READY, S.STOPPING)
     gate.leave(big)
     assert gate.on_failure(FailureKind.RUNTIME_OOM, None).quarantined is big and big.quarantined and gate.solo is None
@@ -231,13 +234,15 @@ async def test_after_a_death_the_suspect_goes_alone_and_a_second_death_quarantin
 
 async def test_a_verdict_before_the_gateway_saw_the_engine_leave_ready_blames_the_requests_at_the_engine() -> None:
     """Seen once in CI: the STOPPING edge reached the gateway after the lifecycle's bounded wait for it, the death
-    looked like one with nothing in flight, the poison's strikes were cleared and it was served at 512 (200)."""
+    looked like one with nothing in flight, the poison's strikes were cleared and it was served at 512 (200). The
+    gate is now told by the lifecycle itself, before the state changes (issue 37): the edge's timing cannot matter."""
     gate = EngineGate(max_held=10)
     gate.on_state(S.WARMING, S.READY)
     small, big = flight("small"), flight("big", 30000)
     await gate.admit(small, 1.0)
     await gate.admit(big, 1.0)
     gate._strike(big)  # an earlier death already proved it once
+    gate.stopping(planned=False)  # told synchronously by the lifecycle, before the edge is even published
     blamed = gate.on_failure(FailureKind.RUNTIME_OOM, "cmpl-big-0-aa")  # vLLM's dump named it: a second strike
     assert big.strikes == 2 and blamed.quarantined is big
     gate.on_state(S.READY, S.STOPPING)  # the edge, late
@@ -253,6 +258,7 @@ async def test_a_suspect_that_lives_alone_releases_the_others() -> None:
     gate.on_state(S.WARMING, S.READY)
     big = flight("big", 30000)
     await gate.admit(big, 1.0)
+    gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
     gate.on_state(S.READY, S.STOPPING)
     gate.leave(big)
     gate.on_failure(FailureKind.ENGINE_DEAD, "cmpl-big-0-aa")
@@ -271,6 +277,7 @@ async def test_a_request_answered_before_the_verdict_is_never_the_one_to_go_alon
     done, lost = flight("done", 30000), flight("lost", 10)
     await gate.admit(done, 1.0)
     await gate.admit(lost, 1.0)
+    gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
     gate.on_state(S.READY, S.STOPPING)  # both at the engine when it died...
     gate.forget(done)  # ...but this one's answer had arrived: its handler returned
     gate.leave(lost)
@@ -287,12 +294,14 @@ async def test_deaths_no_request_causes_and_planned_stops_blame_nobody() -> None
     gate.on_state(S.WARMING, S.READY)
     f = flight("f")
     await gate.admit(f, 1.0)
+    gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
     gate.on_state(S.READY, S.STOPPING)
     assert gate.on_failure(FailureKind.HANG, None).quarantined is None and gate.solo is None
     gate.on_state(S.STARTING, S.READY)
     g = flight("g")
     await gate.admit(g, 1.0)
     gate.on_state(S.READY, S.DRAINING)
+    gate.stopping(planned=True)
     gate.on_state(S.DRAINING, S.STOPPING)
     assert gate.on_failure(FailureKind.RUNTIME_OOM, None).quarantined is None and gate.solo is None
 

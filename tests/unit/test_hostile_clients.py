@@ -64,6 +64,7 @@ async def die_with(gate: EngineGate, clock: Clock, flights: list[Flight], kind: 
     clock.t += served_s
     for f in flights:
         assert await gate.admit(f, 0.01) is False
+    gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
     gate.on_state(S.READY, S.STOPPING)
     for f in flights:
         gate.leave(f)
@@ -88,6 +89,7 @@ def test_a_strike_needs_evidence_and_a_crash_loop_quarantines_nobody() -> None:
             await asyncio.sleep(0)
             clock.t += 0.3
             assert not held.done() and not gate.at_engine
+            gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
             gate.on_state(S.READY, S.STOPPING)
             blame = gate.on_failure(FailureKind.SIGNAL, None)
             assert not blame.proven and blame.quarantined is None
@@ -122,6 +124,7 @@ def test_a_segfaulting_request_alone_is_struck_twice_quarantined_and_its_deaths_
         # The poison, sent again into a batch, dies again: it saw two deaths, the others one.
         other = Flight("o", "d-other", 5000)
         assert await gate.admit(poison, 0.01) is False and await gate.admit(other, 0.01) is False
+        gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
         gate.on_state(S.READY, S.STOPPING)
         gate.leave(poison)
         gate.leave(other)
@@ -195,6 +198,7 @@ def test_an_unexplained_death_strikes_only_the_request_vllm_named() -> None:
         a, b = Flight("a", "d-a", 10), Flight("b", "d-b", 9000)
         await gate.admit(a, 1.0)
         await gate.admit(b, 1.0)
+        gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
         gate.on_state(S.READY, S.STOPPING)
         gate.leave(a)
         gate.leave(b)
@@ -348,6 +352,7 @@ def test_an_oom_suspect_with_two_strikes_is_tried_alone_at_the_lowest_rung_befor
     async def die_alone(gate: EngineGate, f: Flight, at_floor: bool) -> Any:
         gate.on_state(S.WARMING, S.READY)
         await gate.admit(f, 1.0)
+        gate.stopping(planned=False)  # the lifecycle tells the gate, then writes STOPPING
         gate.on_state(S.READY, S.STOPPING)
         gate.leave(f)
         out = gate.on_failure(FailureKind.RUNTIME_OOM, None, at_floor=at_floor)
