@@ -33,7 +33,6 @@ from supervisor.bounds import (
     SHORT_SLACK_S,
     SPARE_CANARY_S,
     SPARE_HEALTH_S,
-    SPARE_SLEEP_S,
     SPARE_WAKE_S,
     STACK_DUMP_S,
     STEP_SLACK_S,
@@ -65,9 +64,6 @@ log = structlog.get_logger("supervisor.engine")
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
 # recovery/spare.py's wake: its /wake_up, the /health after it and the canary's answer, each bounded
 SPARE_WAKE_BOUND_S = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S + STEP_SLACK_S
-# ... and what a planned start builds first (its compiles, within precompile_timeout_s; a spare: precompile_timeout_s
-# to /health, then its canary and its sleep)
-SPARE_FIRST_SLACK_S = SPARE_CANARY_S + SPARE_SLEEP_S + STEP_SLACK_S
 
 
 SPAWN_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
@@ -166,6 +162,7 @@ class PreparedSource(Protocol):
     def lost(self, standby: Any, error: str) -> None: ...
     async def spare_for(self, profile: Profile) -> Woken | None: ...
     async def build_first(self, profile: Profile) -> bool: ...
+    def build_first_bound_s(self) -> float: ...
 
 
 class EngineRun:
@@ -255,7 +252,7 @@ class EngineRun:
         gated = await self._gated()
         if self.standby is None or isinstance(gated, Trigger):
             return gated
-        self._expect(2 * self.cfg.recovery.precompile_timeout_s + SPARE_FIRST_SLACK_S)
+        self._expect(self.standby.build_first_bound_s() + STEP_SLACK_S)
         first = await self._race(self.standby.build_first(self.profile))
         if first is True:  # the card has the spare asleep on it now: the engine starts beside its footprint
             return await self._gated() or gated

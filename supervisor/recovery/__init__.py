@@ -109,6 +109,9 @@ class Recovery:
         it would not fit beside the engine; True when a spare sleeps on the card now."""
         return await self.ahead.build_first(profile)
 
+    def build_first_bound_s(self) -> float:
+        return self.ahead.build_first_bound_s(self.ahead.cfg)
+
     def lost(self, standby: Standby, error: str) -> None:
         self.pool.lost(standby, error)
 

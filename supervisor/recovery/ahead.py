@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, THROWAWAY_STOP_S
 from supervisor.config import Config
 from supervisor.engine import gates
 from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
@@ -106,6 +107,15 @@ class Ahead:
     def _below(self, profile: Profile) -> list[Profile]:
         """The rungs a failure at ``profile`` may go to, other than ``profile``'s own; the first is the spare's."""
         return [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
+
+    @staticmethod
+    def build_first_bound_s(cfg: Config) -> float:
+        """The longest ``build_first`` takes, its steps' own bounds summed (the start's watchdog deadline):
+        the rungs (``_compile_first``: every throwaway within precompile_timeout_s, then each stopped, the ones the
+        timeout cancelled too, then the card's memory released), then the spare (``_spare_first``: to /health
+        within precompile_timeout_s, its canary and its sleep, or stopped when they fail)."""
+        p, stopped = cfg.recovery.precompile_timeout_s, 2 * THROWAWAY_STOP_S  # Throwaway.stop: SIGTERM, SIGKILL
+        return (p + stopped + cfg.gpu.release_timeout_s) + (p + SPARE_CANARY_S + SPARE_SLEEP_S + stopped)
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start at ``profile``, on the card its gates found free: the rungs within reach not yet

@@ -185,3 +185,27 @@ def test_the_rung_a_failover_climbs_back_to_is_the_configured_rung_compiled_at_t
     written_before = {engine_id: [" ".join(down.with_(gpu_memory_utilization=None).flags())]}
     (tmp_path / RECORD).write_text(json.dumps(written_before))
     assert Precompiler(cfg, host=None).is_compiled(down, "0.26.0")  # type: ignore[arg-type]
+
+
+def test_a_planned_starts_build_first_bound_is_the_sum_of_its_steps_own_bounds() -> None:
+    """Issue 37, item 3: the start's watchdog deadline for building first was 2 x precompile_timeout_s + the spare's
+    canary and sleep: it left out the throwaways' stops (SIGTERM then SIGKILL, each THROWAWAY_STOP_S, also for those
+    the timeout cancels) and the wait for the card's memory (release_timeout_s), 80 s at the defaults: past the
+    heartbeat's slack, the watchdog could stop being petted while the supervisor was only waiting."""
+    import inspect
+
+    from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, STEP_SLACK_S, THROWAWAY_STOP_S
+    from supervisor.recovery.ahead import Ahead
+    from supervisor.recovery.throwaway import Throwaway
+
+    cfg = parse({"engine": {"model": "m"}, "recovery": {"precompile_timeout_s": 123.0},
+                 "gpu": {"release_timeout_s": 45.0}})
+    stop = inspect.signature(Throwaway.stop).parameters
+    assert stop["grace_s"].default == stop["kill_s"].default == THROWAWAY_STOP_S  # what each stop waits at most
+    compile_first = 123.0 + 2 * THROWAWAY_STOP_S + 45.0  # the throwaways, their stops, the card released
+    spare_first = 123.0 + SPARE_CANARY_S + SPARE_SLEEP_S + 2 * THROWAWAY_STOP_S  # /health, canary, sleep, or stopped
+    assert Ahead.build_first_bound_s(cfg) == compile_first + spare_first
+    defaults = parse({"engine": {"model": "m"}})
+    old = 2 * defaults.recovery.precompile_timeout_s + SPARE_CANARY_S + SPARE_SLEEP_S
+    assert Ahead.build_first_bound_s(defaults) - old == 4 * THROWAWAY_STOP_S + defaults.gpu.release_timeout_s
+    assert Ahead.build_first_bound_s(defaults) - old > STEP_SLACK_S  # what the old bound's slack could not absorb
