@@ -37,7 +37,7 @@ _t = {}
 def _probe(phase, info):
     if phase == "start":
         _t["t"] = time.perf_counter()
-    elif info.get("generation") == 2 and os.environ.get("VLLM_SUPERVISOR_ACTIVATED"):
+    elif info.get("generation") == 2 and os.environ.get("VLLMSUP_ACTIVATED"):
         sys.stderr.write(f"GC-PROBE {os.getpid()} {time.perf_counter() - _t['t']:.4f}\\n")
 gc.callbacks.append(_probe)
 """
@@ -50,7 +50,7 @@ def activate(python: str, script: Path, model: str, env: dict[str, str], log: Pa
     ``learn``: take into ``env`` the variables vLLM set for its engine processes (a start that spawned them)."""
     port = free_port()
     ready = log.with_suffix(".ready")
-    imports = dict(env, VLLM_SUPERVISOR_STANDBY_READY=str(ready))
+    imports = dict(env, VLLMSUP_STANDBY_READY=str(ready))
     with open(log, "w") as out:
         proc = subprocess.Popen([python, str(script), "module", "vllm.entrypoints.openai.api_server"],
                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=imports, text=True,
@@ -62,7 +62,7 @@ def activate(python: str, script: Path, model: str, env: dict[str, str], log: Pa
                 raise SystemExit(f"the standby did not import: {log}")
             time.sleep(0.2)
         argv = ["--model", model, "--port", str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.2"]
-        start = dict(imports, VLLM_WORKER_MULTIPROC_METHOD="fork", VLLM_SUPERVISOR_ACTIVATED="1")
+        start = dict(imports, VLLM_WORKER_MULTIPROC_METHOD="fork", VLLMSUP_ACTIVATED="1")
         t0 = time.monotonic()
         assert proc.stdin is not None
         proc.stdin.write(json.dumps({"argv": argv, "env": start}) + "\n")

@@ -32,7 +32,7 @@ class SupervisorEventHandler(logging.Handler):
 
     def __init__(self, path: str | None = None, level: int | str = logging.WARNING) -> None:
         super().__init__(level)
-        self.path = path or os.environ.get("VLLM_SUPERVISOR_EVENTS", "")
+        self.path = path or os.environ.get("VLLMSUP_EVENTS", "")
         self._sock: socket.socket | None = None
         self._pid = -1
         allow_supervisor_ptrace()
@@ -72,8 +72,8 @@ class SupervisorEventHandler(logging.Handler):
             self._socket().sendto(data, self.path)
 
 
-TOKEN_ENV = "VLLM_SUPERVISOR_CONTROL_TOKEN"
-OPEN_ROUTES_ENV = "VLLM_SUPERVISOR_OPEN_ROUTES"
+TOKEN_ENV = "VLLMSUP_CONTROL_TOKEN"
+OPEN_ROUTES_ENV = "VLLMSUP_OPEN_ROUTES"
 TOKEN_HEADER = b"x-vllm-supervisor-token"
 NOT_FOUND = b'{"detail":"Not Found"}'
 
@@ -129,7 +129,7 @@ def allow_supervisor_ptrace() -> bool:
     There a process may only be traced by its ancestors; py-spy is the engine's sibling, not its
     ancestor, so a hung engine's stacks would be "Permission denied" under User=vllm. Never raises.
     """
-    pid = os.environ.get("VLLM_SUPERVISOR_PID", "")
+    pid = os.environ.get("VLLMSUP_PID", "")
     if not pid.isdigit() or not sys.platform.startswith("linux"):
         return False
     try:
@@ -168,12 +168,12 @@ def vllm_env_event() -> dict[str, object] | None:
     passed travels; nothing is sent when the root's environment cannot be read intact (a process title
     written over it).
     """
-    supervisor, parent = os.environ.get("VLLM_SUPERVISOR_PID", ""), os.getppid()
+    supervisor, parent = os.environ.get("VLLMSUP_PID", ""), os.getppid()
     if not supervisor.isdigit() or parent_of(parent) != int(supervisor):
         return None
     started = environ_of(parent)
-    events = os.environ.get("VLLM_SUPERVISOR_EVENTS")
-    if not events or started.get("VLLM_SUPERVISOR_EVENTS") != events:
+    events = os.environ.get("VLLMSUP_EVENTS")
+    if not events or started.get("VLLMSUP_EVENTS") != events:
         return None
     changed = {k: v for k, v in os.environ.items() if started.get(k) != v}
     return {"v": 1, "kind": VLLM_ENV_KIND, "ts": time.time(), "pid": os.getpid(), "env": changed}

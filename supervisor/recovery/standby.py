@@ -51,7 +51,7 @@ VLLM_CLI_PRELOAD = ("vllm.entrypoints.openai.api_server",)
 MP_METHOD = vllm_standby.MP_METHOD
 # Per-start variables of ours, not vLLM's: each start sets its own.
 OWN_ENV = ("PYTHONPATH", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", MP_METHOD)
-OWN_PREFIXES = ("VLLM_SUPERVISOR", "_VLLM_SUPERVISOR")
+OWN_PREFIXES = ("VLLMSUP_", "_VLLMSUP_", "VLLM_SUPERVISOR", "_VLLM_SUPERVISOR")
 MAX_VLLM_ENV = 200
 
 
@@ -131,7 +131,7 @@ class Standby:
                                         ipc.dev_mode(engine.env))
         shutil.copyfile(vllm_standby.__file__, directory / SCRIPT)
         env = start_env(launch.build_env(engine, ipc_env, str(directory), withheld=withheld), False, vllm_env)
-        env["VLLM_SUPERVISOR_STANDBY_READY"] = str(directory / READY_FILE)
+        env["VLLMSUP_STANDBY_READY"] = str(directory / READY_FILE)
         argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
         child = await host.spawn(argv, env, stdin=True)
         publish(StandbySpawned(at=host.wall(), pid=child.pid, mode=entry.mode, target=entry.target,

@@ -37,7 +37,7 @@ With ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1 it serves vLLM's /sleep,
 FAKE_VLLM_CORRUPT_AFTER_WAKE=1: after a wake every answer is garbage (its words upper-cased, other logprobs), as
 vLLM's sleep-mode bugs leave an engine healthy and wrong. A completion asking for ``logprobs`` gets vLLM's shape
 (``tokens``, ``token_logprobs``). With
-VLLM_SUPERVISOR_CONTROL_TOKEN set it guards every route outside VLLM_SUPERVISOR_OPEN_ROUTES as real vLLM does under
+VLLMSUP_CONTROL_TOKEN set it guards every route outside VLLMSUP_OPEN_ROUTES as real vLLM does under
 the supervisor's hook.
 
 Tokens are whitespace-separated words. Dying on OOM ends as vLLM does: HTTP 500, /health 503,
@@ -565,8 +565,8 @@ async def api_server_main(args: argparse.Namespace) -> int:
         resp: web.StreamResponse = await handler(request)
         return resp
 
-    guard_token = os.environ.get("VLLM_SUPERVISOR_CONTROL_TOKEN", "")
-    open_paths = set(json.loads(os.environ.get("VLLM_SUPERVISOR_OPEN_ROUTES", "[]")))
+    guard_token = os.environ.get("VLLMSUP_CONTROL_TOKEN", "")
+    open_paths = set(json.loads(os.environ.get("VLLMSUP_OPEN_ROUTES", "[]")))
 
     @web.middleware
     async def control_guard(request: web.Request, handler: Any) -> web.StreamResponse:

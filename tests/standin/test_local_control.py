@@ -24,7 +24,7 @@ def test_an_engine_that_answers_500_with_health_200_is_restarted(supervise: Call
     sup = supervise({"engine": {"args": {"enable_sleep_mode": True}, "env": {"VLLM_SERVER_DEV_MODE": "1"}}})
     first = sup.wait_ready()["engine_pid"]
     assert post(sup.engine_url + "/sleep?level=1") == 404  # dev mode is guarded: only the supervisor's token
-    token = environ_of(first)["VLLM_SUPERVISOR_CONTROL_TOKEN"]  # as root, or the engine's own user, reads it
+    token = environ_of(first)["VLLMSUP_CONTROL_TOKEN"]  # as root, or the engine's own user, reads it
     assert post(sup.engine_url + "/sleep?level=1", {"X-Vllm-Supervisor-Token": token}) == 200
     st = sup.wait_for(lambda s: s["state"] == "READY" and s["engine_pid"] != first, 30, "a new engine")
     failed = sup.events("engine.failed")

@@ -194,10 +194,10 @@ def test_the_hook_lets_the_supervisor_trace_each_vllm_process(monkeypatch: Any) 
             return 0
 
     monkeypatch.setattr(vllm_hook.ctypes, "CDLL", lambda *a, **k: Libc())  # this machine has no Yama LSM
-    monkeypatch.setenv("VLLM_SUPERVISOR_PID", str(os.getpid()))
+    monkeypatch.setenv("VLLMSUP_PID", str(os.getpid()))
     assert vllm_hook.allow_supervisor_ptrace() is True
     assert calls == [(0x59616D61, os.getpid(), 0, 0, 0)]  # PR_SET_PTRACER, the supervisor
-    monkeypatch.setenv("VLLM_SUPERVISOR_PID", "")
+    monkeypatch.setenv("VLLMSUP_PID", "")
     assert vllm_hook.allow_supervisor_ptrace() is False
     env = ipc.prepare_child_env(Path(os.environ.get("TMPDIR", "/tmp")) / f"hook-{os.getpid()}", "/x.sock")
-    assert env["VLLM_SUPERVISOR_PID"] == str(os.getpid())
+    assert env["VLLMSUP_PID"] == str(os.getpid())

