@@ -150,3 +150,17 @@ async def test_an_exact_count_sends_the_prompt_as_the_parser_encoded_it_with_the
             await client.close()
     assert got == [{"model": "served-name", "prompt": "héllo  wörld"},
                    {"model": "mine", "messages": [{"role": "user", "content": "hi"}]}]
+
+
+def test_the_aiohttp_internals_the_listener_relies_on_are_there() -> None:
+    """Issue 39: GuardedSite sets BaseSite._server and reads _backlog (aiohttp privates): pyproject caps aiohttp below
+    the next minor, and this says which internals to check before the cap moves."""
+    import inspect
+
+    import aiohttp
+    from aiohttp.web_runner import BaseSite
+
+    site_init = inspect.getsource(BaseSite.__init__)
+    assert "self._backlog" in site_init and "self._server" in site_init
+    assert "self._server" in inspect.getsource(BaseSite.stop)  # what stops our Acceptor (its close())
+    assert hasattr(aiohttp.StreamReader, "readany")  # the lingering close drains with it
