@@ -10,7 +10,7 @@ import shlex
 import sys
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, TextIO, cast
 
 from supervisor import config as config_mod
 from supervisor.about import __version__
@@ -207,12 +207,17 @@ def _doctor(cfg: config_mod.Config, cpu: bool, as_json: bool) -> int:
 def _run(cfg: config_mod.Config, echo_engine: bool, config_path: str) -> int:
     logs.configure(cfg.log.format, cfg.log.level)
     from supervisor.daemon import Daemon
+    from supervisor.engine.logtail import JournalEcho
     from supervisor.host import statelock
     from supervisor.host.real import RealHost
     from supervisor.ops.alerts.channels import MissingSecret
 
+    # Under systemd (stderr is the journal's stream) vLLM's lines carry their priority: `journalctl -p err` finds them.
+    echo = (cast(TextIO, JournalEcho(sys.stderr)) if os.environ.get("JOURNAL_STREAM") else sys.stderr) \
+        if echo_engine else None
+
     async def go() -> int:
-        daemon = Daemon(cfg, RealHost(), echo=sys.stderr if echo_engine else None, config_path=config_path)
+        daemon = Daemon(cfg, RealHost(), echo=echo, config_path=config_path)
         return await daemon.run()
 
     try:

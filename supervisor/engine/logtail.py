@@ -7,6 +7,7 @@ exactly like a hung vLLM. So both pipes are read from spawn to EOF, whatever els
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import Callable
 from typing import TextIO
@@ -78,3 +79,30 @@ class LogTail:
     def snapshot(self) -> list[str]:
         return list(self.lines)
 
+
+
+# vLLM's console header (ConsoleFormatter, on every line of a message): an optional "(EngineCore_DP0 pid=12) ", then
+# the level and the date. Only the header decides: a client's text never stands at the start of a line.
+_HEADER_LEVEL = re.compile(r"(?:\([^()\n]{1,80}\) )?(CRITICAL|ERROR|WARNING) \d\d-\d\d ")
+JOURNAL_PRIORITY = {"CRITICAL": 2, "ERROR": 3, "WARNING": 4}  # syslog's crit, err, warning
+
+
+def journal_line(line: str) -> str:
+    """One of vLLM's console lines as journald should file it: ``<3>`` before an ERROR line (SyslogLevelPrefix=, on
+    by default, turns it into the entry's priority), ``<4>`` before a WARNING; the rest at the unit's level."""
+    m = _HEADER_LEVEL.match(line)
+    return f"<{JOURNAL_PRIORITY[m.group(1)]}>{line}" if m else line
+
+
+class JournalEcho:
+    """The engine's console echoed to journald (the supervisor's stderr under systemd: $JOURNAL_STREAM), each line
+    with its priority, so that `journalctl -p err` shows vLLM's errors."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write("".join(journal_line(line) for line in text.splitlines(keepends=True)))
+
+    def flush(self) -> None:
+        self.stream.flush()

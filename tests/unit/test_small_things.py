@@ -234,3 +234,24 @@ def test_status_json_is_json_when_nothing_answers_and_quarantine_clear_of_nothin
     cleared = cli("quarantine", "clear")
     assert cleared.returncode == 0 and "nothing is quarantined" in cleared.stdout
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize(("line", "priority"), [
+    ("(EngineCore_DP0 pid=5) ERROR 12-04 16:47:49 [core.py:1] EngineCore encountered a fatal error.", "<3>"),
+    ("ERROR 12-04 16:47:49 [core.py:1] torch.OutOfMemoryError: CUDA out of memory.", "<3>"),
+    ("(APIServer pid=7) CRITICAL 12-04 16:47:49 [launcher.py:1] engine dead", "<2>"),
+    ("(APIServer pid=7) WARNING 12-04 16:47:49 [envs.py:1] something", "<4>"),
+    ("(APIServer pid=7) INFO 12-04 16:47:49 [logger.py:1] Received request: stop=['ERROR 12-04 x']", ""),
+    ("ERROR: a client's text printed raw", ""),  # not vLLM's header
+    ("Traceback (most recent call last):", ""),
+])
+def test_vllms_error_lines_reach_journald_with_their_priority(line: str, priority: str) -> None:
+    """Issue 39: vLLM's ERROR lines went to the journal at the unit's level (info): `journalctl -p err` missed them."""
+    import io
+
+    from supervisor.engine.logtail import JournalEcho, journal_line
+
+    assert journal_line(line) == priority + line
+    out = io.StringIO()
+    JournalEcho(out).write(line + "\n" + line + "\n")
+    assert out.getvalue() == (priority + line + "\n") * 2
