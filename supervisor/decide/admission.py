@@ -131,6 +131,8 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
         return bad_request(f"the request body is not valid JSON ({type(exc).__name__} at {_where(exc)}); "
                            "send a JSON object", "invalid_json")
     except RecursionError:
+        if route not in STRICT:
+            return parse_opaque(route, raw)
         return bad_request("the request body is nested too deeply to parse; send a flatter JSON object",
                            "invalid_json")
     if not isinstance(body, dict):
@@ -149,6 +151,8 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     except prompts.BadPrompt as exc:
         return bad_request(str(exc), exc.code)
     except (RecursionError, ValueError):
+        if route not in STRICT:
+            return parse_opaque(route, raw)
         return bad_request("the request body is nested too deeply to hash; send a flatter JSON object",
                            "invalid_json")
     prompt_logprobs = body.get("prompt_logprobs")

@@ -452,6 +452,8 @@ def test_a_batch_is_judged_by_its_longest_prompt_and_token_ids_are_counted_witho
     # A route read leniently leaves a body it does not understand to vLLM: hashed, not counted, never a 400 here.
     from supervisor.gateway import parsing
 
-    for kind, raw in (("invocations", b'{"prompt": 3}'), ("responses", b"[1, 2]"), ("pooling", b"not json")):
+    deep = b'{"input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for kind, raw in (("invocations", b'{"prompt": 3}'), ("responses", b"[1, 2]"), ("pooling", b"not json"),
+                      ("responses", deep)):
         odd = parsing.parse(kind, raw)
         assert isinstance(odd, Parsed) and odd.longest is None and odd.digest, kind
