@@ -122,22 +122,24 @@ STRICT = ("completions", "chat", "embeddings")  # a wrong field is a 400 here; t
 
 def parse(route: str, raw: bytes) -> Parsed | Rejection:
     """Parse, type-check and hash a body for a route of ``route``'s kind; a Rejection (400) names the field that
-    is wrong (strictly read kinds only: the others are hashed as they are, and vLLM answers a malformed body)."""
+    is wrong (strictly read kinds only: on the others a body this cannot read is hashed as it is, and vLLM answers
+    a malformed one itself)."""
+    got = _parse(route, raw)
+    if isinstance(got, Rejection) and route not in STRICT:
+        return parse_opaque(route, raw)
+    return got
+
+
+def _parse(route: str, raw: bytes) -> Parsed | Rejection:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
-        if route not in STRICT:
-            return parse_opaque(route, raw)
         return bad_request(f"the request body is not valid JSON ({type(exc).__name__} at {_where(exc)}); "
                            "send a JSON object", "invalid_json")
     except RecursionError:
-        if route not in STRICT:
-            return parse_opaque(route, raw)
         return bad_request("the request body is nested too deeply to parse; send a flatter JSON object",
                            "invalid_json")
     if not isinstance(body, dict):
-        if route not in STRICT:
-            return parse_opaque(route, raw)
         return bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
     refused = _typed(body) if route in STRICT else None
     if refused is not None:
@@ -151,8 +153,6 @@ def parse(route: str, raw: bytes) -> Parsed | Rejection:
     except prompts.BadPrompt as exc:
         return bad_request(str(exc), exc.code)
     except (RecursionError, ValueError):
-        if route not in STRICT:
-            return parse_opaque(route, raw)
         return bad_request("the request body is nested too deeply to hash; send a flatter JSON object",
                            "invalid_json")
     prompt_logprobs = body.get("prompt_logprobs")
