@@ -144,7 +144,7 @@ class Daemon:
                                       self.heartbeat.within(leftovers.stop_bound_s(self.cfg)))
             # Only now: a dead supervisor's throwaway still starting reads its logging config from its run
             # directory; swept first, it died by itself before it could be stopped (and counted).
-            rundir.sweep()
+            rundir.sweep(self.session.run_dir.parent)
             return await self.lifecycle.run_until_stopped()
         finally:
             await self.shutdown()

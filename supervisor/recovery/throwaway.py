@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import shutil
 import socket
 from collections.abc import Callable
@@ -156,8 +157,7 @@ class Launcher:
         if kv_bytes is not None:
             args["kv_cache_memory_bytes"] = kv_bytes
         engine = replace(e, port=free_port(), args=args)
-        key = rung.compile_key().replace(" ", "").replace("-", "")[:40]
-        work = self.dir / f"{'spare' if sleep_mode else 'precompile'}-{key}"
+        work = self.dir / work_name(rung, sleep_mode)
         argv = launch.build_argv(engine, rung, self.cfg.health.hang_timeout_s)
         if niced and shutil.which("nice"):
             argv = ["nice", "-n", "10", *argv]  # never an engine that may serve: niced for good
@@ -220,6 +220,14 @@ class Launcher:
 
     def pids(self) -> set[int]:
         return set().union(*(t.pids() for t in self.current))
+
+
+def work_name(rung: Profile, sleep_mode: bool) -> str:
+    """A second engine's directory in the run directory: short, for its events socket's path must fit AF_UNIX's
+    108 bytes under systemd's /run/vllm-supervisor-<instance>/ (the rung's flags, spelled out, did not: the socket
+    could not be bound and the second engine went unheard)."""
+    digest = hashlib.sha256(rung.compile_key().encode()).hexdigest()[:12]
+    return f"{'spare' if sleep_mode else 'precompile'}-{digest}"
 
 
 class FailedRungs:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -192,6 +194,11 @@ class Launcher:
         self.base = base
         self.strict_stops = strict_stops  # fail the test if a planned stop of the engine needed SIGKILL
         self.started: list[Sup] = []
+        # Its own run-directory parent, as a systemd unit's RuntimeDirectory=: another test's supervisor, starting
+        # beside it under xdist, sweeps the run directories of dead supervisors in a shared /tmp, and a SIGKILLed
+        # supervisor's throwaway still starting died of losing its logging config before this test's next
+        # supervisor could stop it (a CI flake). Short, so that the event sockets' paths stay under 108 bytes.
+        self.run_parent = Path(tempfile.mkdtemp(prefix="vsr-"))
 
     def start(self, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Sup:
         n = len(self.started)
@@ -208,6 +215,7 @@ class Launcher:
         cfg.write_text(to_toml(doc))
         log_path = self.workdir / f"sup{n}.log"
         base = {k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "INVOCATION_ID", "NOTIFY_SOCKET")}
+        base["RUNTIME_DIRECTORY"] = str(self.run_parent)
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
                                     stdout=logf, stderr=subprocess.STDOUT, env={**base, **(env or {})})
@@ -227,6 +235,7 @@ class Launcher:
                     sup.proc.kill()
                     sup.proc.wait()
             kill_sessions(sup.engine_pids | set(spawned_pids(sup)))
+        shutil.rmtree(self.run_parent, ignore_errors=True)
         if self.strict_stops:
             killed = [(e["pids"], e["sigkilled"]) for sup in self.started for e in sup.events("engine.stopped")
                       if e.get("planned") and e.get("sigkilled")]
