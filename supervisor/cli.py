@@ -164,11 +164,13 @@ def _check(cfg: config_mod.Config, strict: bool = False) -> int:
     from supervisor.decide.policy import clamp_to_configured
     from supervisor.host import preflight
     from supervisor.ops import statefile
+    from supervisor.ops.alerts import paging
 
     learned = statefile.load(cfg.state.dir)
     profile: Profile = clamp_to_configured(learned.profile, cfg.profile, learned.configured) if learned \
         else cfg.profile
     errors, warnings = preflight.preflight(cfg)
+    warnings += paging.double_pages(cfg.alerts.hooks)
     argv = launch.masked(launch.build_argv(cfg.engine, profile, cfg.health.hang_timeout_s), cfg.engine.secrets())
     # What would stop or slow a start on this machine. Not a bad config: a late mount is waited for, and a
     # missing engine command is the engine's configuration error (exit 3 at run).

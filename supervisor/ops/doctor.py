@@ -26,6 +26,7 @@ from supervisor.engine import launch
 from supervisor.host import preflight
 from supervisor.host.gpu import Nvml
 from supervisor.host.real import py_spy
+from supervisor.ops.alerts import paging
 from supervisor.profile import Knob
 
 SHM_WANTED = 1 * GIB  # vLLM's processes share tensors through /dev/shm; a container's default is 64 MiB
@@ -69,6 +70,7 @@ def supervisor_running(cfg: Config) -> bool:
 
 def _preflight(cfg: Config) -> Iterator[Finding]:
     errors, warnings = preflight.preflight(cfg)
+    warnings += paging.double_pages(cfg.alerts.hooks)
     for name, msg in errors:
         yield Finding("config", "fail", f"{name}: {msg}")
     for name, msg in warnings:

@@ -11,16 +11,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "https://github.com/vllm-supervisor/vllm-supervisor/blob/main/docs/operations.md#"
-HELD_503 = ("The gateway could not hold them long enough (the engine is down past hold_timeout_s) or holds too "
-            "many bodies.")
+HELD_503 = ("The engine is READY, yet requests end 503: the gateway holds too many bodies (max_body_bytes_in_flight), "
+            "or requests held through a restart ran out of hold_timeout_s. While the engine is down its 503s are the "
+            "outage page's (VllmEngineNotReady, or the supervisor's own outage alert).")
 
 
-def series(outcome: str, per_minute: int) -> str:
-    return (f"      - series: 'vllm_supervisor_gateway_requests_total{{instance=\"gpu-7\", job=\"vllm-supervisor\", "
-            f"outcome=\"{outcome}\"}}'\n        values: '0+{per_minute}x30'\n")
+def series(outcome: str, per_minute: int, instance: str = "gpu-7") -> str:
+    return (f"      - series: 'vllm_supervisor_gateway_requests_total{{instance=\"{instance}\", "
+            f"job=\"vllm-supervisor\", outcome=\"{outcome}\"}}'\n        values: '0+{per_minute}x30'\n")
 
 
-def test_503s_page_and_shedding_warns_only_past_their_share(tmp_path: Path) -> None:
+def ready(instance: str, value: int) -> str:
+    return (f"      - series: 'vllm_supervisor_engine_state{{instance=\"{instance}\", job=\"vllm-supervisor\", "
+            f"state=\"READY\"}}'\n        values: '{value}x30'\n")
+
+
+def test_503s_page_only_while_ready_and_shedding_warns_only_past_their_share(tmp_path: Path) -> None:
     promtool = os.environ.get("PROMTOOL") or shutil.which("promtool")
     if not promtool:
         pytest.skip("promtool not installed (.ci/run installs it)")
@@ -30,7 +36,8 @@ evaluation_interval: 1m
 tests:
   - interval: 1m
     input_series:
-{series("forwarded", 100)}{series("503", 5)}{series("429", 20)}{series("engine_errors", 0)}
+{series("forwarded", 100)}{series("503", 5)}{series("429", 20)}{series("engine_errors", 0)}{ready("gpu-7", 1)}\
+{series("forwarded", 100, "gpu-8")}{series("503", 50, "gpu-8")}{ready("gpu-8", 0)}
     alert_rule_test:
       - eval_time: 4m
         alertname: VllmClientsGetting503
@@ -38,7 +45,7 @@ tests:
       - eval_time: 12m
         alertname: VllmClientsGetting503
         exp_alerts:
-          - exp_labels: {{instance: gpu-7, severity: page}}
+          - exp_labels: {{instance: gpu-7, severity: error}}
             exp_annotations:
               summary: "4% of requests to vLLM on gpu-7 end 503"
               description: "{HELD_503}"

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import time
@@ -213,8 +214,21 @@ def test_the_wheel_carries_the_units_examples_rules_dashboard_manifests_and_man_
             "share/vllm-supervisor/systemd/vllm-supervisor@.service",
             "share/vllm-supervisor/examples/gpu.toml", "share/vllm-supervisor/monitoring/prometheus-alerts.yml",
             "share/vllm-supervisor/monitoring/grafana-dashboard.json",
-            "share/vllm-supervisor/kubernetes/statefulset.yaml", "share/man/man1/vllm-supervisor.1"} <= data
+            "share/vllm-supervisor/kubernetes/statefulset.yaml", "share/man/man1/vllm-supervisor.1",
+            "share/vllm-supervisor/monitoring/alertmanager.yml"} <= data
     assert "supervisor/child/vllm_argcheck.py" in names
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    assert "vllm-supervisor = supervisor.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    # The units' Documentation= names files this install puts where their ExecStart= says it lives.
+    for unit in (ROOT / "systemd").glob("*.service"):
+        text = unit.read_text()
+        prefix = re.search(r"^ExecStart=(\S+)/bin/vllm-supervisor ", text, re.M)
+        assert prefix, unit.name
+        docs = [u for line in re.findall(r"^Documentation=(.+)$", text, re.M) for u in line.split()]
+        assert docs, unit.name
+        for url in docs:
+            assert url.startswith(f"file://{prefix.group(1)}/"), (unit.name, url)
+            assert url.removeprefix(f"file://{prefix.group(1)}/") in data, (unit.name, url)
 
 
 def test_status_json_is_json_when_nothing_answers_and_quarantine_clear_of_nothing_writes_nothing(

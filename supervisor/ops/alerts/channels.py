@@ -167,15 +167,21 @@ class Alertmanager(_Http):
         authorization = _secret(hook, "auth_header_env")
         self._headers = {"Authorization": authorization} if authorization else {}
 
-    async def send(self, alert: Alert) -> None:
+    @staticmethod
+    def labels(alert: Alert) -> dict[str, str]:
+        """What Alertmanager routes on (docs/alertmanager.yml): a resolve carries the opening alert's."""
         opened = alert.details.get("opened_as", {}) if alert.resolves else {}
-        labels = {"alertname": str(opened.get("event", alert.event)), "severity": str(opened.get("severity",
-                                                                                                 alert.severity)),
+        labels = {"alertname": str(opened.get("event", alert.event)),
+                  "severity": str(opened.get("severity", alert.severity)),
                   "instance": alert.host, "service": "vllm-supervisor", "dedup_key": alert.dedup_key}
         if alert.kind:
             labels["kind"] = alert.kind
+        return labels
+
+    async def send(self, alert: Alert) -> None:
+        opened = alert.details.get("opened_as", {}) if alert.resolves else {}
         ends = alert.at if alert.resolves else alert.at + self.PAGE_HOLD_S
-        body = [{"labels": labels, "annotations": {"summary": alert.message[:1024]},
+        body = [{"labels": self.labels(alert), "annotations": {"summary": alert.message[:1024]},
                  "startsAt": rfc3339(float(opened.get("since", alert.at))), "endsAt": rfc3339(ends)}]
         await self.post(self.hook.endpoint.rstrip("/") + "/api/v2/alerts", "alertmanager", json=body,
                         headers=self._headers)
