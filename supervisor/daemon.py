@@ -38,7 +38,7 @@ from supervisor.event_stream import (
 )
 from supervisor.gateway.server import EVENTS, OUTCOMES, EngineView, Gateway, SupervisorSide
 from supervisor.heartbeat import Heartbeat
-from supervisor.host import Host, leftovers, reaper, rundir
+from supervisor.host import Child, DeviceSnapshot, Host, leftovers, reaper, rundir
 from supervisor.host.gpu import GpuLost
 from supervisor.host.vllm_http import EngineClient, EngineError
 from supervisor.lifecycle import Lifecycle
@@ -245,8 +245,27 @@ class Daemon:
             "devices": ",".join(map(str, self.cfg.engine.devices() or [])) or "all",
             "alerts": self.alerts.status(),
             "next_start": self.recovery.status(),
+            "processes": self.processes(),
             **({"gateway": self.gateway.status()} if self.gateway else {}),
         }
+
+    def processes(self) -> list[dict[str, Any]]:
+        """Every vLLM of ours on the host, by role (docs/operations.md, "What runs on the card"): its session (the
+        leader's pid, which `ps -o sid=` prints for any of its processes, nvidia-smi's EngineCore included), its live
+        pids, and the GPU memory they held at the last poll."""
+        run = self.lifecycle.run
+        rows: list[tuple[str, Child, str | None, Profile | None]] = \
+            [("engine", run.child, run.origin.url, self.lifecycle.profile)] if run and run.child else []
+        polled: list[DeviceSnapshot] = self.metrics.gpu_last
+        held = {pid: used for snap in polled for pid, used in snap.processes}
+        out = []
+        for role, child, url, profile in rows + self.recovery.processes():
+            pids = self.host.session_pids(child.sid)
+            if pids:
+                out.append({"role": role, "session": child.sid, "pids": pids, "url": url,
+                            "profile": profile.knobs() if profile else None,
+                            "gpu_bytes": sum(held.get(p, 0) for p in pids) if polled else None})
+        return out
 
     # ---- control: the operator's commands and reloads ------------------------------------------------------
     async def control_command(self, command: str, arg: str | None = None) -> tuple[bool, str]:

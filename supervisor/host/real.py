@@ -49,6 +49,10 @@ class RealHost:
         seen, _, _ = await proctree.stop_session(sid, grace_s, kill_wait_s, born=born)
         return seen
 
+    def session_pids(self, sid: int) -> list[int]:
+        """The live members of session ``sid`` (an engine's whole tree: its API server, EngineCore, workers)."""
+        return sorted(p.pid for p in proctree.session_members(sid))
+
     def tree_pids(self, child: Child) -> set[int]:
         return proctree.remember_descendants(child)
 

@@ -43,6 +43,7 @@ class Metrics:
                  configured: Mapping[str, Any] | None = None) -> None:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # a `_created` series per counter: noise
         self.registry = CollectorRegistry()
+        self.gpu_last: list[Any] = []  # the last GPU poll's DeviceSnapshots
         r = self.registry
         Info("vllm_supervisor_build", "Version of the supervisor and its Python", registry=r).info(
             {"version": __version__, "python": platform.python_version()})
@@ -143,6 +144,7 @@ class Metrics:
         self.registry.register(_GatewayCollector(read, outcomes, events))
 
     def set_gpu(self, devices: Sequence[Any]) -> None:
+        self.gpu_last = list(devices)  # /status processes reads who held what from the same poll
         for d in devices:
             for kind in ("total", "free", "used"):
                 self.gpu_memory.labels(str(d.index), kind).set(getattr(d, kind))

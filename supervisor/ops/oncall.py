@@ -47,6 +47,7 @@ def render_status(doc: dict[str, Any]) -> str:
         lines.append(f"gateway   {gw['listen']}  {gw.get('waiting', 0)} held now, {gw.get('held', 0)} held and "
                      f"{gw.get('replayed', 0)} replayed so far, {gw.get('streams_continued', 0)} streams continued; "
                      f"shedding: {gw.get('shedding') or 'no'}; quarantine: {gw.get('quarantine_size', 0)}")
+    lines += _processes(doc.get("processes") or [])
     failing = {name: s for name, s in (doc.get("alerts") or {}).items() if s.get("last_error")
                and s.get("last_failed_at", 0) >= s.get("last_sent_at", 0)}
     if failing:
@@ -61,6 +62,19 @@ def render_status(doc: dict[str, Any]) -> str:
             lines.append(f"              incident {Path(lf['incident']).stem}  (vllm-supervisor incidents "
                          f"{Path(lf['incident']).stem})")
     return "\n".join(lines)
+
+
+def _processes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per vLLM of ours, so that on-call can tell nvidia-smi's processes apart: ``ps -o sid= -p PID``
+    prints the session of any of them."""
+    out = []
+    for n, row in enumerate(rows):
+        held = row.get("gpu_bytes")
+        memory = f"  {held / 2**30:.1f} GiB" if held else ""
+        pids = ",".join(map(str, row.get("pids", [])))
+        out.append(f"{'processes' if n == 0 else '':<10}{row['role']:<20} session {row['session']}  pids {pids}"
+                   f"{memory}{'  ' + row['url'] if row.get('url') else ''}")
+    return out
 
 
 def fatal_line(fatal: dict[str, Any], who: str) -> str:

@@ -24,7 +24,7 @@ from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
 from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, FailureClassified, StateChanged
-from supervisor.host import Host
+from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
 from supervisor.recovery.spare import Spare
@@ -136,6 +136,13 @@ class Recovery:
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""
         return self.ahead.pids()
+
+    def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
+        """What runs besides the engine, for /status: (role, its session's leader, its URL, its rung)."""
+        standby = self.pool.standby
+        out: list[tuple[str, Child, str | None, Profile | None]] = \
+            [("standby", standby.child, None, None)] if standby is not None else []
+        return out + self.ahead.processes()
 
     def status(self) -> dict[str, Any]:
         return {"standby": self.pool.status(), **self.ahead.status()}

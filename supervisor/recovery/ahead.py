@@ -19,7 +19,7 @@ from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, THROWAWAY_STOP_S
 from supervisor.config import Config
 from supervisor.engine import gates
 from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
-from supervisor.host import Host
+from supervisor.host import Child, Host
 from supervisor.host.gpu import GpuLost
 from supervisor.profile import Knob, Profile
 from supervisor.recovery.precompile import Precompiler
@@ -270,6 +270,14 @@ class Ahead:
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (second engines hold GPU memory)."""
         return self.launcher.pids() | self.keeper.pids()
+
+    def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
+        """The spare asleep and every second engine being started (a precompile's, or a spare being built)."""
+        spare = self.keeper.spare
+        out: list[tuple[str, Child, str | None, Profile | None]] = \
+            [("spare", spare.child, spare.url, spare.profile)] if spare is not None else []
+        return out + [("spare (being built)" if t.work.name.startswith("spare-") else "precompile", t.child, t.url,
+                       t.profile) for t in sorted(self.launcher.current, key=lambda t: t.pid) if t is not spare]
 
     def status(self) -> dict[str, Any]:
         return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),

@@ -8,12 +8,14 @@ sleeping footprint asleep, and take it back on /wake_up (a CUDA OOM when it is n
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.helpers.processes import (
@@ -166,6 +168,43 @@ def test_where_the_spare_fits_beside_the_engine_the_order_stays_beside(supervise
     spare = st["next_start"]["spare"]
     assert spare["order"]["order"] == "beside", spare
     assert sup.events("precompile.started")[0]["timestamp"] > sup.events("engine.spawned")[0]["timestamp"]
+
+
+def test_status_tells_each_vllm_on_the_card_apart_by_role_session_and_memory(supervise: Callable[..., Sup],
+                                                                          tmp_path: Path) -> None:
+    """Issue 39, item 4: on-call meets several vLLMs in nvidia-smi (the engine, the spare asleep, the standby). Each
+    is one row of /status `processes`: its role, its session (what `ps -o sid=` prints for any of its processes,
+    the EngineCore nvidia-smi lists included), its live pids and the GPU memory they hold."""
+    sup = supervise({"profile": {"gpu_memory_utilization": 0.4},
+                     "recovery": {"precompile_idle_s": 0.2, "standby": True}})
+    sup.wait_ready(60)
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep"
+                      and s["next_start"]["standby"] is not None and not s["next_start"]["precompiling"]
+                      and any(r["role"] == "spare" and r["gpu_bytes"] for r in s["processes"]), 60,
+                      "a spare asleep, a standby, and a GPU poll since (every 10 s)")
+    rows = {r["role"]: r for r in st["processes"]}
+    assert set(rows) == {"engine", "spare", "standby"}, st["processes"]
+    assert rows["engine"]["session"] == st["engine_pid"] and rows["engine"]["url"] == st["engine_url"]
+    assert rows["spare"]["session"] == st["next_start"]["spare"]["pid"]
+    assert rows["standby"]["session"] == st["next_start"]["standby"]["pid"]
+    for role, row in rows.items():
+        members = sorted(p.pid for p in psutil.process_iter() if _sid(p.pid) == row["session"])
+        assert row["pids"] == members, role
+    # The engine's and the spare's EngineCore hold the card's memory (the fake NVML's per-process records); the
+    # standby only imported, and holds none.
+    assert rows["engine"]["gpu_bytes"] > rows["spare"]["gpu_bytes"] > 0, st["processes"]
+    assert rows["standby"]["gpu_bytes"] == 0
+    assert len(rows["engine"]["pids"]) >= 2  # the API server and its EngineCore
+    text = cli("status", "--config", str(sup.config)).stdout
+    for role, row in rows.items():
+        assert f"session {row['session']}" in text and role in text, text
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def test_a_spare_whose_sleeping_footprint_grows_is_recycled(supervise: Callable[..., Sup], card: Path) -> None:

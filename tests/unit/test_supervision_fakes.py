@@ -104,6 +104,9 @@ class FakeHost:
         self.leftover_stops.append(sid)
         return [sid]
 
+    def session_pids(self, sid: int) -> list[int]:
+        return [sid]
+
     def tree_pids(self, child: FakeChild) -> set[int]:
         return set(child.known_pids)
 
