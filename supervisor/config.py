@@ -65,8 +65,10 @@ def visible_devices(env: Mapping[str, str]) -> list[int | str] | None:
 
 
 def _default_command() -> tuple[str, ...]:
-    # The interpreter running the supervisor; set [engine] command when vLLM lives elsewhere.
-    return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+    """`vllm serve` from the supervisor's own environment (the `[vllm]` extra); set [engine] command when vLLM lives
+    elsewhere. Not `python -m vllm.entrypoints.openai.api_server`: vLLM 0.32 prints at every start that it is
+    deprecated. Not resolved: a virtualenv's interpreter is a symlink, and its `vllm` lies beside the link."""
+    return (os.path.join(os.path.dirname(sys.executable), "vllm"), "serve")
 
 
 Message = str | Callable[[Any], str]

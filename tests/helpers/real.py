@@ -11,7 +11,7 @@ TINY_MODEL = os.environ.get("TINY_MODEL", "")
 START_S = 300  # a cold vLLM start is about a minute on 2 cores; leave room for a busy CI machine
 
 REAL_BASE: dict[str, Any] = {
-    "engine": {"model": TINY_MODEL, "command": [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"],
+    "engine": {"model": TINY_MODEL, "command": [VLLM_PYTHON, "-m", "vllm.entrypoints.launchers.api_server.entry"],
                "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"},
                # Request logging on, prefix caching off (rendered as vLLM's --no-enable-prefix-caching):
                # every request's stop strings reach vLLM's console, and must never steer a verdict.

@@ -93,6 +93,10 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
     warned = [line for line in sup.log_path.read_text(errors="replace").splitlines()
               if "Unknown vLLM environment variable" in line and "SUP" in line]
     assert not warned, warned
+    # Issue 39: nor that its server module, the command, is deprecated (examples/cpu-tiny.toml's launcher).
+    deprecated = [line for line in sup.log_path.read_text(errors="replace").splitlines()
+                  if "DeprecationWarning" in line and "entrypoints" in line]
+    assert not deprecated, deprecated
     assert sum(phases.values()) == pytest.approx(st["timings"]["start_to_ready_s"], abs=0.05)
     code, body = complete(sup, prompt="hello world the quick brown fox")
     assert code == 200 and body["choices"][0]["text"] is not None

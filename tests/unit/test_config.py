@@ -158,7 +158,7 @@ def test_check_command_prints_the_effective_engine_command(tmp_path: Path) -> No
                  '[engine.args]\napi_key = "sk-secret-123"\nenable_prefix_caching = false\n')
     out = subprocess.run([sys.executable, "-m", "supervisor", "check", "--config", str(p)],
                          capture_output=True, text=True, check=True).stdout
-    assert f"--model {model}" in out and "--max-num-seqs 8" in out
+    assert f"vllm serve {model} " in out and "--max-num-seqs 8" in out  # the default command: vLLM's positional model
     assert "--no-enable-prefix-caching" in out
     assert "--api-key '***'" in out and "sk-secret-123" not in out
 
@@ -333,3 +333,21 @@ def test_every_numeric_key_carries_its_constraint_beside_its_field() -> None:
                "gateway": {"kv_cache_high": 2}})
     assert err.value.problems == [("restart.backoff_max_s", "must be >= backoff_initial_s"),
                                   ("gateway.kv_cache_high", "must be a fraction in [0, 1] (0 switches the rule off)")]
+
+
+def test_the_default_engine_command_is_vllm_serve_beside_the_supervisors_interpreter() -> None:
+    """Issue 39: not `python -m vllm.entrypoints.openai.api_server`, which vLLM 0.32 calls deprecated at every start.
+    The interpreter's path is not resolved: a virtualenv's python is a symlink, its `vllm` lies beside the link."""
+    import os
+    import sys
+
+    from supervisor.config import EngineConfig
+
+    prefix = EngineConfig(model="m").argv_prefix
+    assert prefix == (os.path.join(os.path.dirname(sys.executable), "vllm"), "serve")
+    from supervisor.recovery.standby import VLLM_CLI, entry_of
+
+    made = entry_of(prefix)  # a standby can import ahead for it
+    if os.access(os.path.join(os.path.dirname(sys.executable), "python"), os.X_OK):
+        assert made is not None and made.target == VLLM_CLI and made.args_from == 1
+
