@@ -176,6 +176,30 @@ class RungPrecompiled(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BuildingFirst(Event):
+    """A planned start builds ahead before its engine (``precompile_order``/``spare_order`` "first"): one record per
+    step, for the journal, systemd's STATUS= and /status. ``left_s``: what is left as the last builds on this host
+    took (``<state dir>/builds.json``); None before any."""
+
+    name = "start.building_first"
+    step: str  # "rungs" (compiles side by side) or "spare"
+    done: int
+    of: int
+    left_s: float | None = None
+
+    def line(self) -> str:
+        return building_line(self.step, self.done, self.of, self.left_s)
+
+
+def building_line(step: str, done: int, of: int, left_s: float | None) -> str:
+    """A build-first's step in words: systemd's STATUS=, `vllm-supervisor status`."""
+    what = "rungs compiled" if step == "rungs" else "spare asleep"
+    left = ("no earlier build to tell the time" if left_s is None
+            else f"about {left_s:.0f} s left" if left_s < 120 else f"about {left_s / 60:.0f} min left")
+    return f"building first: {done} of {of} {what}, {left}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineStopped(Event):
     name = "engine.stopped"
     pids: tuple[int, ...]

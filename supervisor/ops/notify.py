@@ -16,6 +16,7 @@ import sdnotify
 
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
+    BuildingFirst,
     Event,
     Reloaded,
     ReloadFailed,
@@ -55,10 +56,12 @@ class Notifier:
             self._n.notify("\n".join(fields))
 
     def on_event(self, event: Event) -> None:
-        if isinstance(event, StartupStep) and self.last is not None:
-            # A long start says which step it is in, not only STARTING (loading weights, compiling, ...).
+        if isinstance(event, StartupStep | BuildingFirst) and self.last is not None:
+            # A long start says which step it is in, not only STARTING (building first n of m, loading weights,
+            # compiling, ...).
             state, knobs, restarts = self.last
-            self.send(f"STATUS={status_line(f'{state} ({event.step})', knobs, restarts)}")
+            step = event.step if isinstance(event, StartupStep) else event.line()
+            self.send(f"STATUS={status_line(f'{state} ({step})', knobs, restarts)}")
         elif isinstance(event, StateChanged):
             self.last = (event.new.value, event.profile.knobs(), event.restarts)
             line = f"STATUS={status_line(event.new.value, event.profile.knobs(), event.restarts)}"

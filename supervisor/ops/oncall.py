@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.bounds import GIB
+from supervisor.event_stream import building_line
 from supervisor.host.files import read_json
 from supervisor.ops import statefile
 
@@ -47,6 +48,10 @@ def render_status(doc: dict[str, Any]) -> str:
         lines.append(f"gateway   {gw['listen']}  {gw.get('waiting', 0)} held now, {gw.get('held', 0)} held and "
                      f"{gw.get('replayed', 0)} replayed so far, {gw.get('streams_continued', 0)} streams continued; "
                      f"shedding: {gw.get('shedding') or 'no'}; quarantine: {gw.get('quarantine_size', 0)}")
+    building = (doc.get("next_start") or {}).get("building_first")
+    if building:
+        lines.append("building  " + building_line(building["step"], building["done"], building["of"],
+                                                 building.get("left_s")))
     lines += _processes(doc.get("processes") or [])
     failing = {name: s for name, s in (doc.get("alerts") or {}).items() if s.get("last_error")
                and s.get("last_failed_at", 0) >= s.get("last_sent_at", 0)}

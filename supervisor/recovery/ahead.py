@@ -23,6 +23,7 @@ from supervisor.host import Child, Host
 from supervisor.host.gpu import GpuLost
 from supervisor.profile import Knob, Profile
 from supervisor.recovery.precompile import Precompiler
+from supervisor.recovery.progress import FirstBuilds
 from supervisor.recovery.spare import Spare, SpareKeeper
 from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
 
@@ -45,6 +46,7 @@ class Ahead:
         self.building_first = False  # a planned start's second engines are being built before its engine
         self.device_fault = False  # the last failure was the GPU's own (Xid, ECC): nothing on it is kept
         self._at_ready: Profile | None = None  # a rung compiled beside the engine at READY, not precompile_idle_s on
+        self.first = FirstBuilds(cfg.state.dir, host, publish)  # a build-first's step, while one runs
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -131,6 +133,7 @@ class Ahead:
             return await self._spare_first(profile)
         finally:
             self.building_first = False
+            self.first.over()
 
     async def _compile_first(self, profile: Profile) -> None:
         version = self.version or self.precompiler.known_version()
@@ -153,10 +156,18 @@ class Ahead:
                 self._at_ready = next((p for p in within_reach[1:2] if p.compile_key() in missing), None)
             return
         slots, self._stopped = asyncio.Semaphore(plan.at_once), set()
+        done = 0
+        self.first.step("rungs", done, len(plan.rungs), plan.at_once)
 
         async def one(rung: Profile) -> None:
+            nonlocal done
             async with slots:
+                t0 = self.host.monotonic()
                 await self._guarded(rung.with_(gpu_memory_utilization=plan.util), self.version, False, plan.kv_bytes)
+                if not self.failed.no_precompile(rung.with_(gpu_memory_utilization=plan.util)):
+                    self.first.times.note("rungs", self.host.monotonic() - t0)
+            done += 1
+            self.first.step("rungs", done, len(plan.rungs), plan.at_once)
 
         timeout = self.cfg.recovery.precompile_timeout_s
         try:
@@ -175,7 +186,11 @@ class Ahead:
         util = await self.keeper.first(targets[0], profile) if targets else None
         if util is None:
             return False
+        self.first.step("spare", 0, 1)
         await self._guarded(targets[0].with_(gpu_memory_utilization=util), self.version, True)
+        if self.keeper.spare is not None:
+            self.first.times.note("spare", self.keeper.last_build_s)
+            self.first.step("spare", 1, 1)
         return self.keeper.spare is not None
 
     @property
@@ -281,6 +296,7 @@ class Ahead:
 
     def status(self) -> dict[str, Any]:
         return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
+                "building_first": self.first.status(),
                 "spare": {**self.keeper.status(), "due": self._due()}}
 
     def _due(self) -> dict[str, Any]:

@@ -257,8 +257,18 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_PROFILE_S": "1.5"}},
                  "recovery": {"precompile": "auto"}, "state": {"dir": str(state)}}
     sup = supervise(overrides)
+    # Issue 38, item 6: while it builds, /status and `vllm-supervisor status` say what, n of m, and the time left.
+    mid = sup.wait_for(lambda s: (s["next_start"]["building_first"] or {}).get("step") == "rungs", 60,
+                       "the rungs being compiled first")["next_start"]["building_first"]
+    assert mid["of"] == 5 and mid["done"] < 5 and mid["left_s"] is None, mid  # no earlier build on this host
+    assert "building first: " in cli("status", "--config", str(sup.config)).stdout
     st = sup.wait_ready(120)
     assert st["next_start"]["precompile"]["order"] == "first", st["next_start"]["precompile"]
+    assert st["next_start"]["building_first"] is None
+    steps = [(e["step"], e["done"], e["of"]) for e in sup.events("start.building_first")]
+    assert steps == [("rungs", n, 5) for n in range(6)] + [("spare", 0, 1), ("spare", 1, 1)], steps
+    took = json.loads((state / "builds.json").read_text())
+    assert took["rungs"] > 1.5 and took["spare"] > 0, took  # each compile profiled memory for 1.5 s
     started, done = sup.events("precompile.started"), sup.events("engine.rung_precompiled")
     compiled = [e for e in done if e["ok"]]
     # The engine's own rung and the four below it, then the spare (6144 again, a warm start now).
@@ -279,6 +289,8 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     again = supervise(overrides)
     st = again.wait_ready(120)
     assert len(again.events("engine.rung_precompiled")) == 1, again.events("engine.rung_precompiled")  # the spare
+    (spare_step, _) = again.events("start.building_first")
+    assert spare_step["step"] == "spare" and spare_step["left_s"] == took["spare"], spare_step  # the last one's time
     assert st["next_start"]["spare"]["state"] == "asleep"
 
     # Two deaths in a row (issue 27, (d)): the seed's crash wakes the spare at 6144; the next runtime OOM, with no

@@ -128,6 +128,43 @@ def test_notify_subscriber_alone_on_a_real_socket(tmp_path: Path, monkeypatch: p
     assert got[-1] == "STOPPING=1"
 
 
+def test_a_build_first_tells_systemd_its_step_n_of_m_and_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38, item 6: `systemctl status` shows what a long first start is doing, not only STARTING."""
+    from supervisor.event_stream import BuildingFirst
+
+    sent: list[str] = []
+    monkeypatch.setenv("NOTIFY_SOCKET", "/nonexistent")
+    n = Notifier()
+    monkeypatch.setattr(n, "send", lambda *fields: sent.append("\n".join(fields)))
+    n.on_event(STREAM[0])
+    n.on_event(BuildingFirst(at=1.0, step="rungs", done=0, of=5, left_s=None))
+    n.on_event(BuildingFirst(at=2.0, step="rungs", done=2, of=5, left_s=216.0))
+    n.on_event(BuildingFirst(at=3.0, step="spare", done=0, of=1, left_s=48.0))
+    assert sent[1:] == [
+        "STATUS=STARTING (building first: 0 of 5 rungs compiled, no earlier build to tell the time) chunk=8192 "
+        "seqs=16 util=0.9 restarts=0",
+        "STATUS=STARTING (building first: 2 of 5 rungs compiled, about 4 min left) chunk=8192 seqs=16 util=0.9 "
+        "restarts=0",
+        "STATUS=STARTING (building first: 0 of 1 spare asleep, about 48 s left) chunk=8192 seqs=16 util=0.9 "
+        "restarts=0"]
+
+
+def test_the_time_left_is_the_batches_left_as_the_last_build_took(tmp_path: Path) -> None:
+    from supervisor.recovery.progress import BuildTimes, Progress
+
+    assert Progress("rungs", 0, 5, 2, None, 0.0).left_s(10.0) is None
+    assert Progress("rungs", 0, 5, 2, 100.0, 0.0).left_s(30.0) == 270.0  # 3 batches of 2, 30 s into the first
+    assert Progress("rungs", 4, 5, 2, 100.0, 0.0).left_s(150.0) == 0.0  # running past the last one's time
+    assert Progress("rungs", 5, 5, 2, 100.0, 0.0).left_s(1.0) == 0.0
+    times = BuildTimes(str(tmp_path))
+    times.note("rungs", 63.04)
+    times.note("spare", None)
+    (tmp_path / "junk").write_text("x")
+    assert BuildTimes(str(tmp_path)).took_s == {"rungs": 63.0}
+    (tmp_path / "builds.json").write_text('{"rungs": "soon", "spare": -1, "other": 5}')
+    assert BuildTimes(str(tmp_path)).took_s == {}  # a damaged record tells nothing
+
+
 async def test_a_slow_subscriber_never_delays_publishing_and_what_it_drops_is_counted() -> None:
     bus = EventBus()
     stuck = asyncio.Event()
