@@ -73,6 +73,7 @@ class Ready:
     from_standby: bool = False
     from_spare: bool = False  # a spare engine was woken: nothing was built
     engine_url: str = ""  # where this start's engine listens (a woken spare has a port of its own)
+    compile_cache: str | None = None  # the torch.compile cache directory vLLM said it used (host/compile_cache.py)
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.timings, "phases": dict(self.phases)}

@@ -21,7 +21,7 @@ from supervisor.decide.evidence import ConsoleFilter, event_evidence
 from supervisor.engine import launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import CompileCacheUnusable, EngineEnvReported, Event, StartupStep
-from supervisor.host import Host
+from supervisor.host import Host, compile_cache
 
 AOT_HINT = ("vLLM compiles the model again at every start (2-3 s of each on the tiny CPU model, docs/recovery.md); "
             "VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older compile cache, which loads")
@@ -47,6 +47,7 @@ class Observer:
                             redact=lambda line: launch.redact(line, self.secrets))
         self.steps: list[tuple[str, float]] = []  # every step vLLM went through while loading, and when it began
         self.engine_version: str | None = None
+        self.compile_cache: str | None = None  # the torch.compile cache directory vLLM said it used
         self.loading = True  # until /health 200: the console names vLLM's startup steps
         self.ending = False  # the run is ending: records are kept, no more deaths are reported
         self._aot_noted = False
@@ -85,6 +86,8 @@ class Observer:
                 self.publish(StartupStep(at=self.host.wall(), step=step))
             if self.engine_version is None:
                 self.engine_version = startup.version_of(line)
+            if self.compile_cache is None:
+                self.compile_cache = compile_cache.directory_of(line)
             reason = None if self._aot_noted else startup.aot_cache_failure(line)
             if reason:
                 self._aot_noted = True

@@ -363,7 +363,7 @@ class EngineRun:
         assert t.healthy is not None
         phases = startup.phases(t.started, t.spawned, self.seen.steps, t.healthy, t.ready)
         return Ready(t.timings(), phases, tuple(sizes), self.seen.engine_version, self.origin.standby,
-                     self.origin.spare is not None, engine_url=self.origin.url)
+                     self.origin.spare is not None, engine_url=self.origin.url, compile_cache=self.seen.compile_cache)
 
     async def _warm(self, w: WarmupConfig, sizes: list[int]) -> None:
         await warmup.run(self.client, sizes, w)

@@ -74,7 +74,8 @@ class Recovery:
                 self._ready_since = self.host.monotonic()
                 self.ahead.precompiler.learnt_version(version)
                 if not (event.ready and event.ready.from_spare):  # a spare's graphs are a sleep-mode engine's
-                    self.ahead.precompiler.note_compiled(event.profile, version)
+                    self.ahead.precompiler.note_compiled(event.profile, version,
+                                                         event.ready.compile_cache if event.ready else None)
                 self.pool.want()
             elif event.old is EngineState.READY:
                 self._serving, self._idle_since, self._ready_since = None, None, None

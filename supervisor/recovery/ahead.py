@@ -256,7 +256,7 @@ class Ahead:
                 # Its graphs are in the cache, whatever comes. Not a spare's: on the H200 a start at a rung only a
                 # spare had compiled compiled it again (24 s): it runs with --enable-sleep-mode and dev mode, and
                 # vLLM's compile hash took them in; the rung is then precompiled plainly as any.
-                self.precompiler.note_compiled(t.profile, version)
+                self.precompiler.note_compiled(t.profile, version, t.cache_used[0] if t.cache_used else None)
         finally:
             if not kept:
                 if self._stopped is not None:

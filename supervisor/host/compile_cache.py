@@ -1,0 +1,99 @@
+"""What vLLM's own torch.compile cache holds, as the supervisor compiled it: a note in each of its directories.
+
+``compiled.json`` lives in the state directory: a new or lost one (a second supervisor on the host, a state volume
+replaced, a reboot onto a fresh disk) knew nothing, and a first start compiled again what vLLM's cache held
+(222 s on the H200). vLLM names a rung's directory by a hash of its config, which the supervisor cannot compute
+without importing vLLM, but each start says which directory it uses ("Using cache directory: ... for vLLM's
+torch.compile"). After that start reached /health, a note (``vllm-supervisor.json``: the engine and the rung) is
+put beside vLLM's files there; a supervisor reads every note whose directory still holds vLLM's files, so the
+cache is the record: a directory removed takes its note with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+
+from supervisor.host import files
+
+log = structlog.get_logger("supervisor.host.compile_cache")
+NOTE = "vllm-supervisor.json"
+SUBDIR = "torch_compile_cache"
+USING = re.compile(r"Using cache directory: (\S+) for vLLM's torch\.compile")
+
+
+def root(env: Mapping[str, str]) -> Path:
+    """vLLM's cache root in the engine's environment (vllm/envs.py: VLLM_CACHE_ROOT, else XDG_CACHE_HOME/vllm, else
+    ~/.cache/vllm)."""
+    if env.get("VLLM_CACHE_ROOT"):
+        return Path(os.path.expanduser(env["VLLM_CACHE_ROOT"]))
+    home = env.get("HOME") or os.path.expanduser("~")
+    return Path(env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")) / "vllm"
+
+
+def directory_of(line: str) -> str | None:
+    """The compile cache directory a start's console line names, else None."""
+    m = USING.search(line)
+    return m.group(1) if m else None
+
+
+def rung_dir(used: str, cache_root: Path) -> Path | None:
+    """The rung's own directory (``<root>/torch_compile_cache/<hash>``) of what vLLM said it used
+    (``.../<hash>/rank_0_0/backbone``); None for anything outside the cache root."""
+    base = (cache_root / SUBDIR).resolve()
+    try:
+        rel = Path(os.path.realpath(used)).relative_to(base)
+    except ValueError:
+        return None
+    return base / rel.parts[0] if len(rel.parts) >= 2 else None
+
+
+def note(used: str, cache_root: Path, engine_id: str, key: str) -> bool:
+    """Put (or extend) the note beside vLLM's files of one rung; False where it cannot (a warning)."""
+    where = rung_dir(used, cache_root)
+    if where is None or not where.is_dir():
+        log.warning("compile_cache.not_noted", used=used, root=str(cache_root),
+                    hint="the directory vLLM named is not inside the cache root of the engine's environment")
+        return False
+    held = _read(where / NOTE)
+    keys = held.setdefault(engine_id, [])
+    if key in keys:
+        return True
+    keys.append(key)
+    try:
+        files.write_private(where / NOTE, json.dumps(held))
+    except OSError as exc:
+        log.warning("compile_cache.not_noted", used=used, error=str(exc))
+        return False
+    return True
+
+
+def read(cache_root: Path) -> dict[str, list[str]]:
+    """Every note under ``cache_root`` whose directory still holds vLLM's files, merged: {engine id: [rung keys]}."""
+    out: dict[str, list[str]] = {}
+    try:
+        dirs = sorted((cache_root / SUBDIR).iterdir())
+    except OSError:
+        return out
+    for d in dirs:
+        if not (d / NOTE).is_file() or not any(p.is_dir() for p in d.glob("rank_*/*")):
+            continue
+        for engine_id, keys in _read(d / NOTE).items():
+            merged = out.setdefault(engine_id, [])
+            merged += [k for k in keys if k not in merged]
+    return out
+
+
+def _read(path: Path) -> dict[str, list[str]]:
+    try:
+        doc = files.read_json(path)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {str(k): [str(x) for x in v] for k, v in doc.items() if isinstance(v, list)}
