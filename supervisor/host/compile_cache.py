@@ -24,7 +24,11 @@ from supervisor.host import files
 log = structlog.get_logger("supervisor.host.compile_cache")
 NOTE = "vllm-supervisor.json"
 SUBDIR = "torch_compile_cache"
-USING = re.compile(r"Using cache directory: (\S+) for vLLM's torch\.compile")
+AOT = "torch_aot_compile"  # vLLM's AOT compile (VLLM_USE_AOT_COMPILE): <root>/torch_compile_cache/<AOT>/<hash>
+# The directory a start uses, in vLLM's words: its compile cache, or its AOT compile's (vLLM 0.32: saved after a
+# compile, or loaded; decorators.py).
+USING = re.compile(r"Using cache directory: (\S+) for vLLM's torch\.compile|saved AOT compiled function to (\S+)"
+                   r"|Directly load AOT compilation from path (\S+)")
 
 
 def root(env: Mapping[str, str]) -> Path:
@@ -39,18 +43,19 @@ def root(env: Mapping[str, str]) -> Path:
 def directory_of(line: str) -> str | None:
     """The compile cache directory a start's console line names, else None."""
     m = USING.search(line)
-    return m.group(1) if m else None
+    return next((g for g in m.groups() if g), None) if m else None
 
 
 def rung_dir(used: str, cache_root: Path) -> Path | None:
-    """The rung's own directory (``<root>/torch_compile_cache/<hash>``) of what vLLM said it used
-    (``.../<hash>/rank_0_0/backbone``); None for anything outside the cache root."""
+    """The rung's own directory (``<root>/torch_compile_cache/<hash>``, or ``.../torch_aot_compile/<hash>``) of what
+    vLLM said it used (``.../<hash>/rank_0_0/backbone``); None for anything outside the cache root."""
     base = (cache_root / SUBDIR).resolve()
     try:
         rel = Path(os.path.realpath(used)).relative_to(base)
     except ValueError:
         return None
-    return base / rel.parts[0] if len(rel.parts) >= 2 else None
+    depth = 2 if rel.parts and rel.parts[0] == AOT else 1
+    return base.joinpath(*rel.parts[:depth]) if len(rel.parts) > depth else None
 
 
 def note(used: str, cache_root: Path, engine_id: str, key: str) -> bool:
@@ -76,12 +81,14 @@ def note(used: str, cache_root: Path, engine_id: str, key: str) -> bool:
 def read(cache_root: Path) -> dict[str, list[str]]:
     """Every note under ``cache_root`` whose directory still holds vLLM's files, merged: {engine id: [rung keys]}."""
     out: dict[str, list[str]] = {}
-    try:
-        dirs = sorted((cache_root / SUBDIR).iterdir())
-    except OSError:
-        return out
+    dirs: list[Path] = []
+    for where in (cache_root / SUBDIR, cache_root / SUBDIR / AOT):
+        try:
+            dirs += sorted(d for d in where.iterdir() if d.name != AOT)
+        except OSError:
+            continue
     for d in dirs:
-        if not (d / NOTE).is_file() or not any(p.is_dir() for p in d.glob("rank_*/*")):
+        if not (d / NOTE).is_file() or not any(d.glob("rank_*/*")):
             continue
         for engine_id, keys in _read(d / NOTE).items():
             merged = out.setdefault(engine_id, [])

@@ -93,6 +93,16 @@ def test_start_warmup_ready_then_completion_and_chat_are_served(sup: Sup) -> Non
     warned = [line for line in sup.log_path.read_text(errors="replace").splitlines()
               if "Unknown vLLM environment variable" in line and "SUP" in line]
     assert not warned, warned
+    # Issue 38, item 3: vLLM's own compile cache holds the record of the rung it compiled (its AOT compile's
+    # directory, as vLLM 0.32 names it), which a new state directory reads instead of compiling again.
+    from supervisor.host import compile_cache
+    from supervisor.profile import Profile
+
+    key = Profile(**st["profile"]).compile_key()
+    deadline = time.monotonic() + 30  # noted by recovery's subscriber at READY, from its own queue
+    while not any(key in keys for keys in compile_cache.read(compile_cache.root(os.environ)).values()):
+        assert time.monotonic() < deadline, f"no note of {key!r} in vLLM's compile cache"
+        time.sleep(0.2)
     # Issue 39: nor that its server module, the command, is deprecated (examples/cpu-tiny.toml's launcher).
     deprecated = [line for line in sup.log_path.read_text(errors="replace").splitlines()
                   if "DeprecationWarning" in line and "entrypoints" in line]

@@ -46,3 +46,25 @@ def test_a_note_is_read_back_only_while_vllms_files_are_there_and_never_outside_
     (bad / compile_cache.NOTE).write_text(json.dumps({"v:abc:{}": "not a list"}))
     assert compile_cache.read(root) == {}
     assert compile_cache.read(tmp_path / "nothing") == {}
+
+
+def test_an_aot_compiles_directory_is_its_hash_not_the_aot_folder_all_rungs_share(tmp_path: Path) -> None:
+    """vLLM 0.32's AOT compile keeps every rung under torch_compile_cache/torch_aot_compile/<hash>/rank_0_0/model."""
+    root = tmp_path / "vllm"
+    rung = root / "torch_compile_cache" / "torch_aot_compile" / ("8b" * 32)
+    (rung / "rank_0_0").mkdir(parents=True)
+    (rung / "rank_0_0" / "model").write_bytes(b"artifact")
+    assert compile_cache.rung_dir(str(rung / "rank_0_0" / "model"), root) == rung.resolve()
+    assert compile_cache.rung_dir(str(root / "torch_compile_cache" / "torch_aot_compile"), root) is None
+    assert compile_cache.note(str(rung / "rank_0_0"), root, "0.32.0:abc:{}", "--max-num-batched-tokens 2048")
+    assert compile_cache.read(root) == {"0.32.0:abc:{}": ["--max-num-batched-tokens 2048"]}
+
+
+def test_vllm_032s_aot_lines_name_the_directory_too() -> None:
+    saved = ("(Worker pid=11920) INFO 12-04 21:04:51 [decorators.py:743] [backbone] saved AOT compiled function to "
+             "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/8ba695f0/rank_0_0/model")
+    assert compile_cache.directory_of(saved) == "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/8ba695f0/" \
+                                                "rank_0_0/model"
+    loaded = ("INFO [decorators.py:320] [backbone] Directly load AOT compilation from path "
+              "/c/torch_aot_compile/ab/rank_0_0/model")
+    assert compile_cache.directory_of(loaded) == "/c/torch_aot_compile/ab/rank_0_0/model"
