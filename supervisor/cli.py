@@ -15,6 +15,7 @@ from typing import Any, TextIO, cast
 from supervisor import config as config_mod
 from supervisor.about import __version__
 from supervisor.bounds import GIB
+from supervisor.config import masked
 from supervisor.engine import launch
 from supervisor.engine_states import ExitCode
 from supervisor.ops import logs, oncall
@@ -171,7 +172,7 @@ def _check(cfg: config_mod.Config, strict: bool = False) -> int:
         else cfg.profile
     errors, warnings = preflight.preflight(cfg)
     warnings += paging.double_pages(cfg.alerts.hooks)
-    argv = launch.masked(launch.build_argv(cfg.engine, profile, cfg.health.hang_timeout_s), cfg.engine.secrets())
+    argv = masked(launch.build_argv(cfg.engine, profile, cfg.health.hang_timeout_s), cfg.engine.secrets())
     # What would stop or slow a start on this machine. Not a bad config: a late mount is waited for, and a
     # missing engine command is the engine's configuration error (exit 3 at run).
     for name, msg in errors:

@@ -13,7 +13,7 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -796,6 +796,22 @@ def _port_clashes(built: dict[str, Any]) -> list[tuple[str, str]]:
     if metrics_at is not None and metrics_at[1] in (engine.port, admin_port):
         out.append(("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))
     return out
+
+
+MASK = "***"
+
+
+def masked(argv: Sequence[str], secret_values: Sequence[str]) -> list[str]:
+    """``argv`` with every secret value (``EngineConfig.secrets``) replaced by ``***``."""
+    return [MASK if a in secret_values else redact(a, secret_values) for a in argv]
+
+
+def redact(text: str, secret_values: Sequence[str]) -> str:
+    """``text`` with every secret value replaced by ``***``: what a log line, an incident or `check` may show."""
+    for s in secret_values:
+        if s and s in text:
+            text = text.replace(s, MASK)
+    return text
 
 
 Problems = list[tuple[str, str]]

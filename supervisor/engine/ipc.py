@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from supervisor.child import vllm_hook
-from supervisor.gateway import routes
+from supervisor.host import routes
 
 SOCKET_NAME = "events.sock"  # in each start's (or second engine's) own directory
 

@@ -21,7 +21,6 @@ WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", 
 STORE_TRUE_ONLY = frozenset({"headless", "grpc", "data_parallel_multi_port_external_lb", "disable_log_stats",
                              "aggregate_engine_logging", "disable_log_requests"})
 
-MASK = "***"
 
 
 def arg_flags(args: Mapping[str, ArgValue]) -> list[str]:
@@ -70,17 +69,6 @@ def build_argv(engine: EngineConfig, profile: Profile, distributed_timeout_s: fl
     ]
 
 
-
-def masked(argv: Sequence[str], secret_values: Sequence[str]) -> list[str]:
-    """``argv`` with every secret value replaced by ``***``."""
-    return [MASK if a in secret_values else redact(a, secret_values) for a in argv]
-
-
-def redact(text: str, secret_values: Sequence[str]) -> str:
-    for s in secret_values:
-        if s and s in text:
-            text = text.replace(s, MASK)
-    return text
 
 
 def build_env(engine: EngineConfig, ipc_env: Mapping[str, str], hook_dir: str,

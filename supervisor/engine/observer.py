@@ -14,11 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from supervisor.child import vllm_hook
-from supervisor.config import Config
+from supervisor.config import Config, redact
 from supervisor.decide import startup
 from supervisor.decide.classify import death_evidence
 from supervisor.decide.evidence import ConsoleFilter, event_evidence
-from supervisor.engine import launch
 from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import CompileCacheUnusable, EngineEnvReported, Event, StartupStep
 from supervisor.host import Host, compile_cache
@@ -44,7 +43,7 @@ class Observer:
         self.events: deque[dict[str, Any]] = deque(maxlen=1000)
         self.console = ConsoleFilter()
         self.tail = LogTail(cfg.log.tail_lines, on_line=self.on_line, echo=echo,
-                            redact=lambda line: launch.redact(line, self.secrets))
+                            redact=lambda line: redact(line, self.secrets))
         self.steps: list[tuple[str, float]] = []  # every step vLLM went through while loading, and when it began
         self.engine_version: str | None = None
         self.compile_cache: str | None = None  # the torch.compile cache directory vLLM said it used
@@ -72,7 +71,7 @@ class Observer:
 
     def _redact(self, value: Any) -> Any:
         if isinstance(value, str):
-            return launch.redact(value, self.secrets)
+            return redact(value, self.secrets)
         if isinstance(value, list):
             return [self._redact(v) for v in value]
         return value

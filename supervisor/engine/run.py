@@ -37,7 +37,7 @@ from supervisor.bounds import (
     STACK_DUMP_S,
     STEP_SLACK_S,
 )
-from supervisor.config import Config, WarmupConfig
+from supervisor.config import Config, WarmupConfig, masked
 from supervisor.decide import startup
 from supervisor.decide.classify import ExitInfo, classify
 from supervisor.decide.evidence import batch
@@ -293,7 +293,7 @@ class EngineRun:
             await self.server.start()
             env = launch.build_env(e, ipc_env, str(self.run_dir), withheld=self.cfg.withheld_env())
             try:
-                child, shown = await self._spawn(argv, env), tuple(launch.masked(argv, self.secrets))
+                child, shown = await self._spawn(argv, env), tuple(masked(argv, self.secrets))
             except OSError as exc:
                 evidence = f"could not start the engine command {argv[0]!r}: {exc}"
                 return self.trigger(TriggerKind.SPAWN_FAILED, evidence, Failure(spawn_failure_kind(exc), evidence))
@@ -470,7 +470,7 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
             "events": events[-100:], "log_tail": lines[-400:], "timings": run.t.timings(),
             "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
                          "vllm": run.seen.engine_version},
-            "argv": list(run.origin.spare.argv) if run.origin.spare is not None else launch.masked(
+            "argv": list(run.origin.spare.argv) if run.origin.spare is not None else masked(
                 launch.build_argv(run.cfg.engine, run.profile, run.cfg.health.hang_timeout_s), run.secrets)}
 
 

@@ -11,26 +11,9 @@ from aiohttp import web
 from supervisor.decide.admission import Rejection
 from supervisor.event_stream import Event, RequestRejected
 from supervisor.host import Host
+from supervisor.host.listener import OncePerSecond
 
 HELD_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-
-class OncePerSecond:
-    """At most one report per key and second: a storm (429s, failed accepts) must not flood the log or the stream.
-    ``due(key)`` is how many happened since the last report when one is due now, else None."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self._last: dict[str, tuple[float, int]] = {}  # key -> (last report, happened since)
-
-    def due(self, key: str) -> int | None:
-        now = self.clock()
-        last, since = self._last.get(key, (-math.inf, 0))
-        if now - last < 1.0:
-            self._last[key] = (last, since + 1)
-            return None
-        self._last[key] = (now, 0)
-        return since + 1
 
 
 class Answers:

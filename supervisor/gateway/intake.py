@@ -20,7 +20,8 @@ from aiohttp import web
 from supervisor.config import GatewayConfig
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
-from supervisor.gateway import parsing, routes
+from supervisor.gateway import parsing
+from supervisor.host import routes
 
 CHUNK = 1 << 16
 LINGER_S = 5.0  # after a refusal mid-body: how long the rest is read and dropped before the connection closes

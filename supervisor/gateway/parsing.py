@@ -25,7 +25,7 @@ import structlog
 
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, Rejection
-from supervisor.gateway.routes import COUNTED
+from supervisor.host.routes import COUNTED
 
 KINDS = frozenset(COUNTED.values())
 

@@ -19,9 +19,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from supervisor.gateway import routes, streams
+from supervisor.gateway import streams
 from supervisor.gateway.streams import StreamState
-from supervisor.host import vllm_http
+from supervisor.host import routes, vllm_http
 
 # RFC 9110 hop-by-hop headers, and what aiohttp sets itself.
 HOP = frozenset(h.lower() for h in ("Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",

@@ -37,12 +37,12 @@ from supervisor.event_stream import (
     StateChanged,
     StreamContinued,
 )
-from supervisor.gateway import connections, intake, pressure, proxy, quarantine_store, routes, streams
+from supervisor.gateway import intake, pressure, proxy, quarantine_store, streams
 from supervisor.gateway.answers import Answers
 from supervisor.gateway.counting import PromptCounter
 from supervisor.gateway.gate import EngineGate, Flight, Refused
 from supervisor.gateway.streams import StreamState
-from supervisor.host import Host
+from supervisor.host import Host, listener, routes
 from supervisor.host.vllm_http import EngineClient
 
 log = structlog.get_logger("supervisor.gateway")
@@ -99,7 +99,7 @@ class Gateway:
         self.session = proxy.new_session()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.port = connections.PublicPort(app, connections.Limits.of(self.g), CLOSE_S, self.answers.refused_raw,
+        self.port = listener.PublicPort(app, listener.Limits.of(self.g), CLOSE_S, self.answers.refused_raw,
                                            partial(_accept_failed, host, publish), host.monotonic)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class Gateway:
 
     # ---- one request -----------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        conn = connections.of(request)
+        conn = listener.of(request)
         if conn is not None:
             conn.head_received()
         try:

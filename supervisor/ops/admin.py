@@ -10,7 +10,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from supervisor.gateway.connections import Limits, PublicPort
+from supervisor.host.listener import Limits, PublicPort
 
 # (HTTP status, body, content type) of the current engine's /metrics.
 EngineMetrics = Callable[[], Awaitable[tuple[int, bytes, str]]]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.bounds import GIB, MIB
-from supervisor.config import Config, EngineConfig
+from supervisor.config import Config, EngineConfig, redact
 from supervisor.engine import launch
 from supervisor.host import preflight
 from supervisor.host.gpu import Nvml
@@ -229,7 +229,7 @@ def _engine_args(cfg: Config) -> Iterator[Finding]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         yield Finding("engine_args", "fail", f"could not run {python!r}: {exc}")
         return
-    said = launch.redact((r.stderr.strip().splitlines() or [""])[-1], secrets)
+    said = redact((r.stderr.strip().splitlines() or [""])[-1], secrets)
     if r.returncode == 0:
         yield Finding("engine_args", "ok", "the installed vLLM accepts the engine's command line")
     elif r.returncode == 3:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor.engine.launch import redact
+from supervisor.config import redact as mask_secrets
 from supervisor.engine_states import Failure
 from supervisor.event_stream import Event, IncidentWriteFailed
 from supervisor.host.files import write_private
@@ -35,7 +35,7 @@ def keep(state_dir: str | Path, kind: str, doc: dict[str, Any], secrets: Sequenc
          publish: Callable[[Event], None], wall: Callable[[], float]) -> str | None:
     """Write ``doc`` with the engine's secrets masked; its path, or None and an ``incident.write_failed`` event."""
     try:
-        return str(write(state_dir, kind, doc, redact=lambda text: redact(text, secrets)))
+        return str(write(state_dir, kind, doc, redact=lambda text: mask_secrets(text, secrets)))
     except OSError as exc:
         publish(IncidentWriteFailed(at=wall(), error=str(exc)))
         return None

@@ -24,7 +24,7 @@ import structlog
 
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import THROWAWAY_STOP_S
-from supervisor.config import Config
+from supervisor.config import Config, masked, redact
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.observer import env_report
@@ -169,7 +169,7 @@ class Launcher:
             env.update(SLEEP_MODE_ENV)
         secrets = e.secrets()  # vLLM prints its args, --api-key included: errors quote its last lines
         used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)
-        tail = LogTail(TAIL_LINES, redact=lambda line: launch.redact(line, secrets),
+        tail = LogTail(TAIL_LINES, redact=lambda line: redact(line, secrets),
                        on_line=lambda line: _cache_used(line, used))
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
         ear = await self._listen(work / ipc.SOCKET_NAME)
@@ -182,7 +182,7 @@ class Launcher:
         taken = {t.record for t in self.current}
         record = next(n for n in map(leftovers.precompile_record, range(len(taken) + 1)) if n not in taken)
         t = Throwaway(child, rung, engine.base_url, work, tail, [], EngineClient(engine.base_url, e.api_key(),
-                      ipc.control_token(env)), self.host, self.cfg.state.dir, tuple(launch.masked(argv, secrets)),
+                      ipc.control_token(env)), self.host, self.cfg.state.dir, tuple(masked(argv, secrets)),
                       version, record, ear, used)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
         t.drains += [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]

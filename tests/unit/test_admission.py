@@ -431,7 +431,8 @@ def test_every_route_that_runs_the_model_has_its_longest_prompt_counted(path: st
                                                                         longest_bound: int, tokenize_key: str) -> None:
     """Issue 36: a 40,000-token prompt on /invocations, /v1/responses or /pooling reached the engine (400 there)
     while /v1/completions answered 413 with the limit and the count."""
-    from supervisor.gateway import parsing, routes
+    from supervisor.gateway import parsing
+    from supervisor.host import routes
 
     kind = routes.model_route(path)
     assert kind is not None and kind in parsing.KINDS, path

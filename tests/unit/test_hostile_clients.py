@@ -261,7 +261,7 @@ def test_running_out_of_file_descriptors_degrades_the_process_scan_and_never_rai
 
 def test_every_route_that_runs_the_model_is_checked_and_the_engines_own_routes_are_closed() -> None:
     """Defect 6: only three routes were parsed; /invocations and the others skipped every check."""
-    from supervisor.gateway import routes
+    from supervisor.host import routes
 
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/invocations",
                  "/pooling", "/score", "/rerank", "/v1/rerank", "/classify", "/v1/audio/transcriptions"):
@@ -497,7 +497,7 @@ def test_the_gateway_asks_for_the_key_as_vllm_does_and_on_every_route_that_runs_
     from aiohttp.test_utils import make_mocked_request
 
     from supervisor.config import EngineConfig
-    from supervisor.gateway.routes import authorized
+    from supervisor.host.routes import authorized
 
     keys = EngineConfig(model="m", args={"api_key": ["k-one", "k-two"]}).api_keys()
     assert keys == ["k-one", "k-two"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,6 @@ from aiohttp import web
 from aiohttp.web_runner import BaseRunner, BaseSite
 
 from supervisor.config import GatewayConfig
-from supervisor.gateway.answers import OncePerSecond
 
 
 def _raw(status: str, code: str, message: str, extra: str = "") -> bytes:
@@ -39,6 +39,24 @@ REFUSED = _raw("503 Service Unavailable", "too_many_connections",
 ACCEPT_RETRY_S = 0.5  # after an accept failed for want of descriptors or memory
 HEAD_LATE = _raw("408 Request Timeout", "header_timeout", "the request head did not arrive in time; send it whole")
 
+
+
+class OncePerSecond:
+    """At most one report per key and second: a storm (429s, failed accepts) must not flood the log or the stream.
+    ``due(key)`` is how many happened since the last report when one is due now, else None."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (last report, happened since)
+
+    def due(self, key: str) -> int | None:
+        now = self.clock()
+        last, since = self._last.get(key, (-math.inf, 0))
+        if now - last < 1.0:
+            self._last[key] = (last, since + 1)
+            return None
+        self._last[key] = (now, 0)
+        return since + 1
 
 @dataclass
 class Limits:
