@@ -25,6 +25,7 @@ from supervisor import config as config_mod
 from supervisor.config import Config, ConfigError
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.decide.reload import reload_plan
+from supervisor.engine import leftover
 from supervisor.engine.run import EngineRun, PreparedSource
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
@@ -140,8 +141,8 @@ class Daemon:
         """Supervise until asked to stop (0) or FATAL (non-zero ExitCode)."""
         await self.startup()
         try:
-            await self.heartbeat.wait(leftovers.stop_engine_left(self.cfg, self.host, self.bus.publish),
-                                      self.heartbeat.within(leftovers.stop_bound_s(self.cfg)))
+            await self.heartbeat.wait(leftover.stop_engine_left(self.cfg, self.host, self.bus.publish),
+                                      self.heartbeat.within(leftover.stop_bound_s(self.cfg)))
             # Only now: a dead supervisor's throwaway still starting reads its logging config from its run
             # directory; swept first, it died by itself before it could be stopped (and counted).
             rundir.sweep(self.session.run_dir.parent)

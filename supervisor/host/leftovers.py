@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import structlog
 
-from supervisor.bounds import STEP_SLACK_S
-from supervisor.config import Config
-from supervisor.event_stream import Event, GpuNotReleased, LeftoverEngineStopped
 from supervisor.host import Host
 from supervisor.host.files import read_json, write_private
-from supervisor.host.gpu import GpuLost
 from supervisor.host.proctree import Birth, Child
 
 log = structlog.get_logger("supervisor.state")
@@ -35,7 +30,8 @@ def precompile_record(slot: int) -> str:
     return PRECOMPILE if slot == 0 else f"precompile-{slot}.json"
 
 
-def _names(state_dir: str | Path) -> list[str]:
+def names(state_dir: str | Path) -> list[str]:
+    """Every record a supervisor may have left: the engine's, the throwaways', the spare's."""
     extra = sorted(p.name for p in Path(state_dir).glob("precompile-*.json"))
     return [*WHAT, *extra]
 
@@ -103,36 +99,3 @@ def clear(state_dir: str | Path, name: str = FILENAME) -> None:
         (Path(state_dir) / name).unlink(missing_ok=True)
     except OSError as exc:
         log.warning("state.record_not_cleared", path=str(Path(state_dir) / name), error=str(exc))
-
-
-def stop_bound_s(cfg: Config) -> float:
-    """How long ``stop_engine_left`` may take (the watchdog's measure)."""
-    e = cfg.engine
-    return len(_names(cfg.state.dir)) * (e.failed_stop_timeout_s + e.kill_timeout_s + cfg.gpu.release_timeout_s) \
-        + STEP_SLACK_S
-
-
-async def stop_engine_left(cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
-    """An engine (or a throwaway precompile engine) left by a supervisor that died holds a port and the GPU:
-    stop it, and wait for the GPU."""
-    for name in _names(cfg.state.dir):
-        await _stop_left(cfg, host, publish, name)
-
-
-async def _stop_left(cfg: Config, host: Host, publish: Callable[[Event], None], name: str) -> None:
-    rec = read(cfg.state.dir, name)
-    if rec is None or rec.supervisor_pid == os.getpid():
-        return
-    e = cfg.engine
-    pids = await host.stop_leftover(rec.sid, rec.born, e.failed_stop_timeout_s, e.kill_timeout_s)
-    if pids:
-        publish(LeftoverEngineStopped(at=host.wall(), pids=tuple(pids), sid=rec.sid,
-                                      what=WHAT.get(name, "precompile")))
-        try:
-            held = await host.wait_gpu_released(pids, cfg.gpu.release_timeout_s)
-        except GpuLost:
-            held = {}
-        if held:
-            publish(GpuNotReleased(at=host.wall(), held={str(k): v for k, v in held.items()},
-                                   timeout_s=cfg.gpu.release_timeout_s))
-    clear(cfg.state.dir, name)
