@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any, TextIO, cast
 
 from supervisor import config as config_mod
+from supervisor import config_file
 from supervisor.about import __version__
 from supervisor.bounds import GIB
 from supervisor.config import masked
@@ -154,7 +155,7 @@ def _main(argv: list[str] | None = None) -> int:
 def _load(path: str) -> config_mod.Config | None:
     """The config at ``path``, or None after saying on stderr which fields are wrong."""
     try:
-        return config_mod.load(path)
+        return config_file.load(path)
     except config_mod.ConfigError as exc:
         print(f"vllm-supervisor: invalid configuration\n{exc}", file=sys.stderr)
         return None
@@ -286,7 +287,7 @@ def _status_all(config_dir: str, as_json: bool) -> int:
     rows: dict[str, Any] = {}
     for path in configs:
         try:
-            cfg = config_mod.load(path)
+            cfg = config_file.load(path)
         except config_mod.ConfigError as exc:
             rows[path.stem] = {"config": str(path), "error": str(exc).splitlines()[0]}
             continue
@@ -396,7 +397,7 @@ def _quarantine(args: argparse.Namespace) -> int:
     from supervisor.gateway import quarantine_store
     from supervisor.ops import control
 
-    state_dir = config_mod.state_dir_of(args.config)
+    state_dir = config_file.state_dir_of(args.config)
     path = quarantine_store.path_in(state_dir)
     try:
         q, dropped = quarantine_store.load(path)
@@ -439,7 +440,7 @@ def _control(args: argparse.Namespace) -> int:
     from supervisor.ops import control
 
     # The file may be invalid now (that is what `reload` will say): only [state] dir is needed here.
-    path = control.path_in(config_mod.state_dir_of(args.config))
+    path = control.path_in(config_file.state_dir_of(args.config))
     try:
         answer = control.send(path, args.cmd)
     except OSError as exc:

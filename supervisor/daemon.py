@@ -21,7 +21,7 @@ from typing import Any, Protocol, TextIO
 
 import structlog
 
-from supervisor import config as config_mod
+from supervisor import config_file
 from supervisor.config import Config, ConfigError
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.decide.reload import reload_plan
@@ -296,7 +296,7 @@ class Daemon:
         try:
             if path is None:
                 raise ConfigError([("(file)", "this supervisor was started without a config file path")])
-            new = config_mod.load(path)
+            new = config_file.load(path)
             plan = reload_plan(self.cfg, new)
             if plan.refused:
                 raise ConfigError(list(plan.refused))

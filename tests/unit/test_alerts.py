@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import AlertsConfig, HookConfig, parse, read_secret
+from supervisor.config import AlertsConfig, HookConfig, read_secret
+from supervisor.config_file import parse
 from supervisor.engine_states import Failure, FailureKind
 from supervisor.event_stream import AlertOutcome, Event, Fatal
 from supervisor.ops.alerts.channels import MissingSecret, make_channel

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import ConfigError, load, parse
+from supervisor.config import ConfigError
+from supervisor.config_file import load, parse
 from supervisor.engine.launch import arg_flags, build_argv, build_env
 
 MINIMAL = {"engine": {"model": "/models/llama"}}

@@ -9,7 +9,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import ConfigError, parse
+from supervisor.config import ConfigError
+from supervisor.config_file import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = [tomllib.loads(p.read_text()) for p in sorted((ROOT / "examples").glob("*.toml"))]

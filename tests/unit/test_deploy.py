@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from supervisor.config import load, parse
+from supervisor.config_file import load, parse
 
 ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -279,7 +279,7 @@ def test_every_route_that_runs_the_model_is_checked_and_the_engines_own_routes_a
 
 def test_the_engine_inherits_no_alert_secret_and_no_credentials_directory() -> None:
     """Item 13: the hooks' secrets and CREDENTIALS_DIRECTORY reached vLLM, its EngineCore and every standby."""
-    from supervisor.config import parse
+    from supervisor.config_file import parse
     from supervisor.engine import launch
 
     cfg = parse({"engine": {"model": "m", "env": {"KEEP_ME": "1"}},

@@ -54,7 +54,7 @@ def test_plan_command_prints_toml_that_the_config_accepts(tmp_path: Path) -> Non
     out = subprocess.run([sys.executable, "-m", "supervisor", "plan", "--model", str(tmp_path), "--gpu-mem", "24"],
                          capture_output=True, text=True, check=True).stdout
     doc = tomllib.loads(out)
-    from supervisor.config import parse
+    from supervisor.config_file import parse
 
     cfg = parse({"engine": {"model": "m"}, **doc})
     assert cfg.profile.max_num_batched_tokens == 8192 and cfg.ladder.max_num_batched_tokens[0] == 8192

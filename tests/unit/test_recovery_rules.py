@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from supervisor.child import vllm_standby
-from supervisor.config import LadderConfig, RestartConfig, parse
+from supervisor.config import LadderConfig, RestartConfig
+from supervisor.config_file import parse
 from supervisor.decide.policy import Policy, step_down
 from supervisor.event_stream import EngineEnvReported
 from supervisor.host.real import RealHost

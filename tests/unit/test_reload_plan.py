@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.config import parse
+from supervisor.config_file import parse
 from supervisor.decide.reload import RESTART_ONLY, reload_plan
 
 BASE = {"engine": {"model": "m"}, "gateway": {"listen": "0.0.0.0:8000"}}

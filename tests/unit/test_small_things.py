@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import AlertsConfig, ConfigError, HookConfig, parse
+from supervisor.config import AlertsConfig, ConfigError, HookConfig
+from supervisor.config_file import parse
 from supervisor.engine.launch import build_env
 from supervisor.event_stream import Fatal
 from supervisor.ops.alerts.channels import SIGNATURE_HEADER, TIMESTAMP_HEADER, make_channel

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import parse
+from supervisor.config_file import parse
 from supervisor.daemon import Daemon
 from supervisor.engine_states import ExitCode
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
