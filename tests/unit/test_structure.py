@@ -62,3 +62,29 @@ def test_no_module_imports_a_floor_above_its_own_and_no_two_boxes_import_each_ot
     assert above == []
     mutual = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a] if a in edges.get(b, set())})
     assert mutual == []
+
+
+def test_every_event_the_code_publishes_is_named_in_the_design_table() -> None:
+    """Issue 37, item 6: docs/design.md's event table lists every record, and only records that exist."""
+    import inspect
+
+    import supervisor.event_stream as es
+
+    names = {c.name for c in vars(es).values()
+             if inspect.isclass(c) and issubclass(c, es.Event) and c is not es.Event}
+    table = DESIGN.split("| event (`event` in the log) | level | when |")[1].split("\n\n")[0]
+    named = set(re.findall(r"^\| ([^|]+) \|", table, re.M))
+    in_rows = {n for row in named for n in re.findall(r"`([a-z_]+\.[a-z_]+)`", row)}
+    assert sorted(names - in_rows) == [] and sorted(in_rows - names) == []
+
+
+def test_every_method_of_every_port_is_in_the_design() -> None:
+    """Issue 37, item 6: the OS seam (host/__init__.Host) and the protocols between the boxes (the lifecycle's Front
+    and RecoveryPort, the run's PreparedSource) have each method named in docs/design.md's prose."""
+    from supervisor.engine.run import PreparedSource
+    from supervisor.host import Host
+    from supervisor.lifecycle import Front, RecoveryPort
+
+    for port in (Host, Front, RecoveryPort, PreparedSource):
+        methods = [m for m in vars(port) if not m.startswith("_")]
+        assert methods and [m for m in methods if f"`{m}`" not in DESIGN] == [], port.__name__
