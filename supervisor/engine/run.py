@@ -31,9 +31,6 @@ from supervisor.aio import cancel_and_wait
 from supervisor.bounds import (
     GATE_SLACK_S,
     SHORT_SLACK_S,
-    SPARE_CANARY_S,
-    SPARE_HEALTH_S,
-    SPARE_WAKE_S,
     STACK_DUMP_S,
     STEP_SLACK_S,
 )
@@ -62,8 +59,6 @@ from supervisor.profile import Profile
 R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
-# recovery/spare.py's wake: its /wake_up, the /health after it and the canary's answer, each bounded
-SPARE_WAKE_BOUND_S = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S + STEP_SLACK_S
 
 
 SPAWN_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
@@ -161,6 +156,7 @@ class PreparedSource(Protocol):
     def take(self) -> Prepared | None: ...
     def lost(self, standby: Any, error: str) -> None: ...
     async def spare_for(self, profile: Profile) -> Woken | None: ...
+    def spare_for_bound_s(self) -> float: ...
     async def build_first(self, profile: Profile) -> bool: ...
     def build_first_bound_s(self) -> float: ...
 
@@ -241,9 +237,8 @@ class EngineRun:
     async def gates(self) -> Trigger | Adapted | None:
         """The model and the GPU memory, before anything is spawned: None to go on, an adapted profile to start
         at (this run takes it; the lifecycle records it), or the trigger that ends the start."""
-        e = self.cfg.engine
         if self.standby is not None:
-            self._expect(e.stop_timeout_s + e.kill_timeout_s + SPARE_WAKE_BOUND_S)  # a spare stopped, or woken
+            self._expect(self.standby.spare_for_bound_s() + STEP_SLACK_S)  # a spare stopped, or woken
             spare = await self._race(self.standby.spare_for(self.profile))
             if isinstance(spare, Trigger):
                 return spare

@@ -27,7 +27,7 @@ from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, Failur
 from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
-from supervisor.recovery.spare import Spare
+from supervisor.recovery.spare import Spare, SpareKeeper
 from supervisor.recovery.standby import Standby, StandbyPool, vllm_env_of
 
 TICK_S = 1.0
@@ -112,6 +112,9 @@ class Recovery:
 
     def build_first_bound_s(self) -> float:
         return self.ahead.build_first_bound_s(self.ahead.cfg)
+
+    def spare_for_bound_s(self) -> float:
+        return SpareKeeper.take_bound_s(self.ahead.cfg)
 
     def lost(self, standby: Standby, error: str) -> None:
         self.pool.lost(standby, error)

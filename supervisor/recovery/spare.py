@@ -24,7 +24,15 @@ from typing import Any
 import psutil
 import structlog
 
-from supervisor.bounds import GIB, MIB, SPARE_HEALTH_S, SPARE_SLEEP_S, SPARE_WAKE_MARGIN, SPARE_WAKE_S
+from supervisor.bounds import (
+    GIB,
+    MIB,
+    SPARE_CANARY_S,
+    SPARE_HEALTH_S,
+    SPARE_SLEEP_S,
+    SPARE_WAKE_MARGIN,
+    SPARE_WAKE_S,
+)
 from supervisor.config import SPARE_NEEDS_GATEWAY, Config
 from supervisor.decide.classify import fraction_that_fits
 from supervisor.event_stream import Event, SpareAsleep, SpareChecked, SpareDropped, SpareWoken
@@ -206,6 +214,16 @@ class SpareKeeper:
                                  held_awake_mib=sum(spare.awake.values()) // MIB,
                                  held_asleep_mib=sum(spare.asleep.values()) // MIB))
         return True
+
+    @staticmethod
+    def take_bound_s(cfg: Config) -> float:
+        """The longest ``take`` lasts, from the bounds its steps wait on (the start's watchdog deadline at its gates):
+        a check's wake under way ends first (``_check_by_waking``: /wake_up, /health, the canary, /sleep, or the
+        spare dropped when one fails), then the start's own wake (/wake_up, /health, the canary), or the spare
+        dropped (``drop``: the engine's stop grace, then SIGKILL)."""
+        e = cfg.engine
+        wake, drop = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S, e.stop_timeout_s + e.kill_timeout_s
+        return (wake + SPARE_SLEEP_S + drop) + (wake + drop)
 
     async def take(self, profile: Profile, keep_for: Profile | None = None) -> Spare | None:
         """For a start at ``profile``: the spare, awake and no longer ours to stop, or None. A spare that cannot
