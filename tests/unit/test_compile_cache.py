@@ -7,7 +7,7 @@ from pathlib import Path
 
 from supervisor.host import compile_cache
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-logs"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-logs"  # real vLLM logs, unedited
 
 
 def test_the_directory_a_start_uses_is_read_from_vllms_own_line_on_the_h200() -> None:
