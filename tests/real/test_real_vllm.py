@@ -473,14 +473,19 @@ def running_requests(sup: Sup) -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
+# As long as the model's context allows (4,096): on two cores vLLM's CPU worker may leave its API server little
+# time to send, so that a short stream reaches the client only once it was made (CI, 2026-12-04: 4 of 4 at 1,500).
+STREAM_TOKENS = 4000
+
+
 def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
-    """One stream of 1,500 greedy tokens through the gateway, its engine's worker SIGKILLed once the client has
+    """One stream of STREAM_TOKENS greedy tokens through the gateway, its engine's worker SIGKILLed once the client has
     text and vLLM is still generating it; the client's events, or None when vLLM had already made the whole
     stream by the time the client got its first text (then nothing can be cut, and nothing was killed)."""
     assert sup.gateway is not None
     conn = http.client.HTTPConnection(sup.gateway.removeprefix("http://"), timeout=START_S)
     conn.request("POST", "/v1/completions", json.dumps({
-        "model": "tiny-llama", "prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+        "model": "tiny-llama", "prompt": "hello", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
         "temperature": 0, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
@@ -502,11 +507,11 @@ def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
 
 
 def whole_from_one_engine(events: list[Any]) -> bool:
-    """The stream is complete and clean: [DONE] once, no error event, all 1,500 tokens."""
+    """The stream is complete and clean: [DONE] once, no error event, all STREAM_TOKENS tokens."""
     chunks = [e for e in events if isinstance(e, dict)]
     usage = [e["usage"] for e in chunks if e.get("usage")]
     return (events[-1] == "[DONE]" and not [e for e in chunks if "error" in e]
-            and [u["completion_tokens"] for u in usage] == [1500])
+            and [u["completion_tokens"] for u in usage] == [STREAM_TOKENS])
 
 
 def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: Sup) -> None:
@@ -537,9 +542,9 @@ def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: S
     assert not [e for e in chunks if "error" in e], [e for e in chunks if "error" in e]
     assert len({e["id"] for e in chunks}) == 1
     (usage,) = [e["usage"] for e in chunks if e.get("usage")]
-    assert usage["completion_tokens"] == 1500, usage  # counted once: the tokens before the death and after it
+    assert usage["completion_tokens"] == STREAM_TOKENS, usage  # counted once: the tokens before the death and after it
     # One chunk a token, except where vLLM merged the tokens of a client that read slowly into one chunk.
-    assert 1400 <= len([c for e in chunks for c in e["choices"]]) <= 1500
+    assert STREAM_TOKENS * 0.93 <= len([c for e in chunks for c in e["choices"]]) <= STREAM_TOKENS
     st = sup.wait_ready(START_S, restarts=restarts)
     assert st["gateway"]["streams_continued"] >= 1 and st["gateway"]["streams_broken"] == 0
     assert sup.events("gateway.stream_continued")[-1]["tokens_sent"] >= 10
