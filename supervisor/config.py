@@ -480,7 +480,7 @@ class RecoveryConfig:
     standby_fork: bool = True
     # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto": without a
     # GPU always; on a GPU when half of what the engine left free holds a second copy of the weights, the rung's
-    # prefill peak and a little KV cache (recovery/precompile.py room_for_throwaway).
+    # prefill peak and a little KV cache (recovery/sizing.py room_for_throwaway).
     precompile: str = one_of("auto", PRECOMPILE_MODES)
     precompile_idle_s: float = seconds(30.0)  # after this long READY with nothing at the engine
     precompile_timeout_s: float = seconds(600.0)

@@ -1,29 +1,36 @@
 """What the next start finds ready, built while the engine serves: one second engine at a time.
 
-The one decision lives here: for the rung the next runtime OOM would pick, a spare when one is wanted
-(recovery/spare.py), else a precompile of the next rung not yet compiled (recovery/precompile.py).
-Both are launched by recovery/throwaway.py; a rung whose second engine failed is remembered once
-(``FailedRungs``). The work is killed, never waited for, the moment the engine leaves READY.
-Where neither fits beside the engine, a planned start builds them first (``build_first``): the rungs
-not yet compiled, several at once, then the spare, on the card its gates found free.
+What to build is decided by recovery/next_build.py's ``next_step``, from the facts gathered here: a spare for the
+rung the next runtime OOM would pick (recovery/spare.py), else a precompile of the next rung not yet compiled
+(recovery/precompile.py), each where it fits beside the engine (recovery/sizing.py). This class carries the step
+out. Both are launched by recovery/throwaway.py; a rung whose second engine failed is remembered once
+(``FailedRungs``). The work is killed, never waited for, the moment the engine leaves READY. Where neither fits
+beside the engine, a planned start builds them first (``build_first``): the rungs not yet compiled, several at
+once, then the spare, on the card its gates found free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
+
+import psutil
 
 from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, THROWAWAY_STOP_S
 from supervisor.config import Config
 from supervisor.engine import gates
 from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
 from supervisor.host import Child, Host
-from supervisor.host.gpu import GpuLost
-from supervisor.profile import Knob, Profile
+from supervisor.host.gpu import DeviceSnapshot, GpuLost
+from supervisor.profile import Profile
+from supervisor.recovery import canary
+from supervisor.recovery.next_build import Action, Facts, Moment, Step, next_step
 from supervisor.recovery.precompile import Precompiler
 from supervisor.recovery.progress import FirstBuilds
+from supervisor.recovery.sizing import CompileFirst, one_sequence_kv, second_engine_bytes
 from supervisor.recovery.spare import Spare, SpareKeeper
 from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
 
@@ -47,6 +54,7 @@ class Ahead:
         self.device_fault = False  # the last failure was the GPU's own (Xid, ECC): nothing on it is kept
         self._at_ready: Profile | None = None  # a rung compiled beside the engine at READY, not precompile_idle_s on
         self.first = FirstBuilds(cfg.state.dir, host, publish)  # a build-first's step, while one runs
+        self.step: Step | None = None  # the last decision (recovery/next_build.py), its reason shown in /status
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -60,43 +68,52 @@ class Ahead:
         under steady traffic. A spare whose rung is no longer the first target (or that died asleep) goes first."""
         targets = self._below(profile)
         await self.keeper.check(targets[0] if targets else None)
-        if self.running():
+        if self.running():  # nothing to read: a second engine at a time
+            self.step = next_step(Facts(Moment.READY, self.cfg.recovery, profile, tuple(targets), building=True))
             return
-        if await self._compile_at_ready(version):
-            return
-        self._asked_in_s = self.cfg.recovery.precompile_idle_s - (ready_for_s if await self._on_gpu() else idle_for_s)
-        if self._asked_in_s > 0:
-            return
-        spare = await self._spare_for(targets[0]) if targets else None
-        if spare is not None:  # a spare compiles its rung too, compiled already or not
-            self._task = asyncio.create_task(self._guarded(spare, version, True), name="recovery:spare")
-            return
-        todo = [p for p in targets if self._to_compile(p, version)]
-        if todo and await self.precompiler.allowed(todo[0]):
-            await self._compile_beside(todo[0], version)
+        await self._on_gpu()
+        facts = await self._facts(Moment.READY, profile, version, ready_for_s if self.gpu_host else idle_for_s)
+        self._at_ready = None
+        step = self._take(next_step(facts))
+        self._asked_in_s = step.wait_s
+        if step.rung is not None and step.action in (Action.SPARE, Action.COMPILE):
+            spare = step.action is Action.SPARE
+            self._task = asyncio.create_task(self._guarded(step.rung, version, spare),
+                                             name="recovery:spare" if spare else "recovery:precompile")
 
-    def _to_compile(self, rung: Profile, version: str | None) -> bool:
-        """Not in ``compiled.json`` for ``version``, and no throwaway failed at it."""
-        return not self.precompiler.is_compiled(rung, version) and not self.failed.no_precompile(rung)
+    async def _facts(self, moment: Moment, profile: Profile, version: str | None, waited_s: float = 0.0) -> Facts:
+        """What ``next_step`` reads, gathered here: the card once, the compile record, the rungs' sizes."""
+        e, targets = self.cfg.engine, tuple(self._below(profile))
+        within = (profile, *targets)
+        try:
+            card: tuple[DeviceSnapshot, ...] | None = tuple(await self.host.gpu_snapshot(e.devices()))
+        except GpuLost:
+            card = None
+        on_card = within if card else ()  # sizes are weighed against a card only (the model's files read)
+        return Facts(
+            moment, self.cfg.recovery, profile, targets,
+            compiled=frozenset(p.compile_key() for p in within if self.precompiler.is_compiled(p, version)),
+            failed=self.failed.kinds(), card=card,
+            sizes={p.compile_key(): second_engine_bytes(e.model, p, e.ranks()) for p in on_card},
+            kv={p.compile_key(): one_sequence_kv(e.model, p, e.ranks()) for p in on_card},
+            ram_available=psutil.virtual_memory().available, cpus=os.cpu_count() or 1, ranks=e.ranks(),
+            headroom=self.cfg.gpu.start_headroom_bytes, floor=self.cfg.ladder.gpu_memory_utilization_floor,
+            gateway=self.cfg.gateway is not None, breaks_on_wake=canary.breaks_on_wake(dict(e.args)),
+            spare_kept=self.keeper.spare is not None, building=self.running(), at_ready=self._at_ready,
+            waited_s=waited_s, first_start=self.version is None and self.gpu_host)
 
-    async def _compile_beside(self, rung: Profile, version: str | None) -> None:
-        """A throwaway compiles ``rung`` beside the serving engine, in what the engine left free."""
-        beside = await self.precompiler.beside_the_engine(rung)
-        self._task = asyncio.create_task(self._guarded(beside, version, False), name="recovery:precompile")
-
-    async def _compile_at_ready(self, version: str | None) -> bool:
-        """The next memory failure's rung, when the supervisor's first start found its own rung compiled and not
-        that one: a failure in the first minutes would compile it on its critical path (70 s on the H200)."""
-        rung, self._at_ready = self._at_ready, None
-        if rung is None or not self._to_compile(rung, version):
-            return False
-        if not await self.precompiler.allowed(rung):
-            return False
-        self.precompiler.why += (f"; the next memory failure's rung (max_num_batched_tokens "
-                                 f"{rung.effective(Knob.MAX_NUM_BATCHED_TOKENS)}) at READY, not after "
-                                 "precompile_idle_s: the first start found only its own rung compiled")
-        await self._compile_beside(rung, version)
-        return True
+    def _take(self, step: Step) -> Step:
+        """The step decided: /status's reasons (the spare's, the rungs') are the step's."""
+        self.step = step
+        if step.spare_why is not None:
+            self.keeper.why = step.spare_why
+        if step.order is not None:
+            self.keeper.order = step.order
+        if step.compile_why is not None:
+            self.precompiler.why = step.compile_why
+        if step.plan is not None:
+            self.precompiler.order = step.plan.order
+        return step
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's restart at the
@@ -128,33 +145,21 @@ class Ahead:
             return False
         await self._on_gpu()
         self.building_first = True
+        version = self.version or self.precompiler.known_version()
         try:
-            await self._compile_first(profile)
-            return await self._spare_first(profile)
+            step = self._take(next_step(await self._facts(Moment.BEFORE_START, profile, version)))
+            self._at_ready = step.at_ready
+            if step.action is Action.COMPILE_FIRST and step.plan is not None:
+                await self._compile_first(step.plan)
+                step = self._take(next_step(await self._facts(Moment.BEFORE_START_COMPILED, profile, version)))
+            if step.action is Action.SPARE and step.rung is not None:
+                return await self._spare_first(step.rung)
+            return False
         finally:
             self.building_first = False
             self.first.over()
 
-    async def _compile_first(self, profile: Profile) -> None:
-        version = self.version or self.precompiler.known_version()
-        within_reach = [profile, *self._below(profile)]
-        # The engine's own rung too: on a fresh host it then starts from a warm cache.
-        todo = [p for p in within_reach if self._to_compile(p, version)]
-        # At the supervisor's first start (no READY yet), also where throwaways would fit beside the engine: no
-        # client has been served, and a failure in its first minutes would compile on its critical path. A later
-        # planned start (a reload that changed the engine's arguments) holds clients through it: those wait beside.
-        # Only when the engine would compile its own rung in its start anyway: with that one compiled (a reboot),
-        # compiling the next first would hold the first READY for a whole compile (77 s on the H200), so that one
-        # is compiled beside the engine the moment it is READY.
-        missing = {p.compile_key() for p in todo}
-        first_start = self.version is None and self.gpu_host
-        own_missing = profile.compile_key() in missing
-        soon = within_reach[:2] if first_start and own_missing else []
-        plan = await self.precompiler.first(todo, profile, soon=soon)
-        if plan is None:
-            if first_start and not own_missing and self.precompiler.order == "beside":
-                self._at_ready = next((p for p in within_reach[1:2] if p.compile_key() in missing), None)
-            return
+    async def _compile_first(self, plan: CompileFirst) -> None:
         slots, self._stopped = asyncio.Semaphore(plan.at_once), set()
         done = 0
         self.first.step("rungs", done, len(plan.rungs), plan.at_once)
@@ -179,15 +184,10 @@ class Ahead:
         # The spare and the engine come next, on what the throwaways held.
         await gates.wait_released(self.cfg, self.host, self.publish, tuple(stopped or ()))
 
-    async def _spare_first(self, profile: Profile) -> bool:
-        if self.keeper.spare is not None:
-            return False
-        targets = self._below(profile)
-        util = await self.keeper.first(targets[0], profile) if targets else None
-        if util is None:
-            return False
+    async def _spare_first(self, rung: Profile) -> bool:
+        """A spare at ``rung`` (its utilization set) built before the engine; True when it sleeps now."""
         self.first.step("spare", 0, 1)
-        await self._guarded(targets[0].with_(gpu_memory_utilization=util), self.version, True)
+        await self._guarded(rung, self.version, True)
         if self.keeper.spare is not None:
             self.first.times.note("spare", self.keeper.last_build_s)
             self.first.step("spare", 1, 1)
@@ -205,13 +205,6 @@ class Ahead:
             except GpuLost:
                 self._gpu_host = True
         return self._gpu_host
-
-    async def _spare_for(self, first: Profile) -> Profile | None:
-        """The first target at the utilization its spare starts at, when a spare is wanted and none is kept."""
-        if self.keeper.spare is not None:
-            return None
-        util = await self.keeper.wanted(first)
-        return None if util is None else first.with_(gpu_memory_utilization=util)
 
     async def _guarded(self, rung: Profile, version: str | None, spare: bool, kv_bytes: int | None = None) -> None:
         self._spare_since = self.host.monotonic() if spare else None
@@ -295,7 +288,9 @@ class Ahead:
                        t.profile) for t in sorted(self.launcher.current, key=lambda t: t.pid) if t is not spare]
 
     def status(self) -> dict[str, Any]:
+        step = self.step
         return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
+                "step": None if step is None else {"action": step.action.value, "why": step.why},
                 "building_first": self.first.status(),
                 "spare": {**self.keeper.status(), "due": self._due()}}
 

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import structlog
 
 from supervisor.bounds import (
@@ -33,8 +32,7 @@ from supervisor.bounds import (
     SPARE_WAKE_MARGIN,
     SPARE_WAKE_S,
 )
-from supervisor.config import SPARE_NEEDS_GATEWAY, Config
-from supervisor.decide.classify import fraction_that_fits
+from supervisor.config import Config
 from supervisor.event_stream import Event, SpareAsleep, SpareChecked, SpareDropped, SpareWoken
 from supervisor.host import Host, leftovers
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
@@ -43,7 +41,7 @@ from supervisor.ops import incident
 from supervisor.profile import Knob, Profile
 from supervisor.recovery import canary
 from supervisor.recovery.canary import Canary
-from supervisor.recovery.sizing import SecondEngine, second_engine_bytes
+from supervisor.recovery.sizing import Order
 from supervisor.recovery.throwaway import FailedRungs, Throwaway, fields_of
 
 log = structlog.get_logger("supervisor.recovery.spare")
@@ -115,75 +113,6 @@ class SpareKeeper:
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
-
-    def _refusal(self, rung: Profile) -> str | None:
-        """Why no spare at all for ``rung`` (its mode, its arguments, its history), before the card is asked."""
-        mode = self.cfg.recovery.spare
-        if self.failed.no_spare(rung):
-            return ("a second engine at this rung failed to start, to sleep, or its canary after a wake in this run: "
-                    "no spare for it")
-        if mode == "off":
-            return '[recovery] spare = "off"'
-        broken = canary.breaks_on_wake(dict(self.cfg.engine.args))
-        if broken:
-            return f"refused: {broken}"
-        if mode == "auto" and self.cfg.gateway is None:
-            return f"auto: no [gateway]: {SPARE_NEEDS_GATEWAY}"
-        return None
-
-    async def wanted(self, rung: Profile) -> float | None:
-        """Whether a spare for ``rung`` is built beside the serving engine: the utilization it starts at (the
-        rung's when no GPU is seen), or None; ``self.why`` says why, for /status. NVML is asked only when the mode
-        and the gateway leave it to the card."""
-        mode, util = self.cfg.recovery.spare, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
-        self.why = self._refusal(rung) or ""
-        if self.why:
-            return None
-        if self.cfg.recovery.spare_order == "first":
-            self.why = '[recovery] spare_order = "first": a spare is built before the engine, at planned starts'
-            return None
-        try:
-            snaps = await self._snapshot()
-        except GpuLost as exc:
-            self.why = f"the GPU is lost: {exc}"
-            return None
-        if mode == "on":
-            self.why = '[recovery] spare = "on"'
-            return fits_beside(snaps, util, self.cfg.gpu.start_headroom_bytes) if snaps else util
-        if not snaps:
-            self.why = "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
-            return None
-        e = self.cfg.engine
-        found, self.why = room_for_spare(snaps, e.model, rung, e.ranks(), self.cfg.gpu.start_headroom_bytes,
-                                         self.cfg.ladder.gpu_memory_utilization_floor,
-                                         psutil.virtual_memory().available)
-        return found
-
-    async def first(self, rung: Profile, engine: Profile) -> float | None:
-        """Whether a spare for ``rung`` is built now, on the card the engine is about to start on at ``engine``
-        (spare first): the utilization it starts at, or None; ``self.order`` and ``self.why`` say why."""
-        mode, e = self.cfg.recovery.spare, self.cfg.engine
-        refused = self._refusal(rung)
-        if refused or self.cfg.recovery.spare_order == "beside":
-            return None
-        try:
-            snaps = await self._snapshot()
-        except GpuLost:
-            return None
-        if not snaps:
-            return None  # the order is the card's numbers: without them a spare is only ever built beside
-        size = second_engine_bytes(e.model, rung, e.ranks())
-        refused = host_refusal(size, psutil.virtual_memory().available) if mode == "auto" else None
-        if refused:
-            self.why = refused
-            return None
-        self.order = choose_order(snaps, engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9,
-                                  size.need if size is not None else 0, self.cfg.ladder.gpu_memory_utilization_floor,
-                                  self.cfg.gpu.start_headroom_bytes, self.cfg.recovery.spare_order)
-        if self.order.order != "first":
-            return None
-        self.why = f"building it first: {self.order.why}"
-        return self.order.spare_util
 
     async def keep(self, started: Throwaway, spawned_at: float) -> bool:
         """Put a throwaway that answers /health to sleep and keep it; False (and an event) when that fails, and
@@ -397,79 +326,5 @@ class SpareKeeper:
         await self.drop("the supervisor stops")
 
 
-def fits_beside(snaps: Sequence[DeviceSnapshot], util: float, headroom: int) -> float:
-    """The utilization a second engine can start at beside what runs (vLLM's start check wants it free)."""
-    s = min(snaps, key=lambda d: d.free / d.total)
-    return min(util, fraction_that_fits(max(0, s.free - headroom), s.total))
-
-
-def host_refusal(size: SecondEngine | None, ram_available: int) -> str | None:
-    """Why "auto" keeps no spare whatever the card holds: its size is unknown, or the host's available memory
-    cannot keep its weights asleep (plus 2 GiB)."""
-    if size is None:
-        return "auto: the model is not a local directory with weights, so their size is unknown"
-    if ram_available < size.weights + 2 * GIB:
-        return (f"auto: the host has {ram_available / GIB:.1f} GiB of memory available; a spare asleep keeps its "
-                f"{size.weights / GIB:.1f} GiB of weights there")
-    return None
-
-
-def room_for_spare(snaps: Sequence[DeviceSnapshot], model: str, rung: Profile, ranks: int, headroom: int,
-                   floor: float, ram_available: int) -> tuple[float | None, str]:
-    """On a GPU, "auto" keeps a spare when its weights fit in the host's available memory (where they sleep)
-    and the card holds, beside the engine, a second engine at a utilization no lower than the ladder's floor:
-    its weights, the rung's prefill peak, its CUDA graphs and a KV cache."""
-    size = second_engine_bytes(model, rung, ranks)
-    refused = host_refusal(size, ram_available)
-    if refused or size is None:
-        return None, refused or ""
-    weights, need = size.weights, size.need
-    util = fits_beside(snaps, rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9, headroom)
-    total = min(s.total for s in snaps)
-    if util < floor or util * total < need:
-        return None, (f"auto: a spare beside the engine could start at gpu_memory_utilization {util:g} "
-                      f"({util * total / GIB:.1f} GiB); it needs at least {floor:g} and about {need / GIB:.1f} GiB "
-                      f"before its KV cache")
-    return util, (f"auto: the card holds a spare beside the engine at gpu_memory_utilization {util:g} "
-                  f"(about {need / GIB:.1f} GiB before its KV cache); its {weights / GIB:.1f} GiB of weights "
-                  f"sleep in the host's {ram_available / GIB:.1f} GiB available")
-
-
 FOOTPRINT_EVERY_S = 5.0  # how often a sleeping spare's memory is read
 FOOTPRINT_GROWTH = 512 * MIB  # ... and how much more than it kept when it fell asleep recycles it
-ASLEEP_ESTIMATE = 5 * GIB // 2  # a spare's sleeping footprint before one is measured (0.9-2.1 GiB on the H200)
-
-
-@dataclass(frozen=True)
-class Order:
-    """Where the next spare is built: ``beside`` the serving engine, ``first`` (before it, on the free card), or
-    nowhere (None); the utilization it starts at, and why, for /status."""
-
-    order: str | None
-    spare_util: float | None
-    why: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"order": self.order, "gpu_memory_utilization": self.spare_util, "why": self.why}
-
-
-def choose_order(snaps: Sequence[DeviceSnapshot], engine_util: float, need: int, floor: float, headroom: int,
-                 mode: str = "auto", asleep: int = ASLEEP_ESTIMATE) -> Order:
-    """With the card as it is before the engine starts (``snaps``): beside, when what the engine at
-    ``engine_util`` leaves holds a second engine of ``need`` bytes at the ladder's ``floor`` or more; else first,
-    when the free card holds the spare at the engine's utilization and then the engine beside the spare asleep
-    (``asleep``), so that the spare wakes into what the dead engine frees. ``mode`` "beside" or "first" forces one."""
-    s = min(snaps, key=lambda d: d.free / d.total)
-    left = max(0, s.free - int(engine_util * s.total) - headroom)
-    beside = min(engine_util, fraction_that_fits(left, s.total))
-    why_beside = (f"beside the engine at gpu_memory_utilization {engine_util:g} a spare could start at {beside:g} "
-                  f"({beside * s.total / GIB:.1f} GiB); it needs at least {floor:g} and about {need / GIB:.1f} GiB")
-    if mode != "first" and beside >= floor and beside * s.total >= need:
-        return Order("beside", beside, f"{mode}: {why_beside}")
-    first = min(engine_util, fraction_that_fits(max(0, s.free - asleep - headroom), s.total))
-    why_first = (f"built first on the free card ({s.free / GIB:.1f} GiB) at {first:g}, the engine then beside its "
-                 f"sleeping footprint (about {asleep / GIB:.1f} GiB)")
-    if mode != "beside" and first >= floor and first * s.total >= need:
-        return Order("first", first, f"{mode}: {why_first}" + ("" if mode == "first" else f"; not {why_beside}"))
-    return Order(None, None, f"{mode}: neither order fits: {why_beside}; and the free card "
-                             f"({s.free / GIB:.1f} GiB) holds a spare only at {first:g}")

@@ -256,3 +256,7 @@ class FailedRungs:
 
     def no_precompile(self, rung: Profile) -> bool:
         return self._kind.get(rung.compile_key()) == "precompile"
+
+    def kinds(self) -> dict[str, str]:
+        """Compile key -> what failed there ("spare" or "precompile"), a copy."""
+        return dict(self._kind)

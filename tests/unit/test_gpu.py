@@ -165,7 +165,7 @@ def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_
     from supervisor.host.files import weights_on_disk
     from supervisor.host.gpu import DeviceSnapshot
     from supervisor.profile import Profile
-    from supervisor.recovery.precompile import room_for_throwaway
+    from supervisor.recovery.sizing import room_for_throwaway, second_engine_bytes
 
     model = glm9b_dir(tmp_path)
     with open(model / "pytorch_model.bin", "wb") as f:
@@ -173,40 +173,44 @@ def test_precompile_auto_on_a_gpu_compiles_ahead_only_when_half_the_free_memory_
     assert weights_on_disk(str(model)) == 18 * GIB
     rung = Profile(max_num_batched_tokens=6144)
     beside = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())]  # the engine at 0.5 holds the other half
-    ok, why = room_for_throwaway(beside, str(model), rung)
+    size = second_engine_bytes(str(model), rung)
+    ok, why = room_for_throwaway(beside, size)
     assert ok and "holds a throwaway" in why
     crowded = [DeviceSnapshot(0, 140 * GIB, 30 * GIB, 110 * GIB, ())]
-    ok, why = room_for_throwaway(crowded, str(model), rung)
+    ok, why = room_for_throwaway(crowded, size)
     assert not ok and "weights 18.0 GiB" in why
-    ok, why = room_for_throwaway(beside, "org/hub-model", rung)
+    ok, why = room_for_throwaway(beside, second_engine_bytes("org/hub-model", rung))
     assert not ok and "not a local directory" in why
     # Tensor-parallel over two cards: each rank's throwaway holds half the weights, and every card must have room.
     two = [DeviceSnapshot(0, 140 * GIB, 30 * GIB, 110 * GIB, ()), DeviceSnapshot(1, 140 * GIB, 70 * GIB, 70 * GIB, ())]
-    assert room_for_throwaway(two, str(model), rung, ranks=2)[0]  # 9 GiB a rank fits in half of 30
-    assert not room_for_throwaway([DeviceSnapshot(0, 140 * GIB, 20 * GIB, 120 * GIB, ()), two[1]], str(model),
-                                  rung, ranks=2)[0]
+    per_rank = second_engine_bytes(str(model), rung, ranks=2)
+    assert room_for_throwaway(two, per_rank, ranks=2)[0]  # 9 GiB a rank fits in half of 30
+    assert not room_for_throwaway([DeviceSnapshot(0, 140 * GIB, 20 * GIB, 120 * GIB, ()), two[1]], per_rank,
+                                  ranks=2)[0]
 
 
 def test_spare_auto_needs_the_weights_in_host_memory_and_a_second_engine_beside_the_first(tmp_path: Any) -> None:
-    """The rule "auto" keeps a spare by (recovery/spare.py room_for_spare), and what a spare needs to wake."""
+    """The rule "auto" keeps a spare by (recovery/sizing.py room_for_spare), and what a spare needs to wake."""
 
     from supervisor.host.gpu import DeviceSnapshot
     from supervisor.profile import Profile
-    from supervisor.recovery.spare import Spare, room_for_spare
+    from supervisor.recovery.sizing import room_for_spare, second_engine_bytes
+    from supervisor.recovery.spare import Spare
 
     model = glm9b_dir(tmp_path)
     rung = Profile(max_num_batched_tokens=6144, gpu_memory_utilization=0.5)
+    size = second_engine_bytes(str(model), rung)
     beside = [DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())]  # the engine at 0.5 holds the other half
-    util, why = room_for_spare(beside, str(model), rung, 1, GIB, 0.3, 100 * GIB)
+    util, why = room_for_spare(beside, size, rung, GIB, 0.3, 100 * GIB)
     assert util == 0.48 and "holds a spare" in why  # what fits beside it, 1 GiB of headroom kept
-    assert room_for_spare(beside, str(model), rung.with_(gpu_memory_utilization=0.3), 1, GIB, 0.2, 100 * GIB)[0] \
+    assert room_for_spare(beside, size, rung.with_(gpu_memory_utilization=0.3), GIB, 0.2, 100 * GIB)[0] \
         == 0.3  # never above the rung's own
-    util, why = room_for_spare(beside, str(model), rung, 1, GIB, 0.3, 19 * GIB)
+    util, why = room_for_spare(beside, size, rung, GIB, 0.3, 19 * GIB)
     assert util is None and "18.0 GiB of weights" in why  # asleep, the weights live in host memory
     crowded = [DeviceSnapshot(0, 140 * GIB, 30 * GIB, 110 * GIB, ())]
-    util, why = room_for_spare(crowded, str(model), rung, 1, GIB, 0.3, 100 * GIB)
+    util, why = room_for_spare(crowded, size, rung, GIB, 0.3, 100 * GIB)
     assert util is None and "at least 0.3" in why
-    assert room_for_spare(beside, "org/hub-model", rung, 1, GIB, 0.3, 100 * GIB)[0] is None
+    assert room_for_spare(beside, second_engine_bytes("org/hub-model", rung), rung, GIB, 0.3, 100 * GIB)[0] is None
 
     unused: Any = None  # no process behind it: only its rung and its memory are asked
     spare = Spare(child=unused, profile=rung.with_(gpu_memory_utilization=0.48), url="http://127.0.0.1:1",
@@ -242,7 +246,7 @@ def glm9b_dir(tmp_path: Any) -> Any:
 def test_the_spare_is_built_beside_when_it_fits_else_first_else_not_at_all(
         free_gib: float, total_gib: float, util: float, want: str | None) -> None:
     """Issue 27, item 1: the order from NVML's numbers and the rung's needs (the 9B shape: ~21 GiB)."""
-    from supervisor.recovery.spare import choose_order
+    from supervisor.recovery.sizing import choose_order
 
     snaps = [DeviceSnapshot(0, int(total_gib * GIB), int(free_gib * GIB), int((total_gib - free_gib) * GIB), ())]
     order = choose_order(snaps, util, 21 * GIB, 0.3, GIB)
@@ -267,7 +271,7 @@ def test_the_rungs_are_compiled_beside_the_engine_when_one_fits_else_first_sever
     """Issue 27, item 2: a throwaway of the 9B shape (~21 GiB with its prefill, plus one 128k sequence's KV
     cache, 5.3 GiB) is compiled beside the engine where it fits, else before the engine, as many at once as the
     free card holds and the cores compile."""
-    from supervisor.recovery.precompile import plan_first
+    from supervisor.recovery.sizing import plan_first
 
     snaps = [DeviceSnapshot(0, int(total_gib * GIB), int(free_gib * GIB), int((total_gib - free_gib) * GIB), ())]
     plan = plan_first(snaps, 21 * GIB, int(5.3 * GIB), util, GIB, "auto", cpus)

@@ -1,0 +1,251 @@
+"""What to build ahead next: one pure decision, from the facts ``Ahead`` gathers, to one step with its reason.
+
+Three moments ask it. While the engine serves (``READY``, once a tick): a spare for the rung the next memory failure
+picks, else a precompile of the next rung not compiled, each only where it fits beside the engine. Before a planned
+start (``BEFORE_START``): the rungs within reach compiled first, several at once, where a throwaway would not fit
+beside the engine; then (``BEFORE_START_COMPILED``, with the card read again) the spare first, where it would not
+fit beside. Every card rule it applies is recovery/sizing.py's; the classes around it only carry the step out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from supervisor.config import SPARE_NEEDS_GATEWAY, RecoveryConfig
+from supervisor.host.gpu import DeviceSnapshot, free_fraction
+from supervisor.profile import Knob, Profile
+from supervisor.recovery.sizing import (
+    CompileFirst,
+    Order,
+    SecondEngine,
+    choose_order,
+    fits_beside,
+    host_refusal,
+    plan_first,
+    room_for_spare,
+    room_for_throwaway,
+)
+
+
+class Moment(Enum):
+    READY = "ready"  # the engine serves
+    BEFORE_START = "before_start"  # a planned start, before its engine: nothing compiled first yet
+    BEFORE_START_COMPILED = "before_start_compiled"  # ... the rungs compiled first (or none to): the spare's turn
+
+
+class Action(Enum):
+    BUSY = "busy"  # a second engine is being built: nothing new
+    WAIT = "wait"  # not yet (precompile_idle_s)
+    SPARE = "spare"  # build a spare at ``rung`` (its utilization set), beside the engine or first
+    COMPILE = "compile"  # a throwaway compiles ``rung`` beside the serving engine
+    COMPILE_FIRST = "compile_first"  # throwaways compile ``plan.rungs`` before the engine
+    NOTHING = "nothing"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything the decision reads; nothing in it is asked of the OS."""
+
+    moment: Moment
+    recovery: RecoveryConfig
+    engine: Profile  # the serving engine's rung, or the one a planned start is about to start at
+    targets: tuple[Profile, ...]  # where a failure at ``engine`` goes, other than its own rung; the first: the spare's
+    compiled: frozenset[str] = frozenset()  # compile keys vLLM's cache holds for this vLLM and these arguments
+    failed: Mapping[str, str] = field(default_factory=dict)  # compile key -> "spare" | "precompile" (FailedRungs)
+    card: tuple[DeviceSnapshot, ...] | None = ()  # () no GPU seen; None the GPU is lost
+    sizes: Mapping[str, SecondEngine | None] = field(default_factory=dict)  # compile key -> a second engine's size
+    kv: Mapping[str, int | None] = field(default_factory=dict)  # compile key -> one sequence's KV cache per rank
+    ram_available: int = 0
+    cpus: int = 1
+    ranks: int = 1
+    headroom: int = 0  # [gpu] start_headroom_bytes
+    floor: float = 0.0  # [ladder] gpu_memory_utilization_floor
+    gateway: bool = True  # a [gateway] fronts the engine (a spare's port is followed only by it)
+    breaks_on_wake: str | None = None  # what in [engine.args] breaks an engine woken from sleep
+    spare_kept: bool = False
+    building: bool = False
+    at_ready: Profile | None = None  # asked by the first start: compile it the moment the engine is READY
+    waited_s: float = 0.0  # READY for (a GPU host) or idle for (none): against precompile_idle_s
+    first_start: bool = False  # the supervisor's first start on a GPU host (no READY yet)
+
+    def to_compile(self, rung: Profile) -> bool:
+        """Not compiled for this vLLM, and no throwaway failed at it."""
+        key = rung.compile_key()
+        return key not in self.compiled and self.failed.get(key) != "precompile"
+
+
+@dataclass(frozen=True)
+class Step:
+    action: Action
+    why: str
+    rung: Profile | None = None  # SPARE, COMPILE: at the utilization it starts at
+    plan: CompileFirst | None = None  # COMPILE_FIRST; also how a planned start's rungs were weighed
+    order: Order | None = None  # where the spare was weighed to be built (a planned start)
+    wait_s: float = 0.0  # WAIT: how long until it asks again
+    spare_why: str | None = None  # /status: why a spare is (not) built; None leaves the last one
+    compile_why: str | None = None  # /status: why the rungs are (not) compiled; None leaves the last one
+    at_ready: Profile | None = None  # BEFORE_START: the rung to compile beside the engine the moment it is READY
+
+
+def next_step(f: Facts) -> Step:
+    if f.moment is Moment.READY:
+        return _while_serving(f)
+    if f.moment is Moment.BEFORE_START:
+        return _before_start(f)
+    return _spare_first(f, Step(Action.NOTHING, "nothing to build before the engine"))
+
+
+# ---- while the engine serves ------------------------------------------------------------------------
+def _while_serving(f: Facts) -> Step:
+    if f.building:
+        return Step(Action.BUSY, "a second engine is being built")
+    compile_why = None
+    if f.at_ready is not None and f.to_compile(f.at_ready):
+        ok, compile_why = _throwaway_fits(f, f.at_ready)
+        if ok:
+            why = (f"{compile_why}; the next memory failure's rung (max_num_batched_tokens "
+                   f"{f.at_ready.effective(Knob.MAX_NUM_BATCHED_TOKENS)}) at READY, not after precompile_idle_s: "
+                   "the first start found only its own rung compiled")
+            return Step(Action.COMPILE, why, rung=_beside(f, f.at_ready), compile_why=why)
+    wait = f.recovery.precompile_idle_s - f.waited_s
+    if wait > 0:
+        return Step(Action.WAIT, f"asked in {wait:.0f}s (precompile_idle_s)", wait_s=wait, compile_why=compile_why)
+    spare_why = None
+    if f.targets and not f.spare_kept:
+        util, spare_why = _spare_beside(f, f.targets[0])
+        if util is not None:  # a spare compiles its rung too, compiled already or not
+            return Step(Action.SPARE, spare_why, rung=f.targets[0].with_(gpu_memory_utilization=util),
+                        spare_why=spare_why)
+    todo = [p for p in f.targets if f.to_compile(p)]
+    if todo:
+        ok, compile_why = _throwaway_fits(f, todo[0])
+        if ok:
+            return Step(Action.COMPILE, compile_why, rung=_beside(f, todo[0]), spare_why=spare_why,
+                        compile_why=compile_why)
+    why = "; ".join(w for w in (spare_why, compile_why) if w) or "every rung within reach is compiled"
+    return Step(Action.NOTHING, why, spare_why=spare_why, compile_why=compile_why)
+
+
+def _spare_refusal(f: Facts, rung: Profile) -> str | None:
+    """Why no spare at all for ``rung`` (its mode, its arguments, its history), whatever the card holds."""
+    mode = f.recovery.spare
+    if rung.compile_key() in f.failed:
+        return ("a second engine at this rung failed to start, to sleep, or its canary after a wake in this run: "
+                "no spare for it")
+    if mode == "off":
+        return '[recovery] spare = "off"'
+    if f.breaks_on_wake:
+        return f"refused: {f.breaks_on_wake}"
+    if mode == "auto" and not f.gateway:
+        return f"auto: no [gateway]: {SPARE_NEEDS_GATEWAY}"
+    return None
+
+
+def _spare_beside(f: Facts, rung: Profile) -> tuple[float | None, str]:
+    """Whether a spare for ``rung`` is built beside the serving engine: the utilization it starts at (the rung's
+    when no GPU is seen), or None; and why."""
+    refused = _spare_refusal(f, rung)
+    if refused:
+        return None, refused
+    if f.recovery.spare_order == "first":
+        return None, '[recovery] spare_order = "first": a spare is built before the engine, at planned starts'
+    if f.card is None:
+        return None, "the GPU is lost"
+    util = rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+    if f.recovery.spare == "on":
+        return (fits_beside(f.card, util, f.headroom) if f.card else util), '[recovery] spare = "on"'
+    if not f.card:
+        return None, "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
+    return room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor, f.ram_available)
+
+
+def _throwaway_fits(f: Facts, rung: Profile) -> tuple[bool, str]:
+    """Whether a throwaway may compile ``rung`` beside the serving engine now, and why."""
+    mode = f.recovery.precompile
+    if mode != "auto":
+        return mode == "on", f'[recovery] precompile = "{mode}"'
+    if f.card is None:
+        return False, "the GPU is lost"
+    if not f.card:
+        return True, "auto: no GPU, so a throwaway competes only for CPU, niced and while the engine is idle"
+    return room_for_throwaway(f.card, f.sizes.get(rung.compile_key()), f.ranks)
+
+
+def _beside(f: Facts, rung: Profile) -> Profile:
+    """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start check wants
+    utilization x total free). The utilization is not part of the compile hash."""
+    free = free_fraction(list(f.card)) if f.card else None
+    return rung if free is None else rung.with_(gpu_memory_utilization=round(max(0.01, free / 2), 3))
+
+
+# ---- before a planned start -------------------------------------------------------------------------
+def _before_start(f: Facts) -> Step:
+    """The rungs within reach not yet compiled, the engine's own among them, first where a throwaway would not fit
+    beside the engine. At the supervisor's first start also where they would fit beside: no client has been served,
+    and a failure in its first minutes would compile on its critical path (70 s on the H200). Only when the engine
+    would compile its own rung in its start anyway: with that one compiled (a reboot), compiling the next first
+    would hold the first READY for a whole compile (77 s on the H200), so that one is compiled beside the engine
+    the moment it is READY."""
+    within_reach = [f.engine, *f.targets]
+    todo = [p for p in within_reach if f.to_compile(p)]
+    own_missing = f.to_compile(f.engine)
+    soon = within_reach[:2] if f.first_start and own_missing else []
+    plan, compile_why = _compile_plan(f, todo, soon)
+    at_ready = None
+    if plan is not None and plan.at_once:
+        return Step(Action.COMPILE_FIRST, plan.why, plan=plan, compile_why=compile_why)
+    if plan is not None and plan.order == "beside" and f.first_start and not own_missing:
+        at_ready = next((p for p in f.targets[:1] if f.to_compile(p)), None)
+    nothing = Step(Action.NOTHING, compile_why or "no rung to compile first", plan=plan, compile_why=compile_why,
+                   at_ready=at_ready)
+    return _spare_first(f, nothing)
+
+
+def _compile_plan(f: Facts, todo: Sequence[Profile], soon: Sequence[Profile]) -> tuple[CompileFirst | None, str | None]:
+    """How the rungs in ``todo`` are compiled before the engine (``plan.at_once`` 0: not first), or None when not
+    weighed at all; and why. Where they would fit beside, ``"auto"`` still compiles the ones in ``soon`` first (the
+    start's own rung and the next memory failure's): beside the engine they would wait for precompile_idle_s."""
+    rc = f.recovery
+    if rc.precompile == "off" or rc.precompile_order == "beside" or not todo or not f.card:
+        return None, None  # without a GPU a throwaway always fits beside the engine
+    sizes = [f.sizes.get(r.compile_key()) for r in todo]
+    kv = f.kv.get(todo[0].compile_key())
+    if kv is None or any(size is None for size in sizes):
+        return None, "first: the model is not a local directory with weights and a config.json: its size is unknown"
+    need = max(size.need for size in sizes if size is not None)
+    util = f.engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
+    args = (list(f.card), need, kv, util, f.headroom)
+    plan = replace(plan_first(*args, rc.precompile_order, f.cpus), rungs=tuple(todo))
+    keys = {p.compile_key() for p in soon}
+    urgent = tuple(r for r in todo if r.compile_key() in keys)
+    if plan.order == "beside" and urgent:
+        first = plan_first(*args, "first", f.cpus)
+        if first.at_once:
+            plan = replace(first, rungs=urgent, why=(
+                f"auto: the start's own rung and the next memory failure's before the engine (a failure in the "
+                f"minutes after READY would compile on its critical path): {first.why}; the rest beside it: "
+                f"{plan.why}"))
+    return plan, plan.why
+
+
+def _spare_first(f: Facts, otherwise: Step) -> Step:
+    """A spare for the first target built now, on the card the engine is about to start on (spare first), where
+    it would not fit beside the engine; else ``otherwise``, with how the spare was weighed."""
+    if f.spare_kept or not f.targets or not f.card:
+        return otherwise  # the order is the card's numbers: without them a spare is only ever built beside
+    rung, rc = f.targets[0], f.recovery
+    if _spare_refusal(f, rung) or rc.spare_order == "beside":
+        return otherwise
+    size = f.sizes.get(rung.compile_key())
+    refused = host_refusal(size, f.ram_available) if rc.spare == "auto" else None
+    if refused:
+        return replace(otherwise, spare_why=refused)
+    order = choose_order(list(f.card), f.engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9,
+                         size.need if size is not None else 0, f.floor, f.headroom, rc.spare_order)
+    if order.order != "first" or order.spare_util is None:
+        return replace(otherwise, order=order)
+    why = f"building it first: {order.why}"
+    return Step(Action.SPARE, why, rung=rung.with_(gpu_memory_utilization=order.spare_util), order=order,
+                spare_why=why, plan=otherwise.plan, compile_why=otherwise.compile_why, at_ready=otherwise.at_ready)

@@ -1,0 +1,162 @@
+"""Issue 37, item 1: what to build ahead is one pure decision (recovery/next_build.py), tested as a table.
+
+The card is the H200 of docs/runs/ (140 GiB); the model the seed's GLM-4-9B shape: a second engine of it needs about
+21 GiB before its KV cache (18.8 GB of weights, a rung's prefill, context and graphs), one sequence's KV cache at
+128k about 5.3 GiB. Every default is the shipped one ([recovery], [ladder] floor 0.3, 1 GiB of start headroom).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from supervisor.bounds import GIB
+from supervisor.config import RecoveryConfig
+from supervisor.host.gpu import DeviceSnapshot
+from supervisor.profile import Profile
+from supervisor.recovery.next_build import Action, Facts, Moment, next_step
+from supervisor.recovery.sizing import SecondEngine
+
+TOTAL = 140 * GIB
+GLM9B = SecondEngine(weights=int(18.8e9), need=21 * GIB)
+KV_128K = int(5.3 * GIB)
+
+
+def rung(chunk: int, util: float) -> Profile:
+    return Profile(max_num_batched_tokens=chunk, gpu_memory_utilization=util)
+
+
+def card(free_gib: float) -> tuple[DeviceSnapshot, ...]:
+    free = int(free_gib * GIB)
+    return (DeviceSnapshot(0, TOTAL, free, TOTAL - free, ()),)
+
+
+def serving(util: float, other_gib: float = 0.0) -> tuple[DeviceSnapshot, ...]:
+    """The card while an engine at ``util`` serves (and another process holds ``other_gib``)."""
+    return card(140 - util * 140 - other_gib)
+
+
+def facts(moment: Moment, util: float, the_card: tuple[DeviceSnapshot, ...] | None, **over: Any) -> Facts:
+    engine = rung(8192, util)
+    targets = (rung(4096, util), rung(2048, util), rung(1024, util))
+    within = (engine, *targets)
+    base = Facts(moment, RecoveryConfig(), engine, targets, card=the_card,
+                 sizes={p.compile_key(): GLM9B for p in within}, kv={p.compile_key(): KV_128K for p in within},
+                 ram_available=500 * GIB, cpus=16, headroom=GIB, floor=0.3, waited_s=600.0)
+    return replace(base, **over)
+
+
+def compiled(*chunks: int) -> frozenset[str]:
+    return frozenset(rung(c, 0.9).compile_key() for c in chunks)  # the utilization is not part of the compile key
+
+
+ALL = compiled(8192, 4096, 2048, 1024)
+READY, BEFORE, AFTER_COMPILES = Moment.READY, Moment.BEFORE_START, Moment.BEFORE_START_COMPILED
+
+# (case, facts, the action, the rung's chunk or the rungs compiled first, a phrase of the reason)
+CASES: list[tuple[str, Facts, Action, Any, str]] = [
+    # ---- while the engine serves ----
+    ("the H200 at 0.5: a spare fits beside the engine", facts(READY, 0.5, serving(0.5)),
+     Action.SPARE, 4096, "holds a spare beside the engine"),
+    ("the H200 at 0.6: a spare at what is left", facts(READY, 0.6, serving(0.6)),
+     Action.SPARE, 4096, "holds a spare beside the engine"),
+    ("the H200 at 0.9: neither a spare nor a throwaway fits beside",
+     facts(READY, 0.9, serving(0.9), compiled=ALL - compiled(2048)),
+     Action.NOTHING, None, "a throwaway needs"),
+    ("the shared card (47 % held by another process) at 0.4", facts(READY, 0.4, serving(0.4, other_gib=66)),
+     Action.NOTHING, None, "it needs at least 0.3"),
+    ("a spare kept at 0.5: the next rung not compiled is compiled beside, in half of what is free",
+     facts(READY, 0.5, serving(0.5), spare_kept=True, compiled=compiled(8192, 4096)),
+     Action.COMPILE, 2048, "holds a throwaway"),
+    ("a spare kept and every rung compiled", facts(READY, 0.5, serving(0.5), spare_kept=True, compiled=ALL),
+     Action.NOTHING, None, "every rung within reach is compiled"),
+    ("READY for 10 s of precompile_idle_s (30 s)", facts(READY, 0.5, serving(0.5), waited_s=10.0),
+     Action.WAIT, None, "asked in 20s"),
+    ("a second engine is being built", facts(READY, 0.5, serving(0.5), building=True),
+     Action.BUSY, None, "being built"),
+    ("after a failover: the rung's spare failed, so it is precompiled plainly",
+     facts(READY, 0.5, serving(0.5), failed={rung(4096, 0.5).compile_key(): "spare"}),
+     Action.COMPILE, 4096, "holds a throwaway"),
+    ("a rung whose precompile failed is not tried again",
+     facts(READY, 0.9, card(100), spare_kept=True, compiled=compiled(8192, 4096, 1024),
+           failed={rung(2048, 0.9).compile_key(): "precompile"}),
+     Action.NOTHING, None, "every rung within reach is compiled"),
+    ("two cores and no GPU: no spare (sleep mode needs CUDA), the next rung compiled while idle",
+     facts(READY, 0.9, (), sizes={}, kv={}, cpus=2),
+     Action.COMPILE, 4096, "no GPU seen"),
+    ("the GPU is lost", facts(READY, 0.5, None), Action.NOTHING, None, "the GPU is lost"),
+    ("the first start found its own rung compiled: the next one at READY, not after precompile_idle_s",
+     facts(READY, 0.5, serving(0.5), waited_s=0.0, at_ready=rung(4096, 0.5), compiled=compiled(8192)),
+     Action.COMPILE, 4096, "at READY, not after precompile_idle_s"),
+    ("spare and precompile off", facts(READY, 0.5, serving(0.5),
+                                       recovery=RecoveryConfig(spare="off", precompile="off")),
+     Action.NOTHING, None, 'spare = "off"'),
+    ("auto without a [gateway]: no spare (only the gateway follows its port)",
+     facts(READY, 0.5, serving(0.5), gateway=False, spare_kept=False, compiled=ALL),
+     Action.NOTHING, None, "no [gateway]"),
+    ("a model of unknown size (a hub name): nothing on a GPU", facts(READY, 0.5, serving(0.5), sizes={}),
+     Action.NOTHING, None, "not a local directory"),
+    # ---- before a planned start ----
+    ("a fresh host at 0.9: every rung within reach compiled first, four at once on 16 cores",
+     facts(BEFORE, 0.9, card(139), first_start=True),
+     Action.COMPILE_FIRST, [8192, 4096, 2048, 1024], "4 at a time"),
+    ("a fresh host at 0.5: the start's own rung and the next failure's first, the rest beside it",
+     facts(BEFORE, 0.5, card(139), first_start=True),
+     Action.COMPILE_FIRST, [8192, 4096], "the start's own rung and the next memory failure's"),
+    ("a fresh host on two cores: two at once", facts(BEFORE, 0.9, card(139), first_start=True, cpus=2),
+     Action.COMPILE_FIRST, [8192, 4096, 2048, 1024], "2 at a time"),
+    ("a lost state directory whose rungs vLLM's cache holds, at 0.9: nothing compiled, the spare first",
+     facts(BEFORE, 0.9, card(139), first_start=True, compiled=ALL),
+     Action.SPARE, 4096, "building it first"),
+    ("a reboot at 0.5 (its own rung compiled, not the next): nothing first, the next at READY",
+     facts(BEFORE, 0.5, card(139), first_start=True, compiled=compiled(8192)),
+     Action.NOTHING, None, "beside the engine"),
+    ("the rungs compiled first at 0.9: the spare's turn", facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL),
+     Action.SPARE, 4096, "building it first"),
+    ("a climb at 0.6 with a spare asleep: nothing before the engine", facts(BEFORE, 0.6, card(137), spare_kept=True,
+                                                                          compiled=ALL),
+     Action.NOTHING, None, "no rung to compile first"),
+    ("the shared card at 0.4 before its start: two throwaways at once in what the other process left",
+     facts(BEFORE, 0.4, card(73), compiled=compiled(8192)),
+     Action.COMPILE_FIRST, [4096, 2048, 1024], "2 at a time"),
+    ("nothing fits: another process holds all but 20 GiB", facts(BEFORE, 0.9, card(20)),
+     Action.NOTHING, None, "neither beside the engine"),
+    ("two cores and no GPU before a start: everything beside the engine", facts(BEFORE, 0.9, (), cpus=2),
+     Action.NOTHING, None, "no rung to compile first"),
+    ('spare_order = "beside" at 0.9: no spare first', facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL,
+                                                           recovery=RecoveryConfig(spare_order="beside")),
+     Action.NOTHING, None, "nothing to build before the engine"),
+]
+
+
+@pytest.mark.parametrize(("case", "f", "action", "what", "why"), CASES, ids=[c[0] for c in CASES])
+def test_what_is_built_ahead(case: str, f: Facts, action: Action, what: Any, why: str) -> None:
+    step = next_step(f)
+    reasons = " | ".join(str(w) for w in (step.why, step.spare_why, step.compile_why) if w)
+    assert step.action is action, (case, step)
+    assert why in reasons, (case, reasons)
+    if action is Action.COMPILE_FIRST:
+        assert step.plan is not None
+        assert [p.max_num_batched_tokens for p in step.plan.rungs] == what
+    elif action in (Action.SPARE, Action.COMPILE):
+        assert step.rung is not None and step.rung.max_num_batched_tokens == what
+
+
+def test_a_throwaway_beside_the_engine_starts_at_half_of_what_is_free_a_spare_within_it() -> None:
+    """The utilization a second engine starts at is the card's, never above the rung's own."""
+    step = next_step(facts(READY, 0.5, serving(0.5), spare_kept=True, compiled=compiled(8192, 4096)))
+    assert step.rung is not None and step.rung.gpu_memory_utilization == 0.25  # half of the 50 % left
+    spare = next_step(facts(READY, 0.6, serving(0.6)))
+    assert spare.rung is not None and spare.rung.gpu_memory_utilization == pytest.approx(0.38)
+    first = next_step(facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL))
+    assert first.rung is not None and first.rung.gpu_memory_utilization == 0.9
+    assert first.order is not None and first.order.order == "first"
+
+
+def test_the_first_start_that_found_its_own_rung_compiled_asks_for_the_next_at_ready() -> None:
+    step = next_step(facts(BEFORE, 0.5, card(139), first_start=True, compiled=compiled(8192)))
+    assert step.at_ready is not None and step.at_ready.max_num_batched_tokens == 4096
+    later = next_step(facts(BEFORE, 0.5, card(139), first_start=False, compiled=compiled(8192)))
+    assert later.at_ready is None  # a later planned start holds no client for it: it waits for idleness
