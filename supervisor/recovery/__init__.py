@@ -47,7 +47,7 @@ class Recovery:
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
-        self.pool.dir = self.ahead.launcher.dir = directory
+        self.pool.dir = self.ahead.builder.launcher.dir = directory
 
     def configure(self, cfg: Config) -> None:
         self.pool.configure(cfg)

@@ -22,17 +22,18 @@ import psutil
 from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, THROWAWAY_STOP_S
 from supervisor.config import Config
 from supervisor.engine import gates
-from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
+from supervisor.event_stream import Event
 from supervisor.host import Child, Host
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
 from supervisor.profile import Profile
 from supervisor.recovery import canary
+from supervisor.recovery.builder import Builder
 from supervisor.recovery.next_build import Action, Facts, Moment, Step, next_step
 from supervisor.recovery.precompile import Precompiler
-from supervisor.recovery.progress import FirstBuilds
+from supervisor.recovery.progress import FirstBuilds, spare_due
 from supervisor.recovery.sizing import CompileFirst, one_sequence_kv, second_engine_bytes
 from supervisor.recovery.spare import Spare, SpareKeeper
-from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
+from supervisor.recovery.throwaway import FailedRungs
 
 
 class Ahead:
@@ -40,16 +41,14 @@ class Ahead:
                  targets: Callable[[Profile], list[Profile]]) -> None:
         self.cfg, self.host, self.publish, self.targets = cfg, host, publish, targets
         self.failed = FailedRungs()
-        self.launcher = Launcher(cfg, host, publish)
         self.precompiler = Precompiler(cfg, host)
         self.keeper = SpareKeeper(cfg, host, publish, self.failed)
+        self.builder = Builder(cfg, host, publish, self.failed, self.precompiler, self.keeper)
         self._task: asyncio.Task[None] | None = None
         self._gpu_host: bool | None = None  # NVML sees a device (asked once)
         self.planned = True  # the next start is not a failure's: the supervisor's first, a climb, a reload
-        self._spare_since: float | None = None  # a spare being built since (monotonic)
         self._asked_in_s: float | None = None  # how long until the engine has been READY long enough to build
         self.version: str | None = None  # the vLLM of the last READY engine (the spare's is the same install)
-        self._stopped: set[int] | None = None  # while compiling first: the processes of the throwaways stopped
         self.building_first = False  # a planned start's second engines are being built before its engine
         self.device_fault = False  # the last failure was the GPU's own (Xid, ECC): nothing on it is kept
         self._at_ready: Profile | None = None  # a rung compiled beside the engine at READY, not precompile_idle_s on
@@ -58,7 +57,7 @@ class Ahead:
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
-        for part in (self.launcher, self.precompiler, self.keeper):
+        for part in (self.builder, self.precompiler, self.keeper):
             part.configure(cfg)
 
     async def tick(self, profile: Profile, version: str | None, idle_for_s: float, ready_for_s: float) -> None:
@@ -78,7 +77,7 @@ class Ahead:
         self._asked_in_s = step.wait_s
         if step.rung is not None and step.action in (Action.SPARE, Action.COMPILE):
             spare = step.action is Action.SPARE
-            self._task = asyncio.create_task(self._guarded(step.rung, version, spare),
+            self._task = asyncio.create_task(self.builder.build(step.rung, version, spare),
                                              name="recovery:spare" if spare else "recovery:precompile")
 
     async def _facts(self, moment: Moment, profile: Profile, version: str | None, waited_s: float = 0.0) -> Facts:
@@ -160,7 +159,7 @@ class Ahead:
             self.first.over()
 
     async def _compile_first(self, plan: CompileFirst) -> None:
-        slots, self._stopped = asyncio.Semaphore(plan.at_once), set()
+        slots, self.builder.stopped = asyncio.Semaphore(plan.at_once), set()
         done = 0
         self.first.step("rungs", done, len(plan.rungs), plan.at_once)
 
@@ -168,8 +167,9 @@ class Ahead:
             nonlocal done
             async with slots:
                 t0 = self.host.monotonic()
-                await self._guarded(rung.with_(gpu_memory_utilization=plan.util), self.version, False, plan.kv_bytes)
-                if not self.failed.no_precompile(rung.with_(gpu_memory_utilization=plan.util)):
+                at = rung.with_(gpu_memory_utilization=plan.util)
+                await self.builder.build(at, self.version, False, plan.kv_bytes)
+                if not self.failed.no_precompile(at):
                     self.first.times.note("rungs", self.host.monotonic() - t0)
             done += 1
             self.first.step("rungs", done, len(plan.rungs), plan.at_once)
@@ -180,14 +180,14 @@ class Ahead:
         except TimeoutError:
             self.precompiler.why = f"first: not all compiled within precompile_timeout_s ({timeout:g}s): {plan.why}"
         finally:
-            stopped, self._stopped = self._stopped, None
+            stopped, self.builder.stopped = self.builder.stopped, None
         # The spare and the engine come next, on what the throwaways held.
         await gates.wait_released(self.cfg, self.host, self.publish, tuple(stopped or ()))
 
     async def _spare_first(self, rung: Profile) -> bool:
         """A spare at ``rung`` (its utilization set) built before the engine; True when it sleeps now."""
         self.first.step("spare", 0, 1)
-        await self._guarded(rung, self.version, True)
+        await self.builder.build(rung, self.version, True)
         if self.keeper.spare is not None:
             self.first.times.note("spare", self.keeper.last_build_s)
             self.first.step("spare", 1, 1)
@@ -205,58 +205,6 @@ class Ahead:
             except GpuLost:
                 self._gpu_host = True
         return self._gpu_host
-
-    async def _guarded(self, rung: Profile, version: str | None, spare: bool, kv_bytes: int | None = None) -> None:
-        self._spare_since = self.host.monotonic() if spare else None
-        try:
-            await self._build(rung, version, spare, kv_bytes)
-        except Exception as exc:  # noqa: BLE001 - a second engine's own fault never stops the supervision
-            self.failed.add(rung, "spare" if spare else "precompile")
-            self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
-        finally:
-            self._spare_since = None
-
-    async def _build(self, rung: Profile, version: str | None, spare: bool, kv_bytes: int | None) -> None:
-        """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep mode, not
-        niced: it may become the engine) is then kept asleep, a precompile's throwaway stopped."""
-        t0 = self.host.monotonic()
-        try:
-            t = await self.launcher.launch(rung, "real" if spare else "dummy", sleep_mode=spare, niced=not spare,
-                                           version=version, kv_bytes=kv_bytes)
-        except OSError as exc:
-            self.failed.add(rung, "precompile")
-            self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
-                                         error=f"could not start a second engine: {exc}"))
-            return
-        why, lines = await self._until_kept(t, version, spare, t0)
-        if why is not None:
-            self.failed.add(rung, "spare" if spare else "precompile")
-        self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=why is None,
-                                     took_s=round(self.host.monotonic() - t0, 3),
-                                     error=None if why is None else f"{why}; last lines: {' | '.join(lines)}"))
-
-    async def _until_kept(self, t: Throwaway, version: str | None, spare: bool,
-                          t0: float) -> tuple[str | None, list[str]]:
-        """Wait for ``t``'s /health; then keep it (a spare) or stop it. Why it failed, and its last lines."""
-        kept = False
-        try:
-            why = await t.until_healthy(self.cfg.recovery.precompile_timeout_s)
-            t.deaf()  # a spare kept is adopted by an engine's run, which binds its events socket anew
-            lines = t.last_lines()  # what it printed while failing, not its shutdown
-            if why is None and spare:
-                kept = await self.keeper.keep(t, t0)
-            elif why is None:
-                # Its graphs are in the cache, whatever comes. Not a spare's: on the H200 a start at a rung only a
-                # spare had compiled compiled it again (24 s): it runs with --enable-sleep-mode and dev mode, and
-                # vLLM's compile hash took them in; the rung is then precompiled plainly as any.
-                self.precompiler.note_compiled(t.profile, version, t.cache_used[0] if t.cache_used else None)
-        finally:
-            if not kept:
-                if self._stopped is not None:
-                    self._stopped |= t.pids()
-                await t.stop()  # a spare kept has its own record now (SpareKeeper.keep)
-            self.launcher.done(t)
-        return why, lines
 
     def stop(self) -> None:
         """The engine ended (it failed or stops): the work under way is killed, not waited for. The kill runs
@@ -277,15 +225,10 @@ class Ahead:
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (second engines hold GPU memory)."""
-        return self.launcher.pids() | self.keeper.pids()
+        return self.builder.launcher.pids() | self.keeper.pids()
 
     def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
-        """The spare asleep and every second engine being started (a precompile's, or a spare being built)."""
-        spare = self.keeper.spare
-        out: list[tuple[str, Child, str | None, Profile | None]] = \
-            [("spare", spare.child, spare.url, spare.profile)] if spare is not None else []
-        return out + [("spare (being built)" if t.work.name.startswith("spare-") else "precompile", t.child, t.url,
-                       t.profile) for t in sorted(self.launcher.current, key=lambda t: t.pid) if t is not spare]
+        return self.builder.processes()
 
     def status(self) -> dict[str, Any]:
         step = self.step
@@ -295,23 +238,10 @@ class Ahead:
                 "spare": {**self.keeper.status(), "due": self._due()}}
 
     def _due(self) -> dict[str, Any]:
-        """When the next spare will be ready, as far as the supervisor can tell (``in_s`` None: it cannot)."""
-        k, last = self.keeper, self.keeper.last_build_s
-        if k.spare is not None:
-            return {"in_s": 0.0, "when": "now: one is asleep"}
-        if self._spare_since is not None:
-            building = self.host.monotonic() - self._spare_since
-            return {"in_s": round(max(0.0, last - building), 1) if last else None,
-                    "when": f"being built for {building:.0f}s" + (f"; the last took {last:.0f}s" if last else "")}
-        if k.order is not None and k.order.order == "first":
-            return {"in_s": None, "when": "at the next planned start (a climb, a reload, restart): none fits beside "
-                                          "the engine, so it is built before the engine"}
-        if self.cfg.recovery.spare == "off":
-            return {"in_s": None, "when": 'never: [recovery] spare = "off"'}
-        if self._asked_in_s is not None and self._asked_in_s > 0:
-            return {"in_s": round(self._asked_in_s + (last or 0.0), 1) if last else None,
-                    "when": f"asked in {self._asked_in_s:.0f}s (precompile_idle_s), then built"}
-        return {"in_s": None, "when": k.why}
+        k, since = self.keeper, self.builder.spare_since
+        return spare_due(k.spare is not None, k.last_build_s, None if since is None else self.host.monotonic() - since,
+                         k.order is not None and k.order.order == "first", self.cfg.recovery.spare, self._asked_in_s,
+                         k.why)
 
     async def close(self) -> None:
         await self.settled()

@@ -88,3 +88,23 @@ class FirstBuilds:
 
     def status(self) -> dict[str, Any] | None:
         return self.now.as_dict(self.host.monotonic()) if self.now else None
+
+
+def spare_due(asleep: bool, last_s: float | None, building_for_s: float | None, built_first: bool, mode: str,
+              asked_in_s: float | None, why: str) -> dict[str, Any]:
+    """When the next spare will be ready, as far as the supervisor can tell (``in_s`` None: it cannot), for /status:
+    from whether one sleeps, how long one has been built for, how long the last took, and why none is built."""
+    if asleep:
+        return {"in_s": 0.0, "when": "now: one is asleep"}
+    if building_for_s is not None:
+        return {"in_s": round(max(0.0, last_s - building_for_s), 1) if last_s else None,
+                "when": f"being built for {building_for_s:.0f}s" + (f"; the last took {last_s:.0f}s" if last_s else "")}
+    if built_first:
+        return {"in_s": None, "when": "at the next planned start (a climb, a reload, restart): none fits beside "
+                                      "the engine, so it is built before the engine"}
+    if mode == "off":
+        return {"in_s": None, "when": 'never: [recovery] spare = "off"'}
+    if asked_in_s is not None and asked_in_s > 0:
+        return {"in_s": round(asked_in_s + (last_s or 0.0), 1) if last_s else None,
+                "when": f"asked in {asked_in_s:.0f}s (precompile_idle_s), then built"}
+    return {"in_s": None, "when": why}

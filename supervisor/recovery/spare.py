@@ -79,6 +79,11 @@ class Spare(Throwaway):
                         f"back to wake (+ {headroom / GIB:.2f} GiB headroom)")
         return None
 
+    def status(self) -> dict[str, Any]:
+        return {"state": "asleep", "pid": self.pid, "port": self.port, "profile": self.profile.knobs(),
+                "held_asleep_mib": sum(self.asleep.values()) // MIB,
+                "canary": self.canary.as_dict() if self.canary else None, "wakes": self.wakes}
+
     async def fall_asleep(self) -> None:
         try:
             await self.client.command("/sleep?level=1", SPARE_SLEEP_S)
@@ -313,14 +318,8 @@ class SpareKeeper:
         return self.spare.pids() if self.spare is not None else set()
 
     def status(self) -> dict[str, Any]:
-        s = self.spare
-        order = self.order.as_dict() if self.order else None
-        if s is None:
-            return {"state": None, "why": self.why, "order": order}
-        return {"state": "asleep", "pid": s.pid, "port": s.port, "profile": s.profile.knobs(),
-                "held_asleep_mib": sum(s.asleep.values()) // MIB, "why": self.why,
-                "canary": s.canary.as_dict() if s.canary else None, "order": order, "wakes": s.wakes,
-                "last_check": self.last_check}
+        asleep = {} if self.spare is None else {**self.spare.status(), "last_check": self.last_check}
+        return {"state": None, "why": self.why, "order": self.order.as_dict() if self.order else None, **asleep}
 
     async def close(self) -> None:
         await self.drop("the supervisor stops")
