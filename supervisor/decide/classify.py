@@ -219,3 +219,12 @@ def fraction_that_fits(free: float, total: float) -> float:
     """The largest utilization (in hundredths, one below) that fits in ``free`` of ``total``."""
     return max(0.0, round(int(free / total * 100) / 100 - 0.01, 2))
 
+
+def settled_before_exit(failure: Failure) -> bool:
+    """Whether a verdict reached from what vLLM said before its API server exits stands whatever it logs while
+    exiting: a runtime OOM whose request vLLM's own scheduler dump named (the dump and the error record come
+    before the engine core's exit), or the device's own fault. Its tree is then stopped at once instead of after
+    ``[engine] dead_grace_s``: on the H200 that grace was 0.7 s of a 1.7 s recovery with a spare."""
+    if failure.kind is FailureKind.RUNTIME_OOM:
+        return failure.suspect_request is not None
+    return failure.kind is FailureKind.DEVICE_FATAL

@@ -36,7 +36,7 @@ from supervisor.bounds import (
 )
 from supervisor.config import Config, WarmupConfig, masked
 from supervisor.decide import startup
-from supervisor.decide.classify import ExitInfo, classify
+from supervisor.decide.classify import ExitInfo, classify, settled_before_exit
 from supervisor.decide.evidence import batch
 from supervisor.decide.liveness import Liveness
 from supervisor.engine import gates, ipc, launch, warmup
@@ -58,6 +58,9 @@ from supervisor.profile import Profile
 
 R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
+# A dead engine whose verdict is settled (settled_before_exit): how long its API server gets to answer the requests
+# it had in flight (vLLM fails them the moment its engine core dies) before its tree is killed.
+SETTLED_EXIT_S = 0.25
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
 
 
@@ -346,6 +349,8 @@ class EngineRun:
         """Mid-length prompts before traffic (a failure is a startup failure); the READY record."""
         w = self.cfg.warmup
         sizes = warmup.plan(self.profile, w)
+        if self.origin.spare is not None:
+            w = warmup.after_wake(w, sizes)
         self._expect(w.timeout_s + STEP_SLACK_S)
         try:
             warmed = await self._race(self._warm(w, sizes))
@@ -396,27 +401,28 @@ class EngineRun:
         if child is not None:
             self.host.tree_pids(child)
         rc: int | None = child.proc.returncode if child else None
+        settled = trigger.kind is TriggerKind.DEATH and settled_before_exit(verdict_of(self.seen, trigger, phase, rc))
         if trigger.kind is TriggerKind.DEATH and child is not None and rc is None:
-            # vLLM exits by itself within seconds of its engine dying; let it finish logging.
-            self._expect(self.cfg.engine.dead_grace_s + SHORT_SLACK_S)
+            # vLLM exits by itself within seconds of its engine dying; let it finish logging. With the verdict
+            # settled already, only long enough to answer its requests in flight (500, not a reset), then killed.
+            grace = min(self.cfg.engine.dead_grace_s, SETTLED_EXIT_S) if settled else self.cfg.engine.dead_grace_s
+            self._expect(grace + SHORT_SLACK_S)
             with contextlib.suppress(asyncio.TimeoutError):
-                rc = await asyncio.wait_for(child.wait_exit(), self.cfg.engine.dead_grace_s)
+                rc = await asyncio.wait_for(child.wait_exit(), grace)
         stacks: dict[int, str] = {}
         if trigger.kind is TriggerKind.HANG and child is not None:
             self._expect(STACK_DUMP_S)
             stacks = await self.host.dump_stacks(self.host.tree_pids(child))
             if not stacks:
                 self.publish(NoStackDump(at=self.host.wall()))
-        report = await self.stop(planned=trigger.kind.planned)
-        failure = None
-        if not trigger.kind.planned:
-            failure = trigger.failure or classify(
-                events=list(self.seen.events), lines=self.seen.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
-                trigger=trigger.evidence, hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)
+        report = await self.stop(planned=trigger.kind.planned, at_once=settled)
+        failure = None if trigger.kind.planned else verdict_of(self.seen, trigger, phase, rc)
         return Verdict(trigger, failure, phase, rc, report, stacks, evidence_of(self))
 
-    async def stop(self, planned: bool) -> StopReport | None:
-        """Kill the whole tree, drain the pipes, wait for GPU memory to be released."""
+    async def stop(self, planned: bool, at_once: bool = False) -> StopReport | None:
+        """Kill the whole tree, drain the pipes, wait for GPU memory to be released. ``at_once``: a dead engine
+        whose verdict is settled (``settled_before_exit``) gets no SIGTERM grace either: its API server's graceful
+        shutdown would only wait on connections to an engine that is gone."""
         self.seen.ending = True
         self._expect(stop_bound(self.cfg, planned))
         child = self.child
@@ -426,7 +432,7 @@ class EngineRun:
             t0 = self.host.monotonic()
             # A dead or hung engine has nothing to finish: a short grace, then SIGKILL. vLLM's API server
             # ignores SIGTERM while its start is failing, and multiprocessing's resource tracker always does.
-            grace = e.stop_timeout_s if planned else e.failed_stop_timeout_s
+            grace = 0.0 if at_once else e.stop_timeout_s if planned else e.failed_stop_timeout_s
             report = await self.host.terminate_tree(child, grace, e.kill_timeout_s)
             t1 = self.host.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -467,6 +473,13 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
                          "vllm": run.seen.engine_version},
             "argv": list(run.origin.spare.argv) if run.origin.spare is not None else masked(
                 launch.build_argv(run.cfg.engine, run.profile, run.cfg.health.hang_timeout_s), run.secrets)}
+
+
+def verdict_of(seen: Observer, trigger: Trigger, phase: Phase, rc: int | None) -> Failure:
+    """What the evidence in hand (vLLM's records and lines so far, the exit) says of an unplanned end."""
+    return trigger.failure or classify(
+        events=list(seen.events), lines=seen.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
+        trigger=trigger.evidence, hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)
 
 
 def stop_bound(cfg: Config, planned: bool) -> float:

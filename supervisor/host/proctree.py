@@ -238,7 +238,9 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
         seen |= {p.pid for p in left}
         if left:
             killed = [p.pid for p in left]
-            log.warning("engine.stop_escalated", signal="SIGKILL", pids=killed, grace_s=grace_s)
+            # With no grace asked for (a dead engine's settled verdict), SIGKILL is the plan, not an escalation.
+            (log.warning if grace_s > 0 else log.info)("engine.stop_escalated", signal="SIGKILL", pids=killed,
+                                                       grace_s=grace_s)
             _signal_group(sid, signal.SIGKILL)
             for p in left:
                 with contextlib.suppress(psutil.Error):

@@ -20,6 +20,7 @@ is steered by env vars:
   FAKE_VLLM_FREE_UTIL     free fraction of the card: --gpu-memory-utilization above it fails at start
   FAKE_VLLM_TOKEN_DELAY   seconds per generated token (default 0.001)
   FAKE_VLLM_DIE_AFTER_READY  engine core dies with SIGSEGV this many seconds after start
+  FAKE_VLLM_DEAD_EXIT_S   seconds the API server takes to exit by itself once its engine core died (default 0.3)
   FAKE_VLLM_RAY_LOST_FILE a file: when it appears while the engine serves, the engine core reports a lost Ray
                           worker node in vLLM's words (v1/executor/ray_executor_v2.py) and dies; the file is
                           removed (once)
@@ -379,7 +380,9 @@ class Server:
                     self.dead = True
                     for q in self.pending.values():
                         q.put_nowait(exc)
-                asyncio.get_running_loop().call_later(0.3, self.stop.set)
+                # vLLM's API server exits by itself once its engine died: 0.7-1.2 s on the H200.
+                asyncio.get_running_loop().call_later(float(os.environ.get("FAKE_VLLM_DEAD_EXIT_S", "0.3")),
+                                                      self.stop.set)
                 return
             q = self.pending.get(msg["id"])
             if q is not None:

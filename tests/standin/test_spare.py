@@ -93,6 +93,35 @@ def test_a_runtime_oom_wakes_the_spare_instead_of_starting_an_engine(supervise: 
     assert any(e.get("pid") == spare["pid"] for e in incident["events"]), incident["events"][-5:]
 
 
+def test_a_settled_runtime_oom_is_stopped_at_once_and_the_woken_spare_warms_in_one_round(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 38, item 5: of the H200's 1.7 s from the seed's crash to READY with a spare, 0.7 s went to waiting for
+    vLLM's API server to exit by itself after its engine died, and 0.34 s to a full warm-up after the wake."""
+    exit_s = 8.0  # this stand-in's API server exits by itself this long after its engine died
+    sup = supervise({"engine": {"dead_grace_s": 2 * exit_s, "args": {"enable_log_requests": True},
+                                "env": {"FAKE_VLLM_DEAD_EXIT_S": str(exit_s)}}})
+    sup.wait_ready(30)
+    spare = asleep(sup)
+    assert send_long_prompt(sup) == 500  # the engine dies of a (stand-in) runtime OOM, its request named
+    st = sup.wait_ready(30, restarts=1)
+    assert st["engine_pid"] == spare["pid"]
+    failed = sup.events("engine.failed")[-1]
+    assert failed["kind"] == "runtime_oom" and failed["suspect_request"], failed
+    # Stopped at once, not after the API server's own exit: killed by the supervisor, well before exit_s.
+    stopped = sup.events("engine.stopped")[-1]
+    assert stopped["returncode"] is not None and stopped["returncode"] < 0, stopped
+    assert sup.events("engine.recovered")[-1]["recovered_after_s"] < exit_s / 2
+    incident = json.loads(Path(st["last_failure"]["incident"]).read_text())
+    assert any("CUDA out of memory" in line for line in incident["log_tail"])  # the evidence was in hand
+    # The woken spare's warm-up: the same prompts, each for one token (its canary proved its decode).
+    warmups = [line for line in sup.log_path.read_text(errors="replace").splitlines()
+               if "Received request cmpl-warmup-" in line]
+    sizes = len(st["history"][-1]["warmup_prompts"])
+    assert sizes and len(warmups) == 2 * sizes, warmups  # the first start's, then the woken spare's
+    assert not any("max_tokens=1)" in line for line in warmups[:sizes]), warmups  # [warmup] max_tokens
+    assert all(f"pid={spare['pid']})" in line and "max_tokens=1)" in line for line in warmups[sizes:]), warmups
+
+
 def test_a_spare_that_cannot_serve_the_start_is_stopped_and_the_start_is_cold(
         supervise: Callable[..., Sup]) -> None:
     """The operator's restart keeps the profile (8192): the spare (6144) is another rung, so it is stopped

