@@ -4,8 +4,8 @@
 is. The parts never build each other: the event stream and its subscribers, the lifecycle (the
 state machine, the only writer of state and profile), recovery, the gateway, the admin and
 metrics listeners, the alert hooks and the control socket are made in ``__init__`` and wired
-through callables and the stream. Reload is here too, because it replaces parts. Signal handlers
-only set intent; the loop acts.
+through callables and the stream. The operator's commands (reload among them, which replaces the
+config and the alert hooks) are commands.py's. Signal handlers only set intent; the loop acts.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from typing import Any, Protocol, TextIO
 
 import structlog
 
-from supervisor import config_file
-from supervisor.config import Config, ConfigError
+from supervisor.commands import OperatorCommands
+from supervisor.config import Config
 from supervisor.decide.policy import Policy, clamp_to_configured
-from supervisor.decide.reload import reload_plan
 from supervisor.engine import leftover
 from supervisor.engine.run import EngineRun, PreparedSource
 from supervisor.engine_states import EngineState
@@ -32,9 +31,6 @@ from supervisor.event_stream import (
     Event,
     EventBus,
     ProfileRestored,
-    Reloaded,
-    ReloadFailed,
-    Reloading,
     SupervisorStarted,
 )
 from supervisor.gateway.server import EVENTS, OUTCOMES, EngineView, Gateway, SupervisorSide
@@ -46,8 +42,6 @@ from supervisor.lifecycle import Lifecycle
 from supervisor.loop_lag import LoopLag
 from supervisor.ops import control, statefile
 from supervisor.ops.admin import AdminServer, make_app, metrics_app
-from supervisor.ops.alerts.channels import MissingSecret
-from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.control import ControlServer
 from supervisor.ops.history import History
 from supervisor.ops.logs import EventLog
@@ -83,7 +77,7 @@ class Daemon:
     def __init__(self, cfg: Config, host: Host, *, notifier: Notifier | None = None,
                  echo: TextIO | None = None, install_signals: bool = True,
                  client_factory: Callable[[], EngineClient] | None = None, config_path: str | None = None) -> None:
-        self.cfg, self.host = cfg, host
+        self.host = host
         self.session = Session(config_path, install_signals, host.monotonic())
         self.bus = EventBus()
         publish = self.bus.publish
@@ -112,13 +106,14 @@ class Daemon:
         self.metrics.budget_from(lambda: policy.budget_left(host.monotonic()))
         self.metrics.loop_stall_from(lambda: self.loop_lag.max_s)
         self.history = History()
-        self.alerts = self._alerts_for(cfg)  # raises MissingSecret (a configuration error)
+        self.commands = OperatorCommands(cfg, host, publish, self.metrics, config_path)  # raises MissingSecret
+        self.commands.serve(self.lifecycle, self.gateway, self.recovery)
         self.bus.subscribe("log", EventLog())
         self.bus.subscribe("metrics", self.metrics)
         self.bus.subscribe("notify", self.notifier)
         self.bus.subscribe("history", self.history)
         self.bus.subscribe("statefile", statefile.StateFileWriter(cfg.state.dir, cfg.profile))
-        self.bus.subscribe("alerts", self)  # forwards to self.alerts, which a reload may replace
+        self.bus.subscribe("alerts", self)  # forwards to the commands' alerts, which a reload may replace
         self.bus.subscribe("recovery", self.recovery)
         if self.gateway is not None:
             self.bus.subscribe("gateway", self.gateway)
@@ -127,14 +122,18 @@ class Daemon:
         self.listeners: list[Listener] = [
             AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render, self.engine_metrics),
                         *cfg.admin.host_port, host.monotonic),
-            ControlServer(control.path_in(cfg.state.dir), self.control_command)]
+            ControlServer(control.path_in(cfg.state.dir), self.commands.command)]
         if cfg.admin.metrics_listen:
             self.listeners.append(AdminServer(metrics_app(self.metrics.render, self.engine_metrics),
                                               *cfg.admin.metrics_host_port, host.monotonic))
         self._background: set[asyncio.Task[Any]] = set()
 
+    @property
+    def cfg(self) -> Config:
+        return self.commands.cfg  # the config in force: a reload replaces it
+
     def on_event(self, event: Event) -> None:
-        self.alerts.on_event(event)
+        self.commands.alerts.on_event(event)
 
     # ---- startup, main loop, shutdown -----------------------------------------------------------------
     async def run(self) -> int:
@@ -155,7 +154,7 @@ class Daemon:
         if self.session.install_signals:
             loop.add_signal_handler(signal.SIGTERM, self.lifecycle.request_stop, "SIGTERM")
             loop.add_signal_handler(signal.SIGINT, self.lifecycle.request_stop, "SIGINT")
-            loop.add_signal_handler(signal.SIGHUP, self._soon, self.reload)
+            loop.add_signal_handler(signal.SIGHUP, self._soon, self.commands.reload)
         self.session.run_dir = rundir.make()
         self.recovery.use_dir(self.session.run_dir)
         for listener in self.listeners:
@@ -163,7 +162,7 @@ class Daemon:
         if self.gateway is not None:
             await self.gateway.start()
         self.bus.start()
-        self.alerts.start()
+        self.commands.alerts.start()
         self.recovery.start()
         self._soon(self._poll_gpu)
         if reaper.needed():
@@ -188,7 +187,7 @@ class Daemon:
         for t in self._background:
             t.cancel()
         await self.bus.close()
-        await self.alerts.close()  # bounded by [alerts] flush_s; before the port's close, which clients can hold
+        await self.commands.alerts.close()  # bounded by [alerts] flush_s; before the port's close (clients hold it)
         if self.gateway is not None:
             await self.gateway.close()  # bounded by gateway.CLOSE_S
         for listener in self.listeners:
@@ -244,7 +243,7 @@ class Daemon:
             "event_stream": self.bus.counters(),
             "loop": self.loop_lag.status(),
             "devices": ",".join(map(str, self.cfg.engine.devices() or [])) or "all",
-            "alerts": self.alerts.status(),
+            "alerts": self.commands.alerts.status(),
             "next_start": self.recovery.status(),
             "processes": self.processes(),
             **({"gateway": self.gateway.status()} if self.gateway else {}),
@@ -267,62 +266,3 @@ class Daemon:
                             "profile": profile.knobs() if profile else None,
                             "gpu_bytes": sum(held.get(p, 0) for p in pids) if polled else None})
         return out
-
-    # ---- control: the operator's commands and reloads ------------------------------------------------------
-    async def control_command(self, command: str, arg: str | None = None) -> tuple[bool, str]:
-        if command == "quarantine-clear":
-            if self.gateway is None:
-                return False, "this supervisor has no [gateway]: nothing is quarantined"
-            return self.gateway.quarantine.undo(arg, self.host.wall())  # on-call's undo: one entry, or all
-        if command == "reload":
-            return await self.reload()
-        if command == "reset-profile":
-            return self.lifecycle.reset_profile()
-        return self.lifecycle.restart_at(self.lifecycle.profile, "restart asked by the operator")
-
-    def _alerts_for(self, cfg: Config) -> Alerts:
-        """The alert hooks of ``cfg``, their series at 0 on /metrics; raises MissingSecret."""
-        alerts = Alerts.from_config(cfg.alerts, self.bus.publish, cfg.state.dir, cfg.profile)
-        for hook in cfg.alerts.hooks:
-            self.metrics.alerts_sent.labels(hook.type)
-            self.metrics.alerts_failed.labels(hook.type)
-        return alerts
-
-    async def reload(self) -> tuple[bool, str]:
-        """Read the config file again: invalid → keep the old one; engine settings changed → planned restart."""
-        path = self.session.config_path
-        publish = self.bus.publish
-        publish(Reloading(at=self.host.wall(), source=str(path)))
-        try:
-            if path is None:
-                raise ConfigError([("(file)", "this supervisor was started without a config file path")])
-            new = config_file.load(path)
-            plan = reload_plan(self.cfg, new)
-            if plan.refused:
-                raise ConfigError(list(plan.refused))
-            alerts = self._alerts_for(new) if plan.alerts else None
-        except (ConfigError, MissingSecret) as exc:
-            publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
-            return False, f"reload refused, still running on the old config:\n{exc}"
-        except Exception as exc:  # a bug in reading the file must never take down the running service
-            log.exception("reload.crashed", source=str(path))
-            publish(ReloadFailed(at=self.host.wall(), error=f"{type(exc).__name__}: {exc}"))
-            return False, f"reload refused (reading the file failed: {type(exc).__name__}: {exc}), " \
-                          "still running on the old config"
-        old, self.cfg = self.cfg, new
-        changed = plan.changed
-        self.lifecycle.reconfigure(new)
-        if alerts is not None:
-            await self.alerts.close()
-            self.alerts = alerts
-            self.alerts.start()
-        if self.gateway is not None and new.gateway is not None:
-            self.gateway.reconfigure(new.gateway)
-        self.recovery.configure(new)
-        publish(Reloaded(at=self.host.wall(), changed=changed, engine_restart=plan.engine_restart,
-                         configured_profile=new.profile))
-        if not plan.engine_restart:
-            return True, f"reloaded ({', '.join(changed) or 'nothing'} changed); the engine keeps running"
-        ok, message = self.lifecycle.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
-                                                "config reloaded: engine settings changed")
-        return ok, f"reloaded ({', '.join(changed)} changed); {message}"

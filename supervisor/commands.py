@@ -1,0 +1,92 @@
+"""The operator's commands on the control socket (docs/operations.md): restart, reset-profile, quarantine-clear
+and reload. It holds the config in force and the alert hooks made from it, the two things a reload replaces; a
+reload reads the file again, refuses what cannot change live, and hands each part its new settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from supervisor import config_file
+from supervisor.config import Config, ConfigError
+from supervisor.decide.policy import clamp_to_configured
+from supervisor.decide.reload import reload_plan
+from supervisor.event_stream import Event, Reloaded, ReloadFailed, Reloading
+from supervisor.gateway.server import Gateway
+from supervisor.host import Host
+from supervisor.lifecycle import Lifecycle
+from supervisor.ops.alerts.channels import MissingSecret
+from supervisor.ops.alerts.dispatch import Alerts
+from supervisor.ops.metrics import Metrics
+from supervisor.recovery import Recovery
+
+log = structlog.get_logger("supervisor.commands")
+
+
+class OperatorCommands:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], metrics: Metrics,
+                 config_path: str | None) -> None:
+        self.cfg, self.host, self.publish, self.metrics = cfg, host, publish, metrics
+        self.config_path = config_path
+        self.alerts = self.alerts_for(cfg)  # raises MissingSecret (a configuration error)
+
+    def serve(self, lifecycle: Lifecycle, gateway: Gateway | None, recovery: Recovery) -> None:
+        """The parts the commands act on (built after the alerts, which the event stream needs first)."""
+        self.lifecycle, self.gateway, self.recovery = lifecycle, gateway, recovery
+
+    async def command(self, command: str, arg: str | None = None) -> tuple[bool, str]:
+        if command == "quarantine-clear":
+            if self.gateway is None:
+                return False, "this supervisor has no [gateway]: nothing is quarantined"
+            return self.gateway.quarantine.undo(arg, self.host.wall())  # on-call's undo: one entry, or all
+        if command == "reload":
+            return await self.reload()
+        if command == "reset-profile":
+            return self.lifecycle.reset_profile()
+        return self.lifecycle.restart_at(self.lifecycle.profile, "restart asked by the operator")
+
+    def alerts_for(self, cfg: Config) -> Alerts:
+        """The alert hooks of ``cfg``, their series at 0 on /metrics; raises MissingSecret."""
+        alerts = Alerts.from_config(cfg.alerts, self.publish, cfg.state.dir, cfg.profile)
+        for hook in cfg.alerts.hooks:
+            self.metrics.alerts_sent.labels(hook.type)
+            self.metrics.alerts_failed.labels(hook.type)
+        return alerts
+
+    async def reload(self) -> tuple[bool, str]:
+        """Read the config file again: invalid → keep the old one; engine settings changed → planned restart."""
+        path, publish = self.config_path, self.publish
+        publish(Reloading(at=self.host.wall(), source=str(path)))
+        try:
+            if path is None:
+                raise ConfigError([("(file)", "this supervisor was started without a config file path")])
+            new = config_file.load(path)
+            plan = reload_plan(self.cfg, new)
+            if plan.refused:
+                raise ConfigError(list(plan.refused))
+            alerts = self.alerts_for(new) if plan.alerts else None
+        except (ConfigError, MissingSecret) as exc:
+            publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
+            return False, f"reload refused, still running on the old config:\n{exc}"
+        except Exception as exc:  # a bug in reading the file must never take down the running service
+            log.exception("reload.crashed", source=str(path))
+            publish(ReloadFailed(at=self.host.wall(), error=f"{type(exc).__name__}: {exc}"))
+            return False, f"reload refused (reading the file failed: {type(exc).__name__}: {exc}), " \
+                          "still running on the old config"
+        old, self.cfg = self.cfg, new
+        self.lifecycle.reconfigure(new)
+        if alerts is not None:
+            await self.alerts.close()
+            self.alerts = alerts
+            self.alerts.start()
+        if self.gateway is not None and new.gateway is not None:
+            self.gateway.reconfigure(new.gateway)
+        self.recovery.configure(new)
+        publish(Reloaded(at=self.host.wall(), changed=plan.changed, engine_restart=plan.engine_restart,
+                         configured_profile=new.profile))
+        if not plan.engine_restart:
+            return True, f"reloaded ({', '.join(plan.changed) or 'nothing'} changed); the engine keeps running"
+        ok, message = self.lifecycle.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
+                                                "config reloaded: engine settings changed")
+        return ok, f"reloaded ({', '.join(plan.changed)} changed); {message}"
