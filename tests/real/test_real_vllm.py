@@ -515,13 +515,13 @@ def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
     has text and while vLLM is still generating it; the client's events (None: vLLM had made the whole stream
     before its headers came, on a machine loaded beyond CI's, and nothing was killed).
 
-    vLLM's API server falls silent while its engine makes tokens faster than it can send them: its output handler
-    takes a queued backlog from ``outputs_queue.get()``, which never yields while the queue holds one
-    (vllm/v1/engine/async_llm.py, ``output_handler``), so nothing is written until generation ends. On two cores
-    with the tiny model that happened in most streams, on vLLM's own port as through the gateway (2026-12-05: 5-7 s
-    silences, at times the headers only after all 4,000 tokens; CI: 4 kills of 4 came after the whole stream). So
-    the worker is throttled until the client has 10 events, then frozen while vLLM's count of what it made is read,
-    and killed with the stream unfinished."""
+    On two cores a stream through the gateway went silent for 5-7 s in most tries, at times with no headers until
+    all 4,000 tokens were made (CI: 4 kills of 4 came after the whole stream). Measured 2026-12-05: vLLM's worker
+    and its EngineCore's busy loop hold both CPUs while it generates, and the supervisor (its gateway) and this test
+    get almost none: the supervisor's loop stalled 5.5 s, runnable all along (2,375 preemptions, 91 ms of CPU).
+    With the engine's session at autogroup nice 10 the silences were gone. So the worker is throttled until the
+    client has 10 events, then frozen while vLLM's count of what it made is read, and killed with the stream
+    unfinished."""
     assert sup.gateway is not None
     worker = tree(sup)["worker"]
     events: list[Any] = []
