@@ -26,14 +26,11 @@ log = structlog.get_logger("supervisor.commands")
 
 class OperatorCommands:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], metrics: Metrics,
-                 config_path: str | None) -> None:
+                 config_path: str | None, lifecycle: Lifecycle, gateway: Gateway | None, recovery: Recovery) -> None:
         self.cfg, self.host, self.publish, self.metrics = cfg, host, publish, metrics
         self.config_path = config_path
+        self.lifecycle, self.gateway, self.recovery = lifecycle, gateway, recovery  # what the commands act on
         self.alerts = self.alerts_for(cfg)  # raises MissingSecret (a configuration error)
-
-    def serve(self, lifecycle: Lifecycle, gateway: Gateway | None, recovery: Recovery) -> None:
-        """The parts the commands act on (built after the alerts, which the event stream needs first)."""
-        self.lifecycle, self.gateway, self.recovery = lifecycle, gateway, recovery
 
     async def command(self, command: str, arg: str | None = None) -> tuple[bool, str]:
         if command == "quarantine-clear":

@@ -106,8 +106,8 @@ class Daemon:
         self.metrics.budget_from(lambda: policy.budget_left(host.monotonic()))
         self.metrics.loop_stall_from(lambda: self.loop_lag.max_s)
         self.history = History()
-        self.commands = OperatorCommands(cfg, host, publish, self.metrics, config_path)  # raises MissingSecret
-        self.commands.serve(self.lifecycle, self.gateway, self.recovery)
+        self.commands = OperatorCommands(cfg, host, publish, self.metrics, config_path,  # raises MissingSecret
+                                         self.lifecycle, self.gateway, self.recovery)
         self.bus.subscribe("log", EventLog())
         self.bus.subscribe("metrics", self.metrics)
         self.bus.subscribe("notify", self.notifier)
