@@ -512,8 +512,8 @@ def throttled(pid: int, run_s: float = 0.001, stop_s: float = 0.02) -> Iterator[
 
 def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
     """One stream of STREAM_TOKENS greedy tokens through the gateway, its engine's worker SIGKILLed once the client
-    has text and while vLLM is still generating it; the client's events (None: vLLM had made the whole stream
-    before its headers came, on a machine loaded beyond CI's, and nothing was killed).
+    has text and while vLLM is still generating it; the client's events (None: vLLM had made the whole stream by
+    the time the client had 10 events, on a machine loaded beyond CI's, and nothing was killed).
 
     On two cores a stream through the gateway went silent for 5-7 s in most tries, at times with no headers until
     all 4,000 tokens were made (CI: 4 kills of 4 came after the whole stream). Measured 2026-12-05: vLLM's worker
@@ -535,8 +535,7 @@ def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
         assert resp.status == 200
         lines = iter(resp)
         for line in lines:
-            if line.startswith(b"data:"):
-                events.append(json.loads(line[5:]))
+            events.extend(sse_events(line))
             if len(events) >= 10:
                 break
         assert any(e["choices"][0]["text"] for e in events), events  # text came: the stream is the client's
@@ -547,11 +546,17 @@ def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
         with contextlib.suppress(ProcessLookupError):  # or the supervisor found it hung, frozen, and killed it
             os.kill(worker.pid, signal.SIGKILL)  # mid-generation: 10 tokens are the client's
     for line in lines:
-        if line.startswith(b"data:"):
-            body = line[5:].strip()
-            events.append("[DONE]" if body == b"[DONE]" else json.loads(body))
+        events.extend(sse_events(line))
     conn.close()
     return events
+
+
+def sse_events(line: bytes) -> list[Any]:
+    """The event one line of a server-sent stream carries: its JSON, "[DONE]", or none (not a data line)."""
+    if not line.startswith(b"data:"):
+        return []
+    body = line[5:].strip()
+    return ["[DONE]" if body == b"[DONE]" else json.loads(body)]
 
 
 def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: Sup) -> None:
