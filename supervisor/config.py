@@ -484,19 +484,21 @@ class RecoveryConfig:
     precompile: str = one_of("auto", PRECOMPILE_MODES)
     precompile_idle_s: float = seconds(30.0)  # after this long READY with nothing at the engine
     precompile_timeout_s: float = seconds(600.0)
-    # Where they are compiled when no throwaway fits beside the engine (vLLM's default utilization 0.9, a shared
-    # card): "first", before a planned start on the free card, several at once (each rung once per host and vLLM:
-    # compiled.json); "beside" only beside it; "auto": beside when it fits, else first.
+    # Which are compiled before a planned start, on the free card, several at once: "auto" only what the start would
+    # not wait for (at the supervisor's first start, when the engine would compile its own rung anyway: that rung and
+    # the next memory failure's, side by side); "first" every rung within reach (each once per host and vLLM), READY
+    # waiting for them; "beside" none. The others are compiled beside the serving engine, where they fit.
     precompile_order: str = one_of("auto", SPARE_ORDERS)
     # Keep the next rung's precompile throwaway as a whole engine, asleep (vLLM's sleep mode: weights in host
     # memory, ~2 GiB left on the card), and wake it instead of starting one when the engine fails into that
     # rung (recovery/spare.py). "auto": on a GPU host with the gateway in front, when the card holds it beside
     # the engine and the host's memory holds its weights.
     spare: str = one_of("auto", PRECOMPILE_MODES)
-    # Where the spare is built when the engine is about to start: "beside" the serving engine (the card must hold
-    # both awake), "first", before it on a free card, the engine then starting beside the spare's sleeping footprint
-    # (only at planned starts: the first, a climb, a reload, `restart`), or "auto": beside when it fits, else first.
-    spare_order: str = one_of("auto", SPARE_ORDERS)
+    # Where the spare is built: "beside" the serving engine, when the card holds both awake (the default: no planned
+    # start waits for a spare; where none fits, /status says what the window without one costs); "first", before a
+    # planned start (the first, a climb, a reload, `restart`) on the free card, the engine then starting beside the
+    # spare's sleeping footprint, READY waiting about one more start for it; "auto": beside when it fits, else first.
+    spare_order: str = one_of("beside", SPARE_ORDERS)
     # Wake the sleeping spare this often while the engine serves, ask it the canary and put it back to sleep, so that
     # a spare vLLM's sleep mode broke is found and rebuilt before an incident needs it (0: never; only where the card
     # holds it awake beside the engine). Each wake is a sleep/wake cycle, what vllm#21336's pinned memory grows with.

@@ -76,6 +76,8 @@ class Recovery:
                 if not (event.ready and event.ready.from_spare):  # a spare's graphs are a sleep-mode engine's
                     self.ahead.precompiler.note_compiled(event.profile, version,
                                                          event.ready.compile_cache if event.ready else None)
+                    if event.ready:  # what a restart without a spare costs, for /status
+                        self.ahead.last_start_s = event.ready.timings.get("start_to_ready_s")
                 self.pool.want()
             elif event.old is EngineState.READY:
                 self._serving, self._idle_since, self._ready_since = None, None, None

@@ -54,6 +54,7 @@ class Ahead:
         self._at_ready: Profile | None = None  # a rung compiled beside the engine at READY, not precompile_idle_s on
         self.first = FirstBuilds(cfg.state.dir, host, publish)  # a build-first's step, while one runs
         self.step: Step | None = None  # the last decision (recovery/next_build.py), its reason shown in /status
+        self.last_start_s: float | None = None  # the last start that woke no spare, to READY
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -99,7 +100,7 @@ class Ahead:
             headroom=self.cfg.gpu.start_headroom_bytes, floor=self.cfg.ladder.gpu_memory_utilization_floor,
             gateway=self.cfg.gateway is not None, breaks_on_wake=canary.breaks_on_wake(dict(e.args)),
             spare_kept=self.keeper.spare is not None, building=self.running(), at_ready=self._at_ready,
-            waited_s=waited_s, first_start=self.version is None and self.gpu_host)
+            waited_s=waited_s, first_start=self.version is None and self.gpu_host, last_start_s=self.last_start_s)
 
     def _take(self, step: Step) -> Step:
         """The step decided: /status's reasons (the spare's, the rungs') are the step's."""
@@ -235,7 +236,15 @@ class Ahead:
         return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
                 "step": None if step is None else {"action": step.action.value, "why": step.why},
                 "building_first": self.first.status(),
-                "spare": {**self.keeper.status(), "due": self._due()}}
+                "spare": {**self.keeper.status(), "due": self._due(), "window": self._window()}}
+
+    def _window(self) -> dict[str, Any] | None:
+        """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as the last start
+        that woke no spare took from spawn to READY (null before one)."""
+        if self.keeper.spare is not None:
+            return None
+        return {"restart_s": self.last_start_s, "why": "no spare asleep: a memory failure's restart is a start, not a "
+                                                       "wake (about 1-2 s on the H200)"}
 
     def _due(self) -> dict[str, Any]:
         k, since = self.keeper, self.builder.spare_since

@@ -2,9 +2,12 @@
 
 Three moments ask it. While the engine serves (``READY``, once a tick): a spare for the rung the next memory failure
 picks, else a precompile of the next rung not compiled, each only where it fits beside the engine. Before a planned
-start (``BEFORE_START``): the rungs within reach compiled first, several at once, where a throwaway would not fit
-beside the engine; then (``BEFORE_START_COMPILED``, with the card read again) the spare first, where it would not
-fit beside. Every card rule it applies is recovery/sizing.py's; the classes around it only carry the step out.
+start (``BEFORE_START``): by default only what the start would not wait for (the first start's own rung and the next
+failure's, side by side, when the engine would compile its own anyway); every rung within reach with
+``precompile_order = "first"``; then (``BEFORE_START_COMPILED``, with the card read again) the spare first, only
+where the operator asked for that order (``spare_order`` "first" or "auto") and it would not fit beside. A planned
+start the user waits for is never held for a second engine by default (issue 38, item 1). Every card rule it
+applies is recovery/sizing.py's; the classes around it only carry the step out.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Facts:
     at_ready: Profile | None = None  # asked by the first start: compile it the moment the engine is READY
     waited_s: float = 0.0  # READY for (a GPU host) or idle for (none): against precompile_idle_s
     first_start: bool = False  # the supervisor's first start on a GPU host (no READY yet)
+    last_start_s: float | None = None  # the last start that woke no spare, to READY (what a restart costs)
 
     def to_compile(self, rung: Profile) -> bool:
         """Not compiled for this vLLM, and no throwaway failed at it."""
@@ -158,7 +162,8 @@ def _spare_beside(f: Facts, rung: Profile) -> tuple[float | None, str]:
         return (fits_beside(f.card, util, f.headroom) if f.card else util), '[recovery] spare = "on"'
     if not f.card:
         return None, "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
-    return room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor, f.ram_available)
+    util, why = room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor, f.ram_available)
+    return util, why if util is not None else f"{why}; {_window(f)}"
 
 
 def _throwaway_fits(f: Facts, rung: Profile) -> tuple[bool, str]:
@@ -182,21 +187,22 @@ def _beside(f: Facts, rung: Profile) -> Profile:
 
 # ---- before a planned start -------------------------------------------------------------------------
 def _before_start(f: Facts) -> Step:
-    """The rungs within reach not yet compiled, the engine's own among them, first where a throwaway would not fit
-    beside the engine. At the supervisor's first start also where they would fit beside: no client has been served,
-    and a failure in its first minutes would compile on its critical path (70 s on the H200). Only when the engine
-    would compile its own rung in its start anyway: with that one compiled (a reboot), compiling the next first
-    would hold the first READY for a whole compile (77 s on the H200), so that one is compiled beside the engine
-    the moment it is READY."""
+    """The rungs within reach not yet compiled, first only where the start would not wait for them (``"auto"``):
+    at the supervisor's first start, when the engine would compile its own rung in its start anyway, that one and
+    the next memory failure's side by side on the free card (a failure in its first minutes would compile on its
+    critical path: 70 s on the H200), in about the time the engine takes to compile its own. With its own rung
+    compiled (a reboot, a restart, a climb), compiling another first would hold READY for a whole compile (77 s on
+    the H200), so the next one is compiled beside the engine the moment it is READY, where it fits. ``"first"``
+    compiles every rung within reach first, as the operator asked."""
     within_reach = [f.engine, *f.targets]
     todo = [p for p in within_reach if f.to_compile(p)]
     own_missing = f.to_compile(f.engine)
-    soon = within_reach[:2] if f.first_start and own_missing else []
+    soon = [p for p in within_reach[:2] if f.to_compile(p)] if f.first_start and own_missing else []
     plan, compile_why = _compile_plan(f, todo, soon)
     at_ready = None
     if plan is not None and plan.at_once:
         return Step(Action.COMPILE_FIRST, plan.why, plan=plan, compile_why=compile_why)
-    if plan is not None and plan.order == "beside" and f.first_start and not own_missing:
+    if plan is not None and f.first_start and not own_missing:
         at_ready = next((p for p in f.targets[:1] if f.to_compile(p)), None)
     nothing = Step(Action.NOTHING, compile_why or "no rung to compile first", plan=plan, compile_why=compile_why,
                    at_ready=at_ready)
@@ -205,8 +211,8 @@ def _before_start(f: Facts) -> Step:
 
 def _compile_plan(f: Facts, todo: Sequence[Profile], soon: Sequence[Profile]) -> tuple[CompileFirst | None, str | None]:
     """How the rungs in ``todo`` are compiled before the engine (``plan.at_once`` 0: not first), or None when not
-    weighed at all; and why. Where they would fit beside, ``"auto"`` still compiles the ones in ``soon`` first (the
-    start's own rung and the next memory failure's): beside the engine they would wait for precompile_idle_s."""
+    weighed at all; and why. ``"auto"`` compiles first only the ones in ``soon`` (the first start's own rung and
+    the next memory failure's, when its own is not compiled) and only as many as compile at once."""
     rc = f.recovery
     if rc.precompile == "off" or rc.precompile_order == "beside" or not todo or not f.card:
         return None, None  # without a GPU a throwaway always fits beside the engine
@@ -217,35 +223,59 @@ def _compile_plan(f: Facts, todo: Sequence[Profile], soon: Sequence[Profile]) ->
     need = max(size.need for size in sizes if size is not None)
     util = f.engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
     args = (list(f.card), need, kv, util, f.headroom)
-    plan = replace(plan_first(*args, rc.precompile_order, f.cpus), rungs=tuple(todo))
-    keys = {p.compile_key() for p in soon}
-    urgent = tuple(r for r in todo if r.compile_key() in keys)
-    if plan.order == "beside" and urgent:
-        first = plan_first(*args, "first", f.cpus)
-        if first.at_once:
-            plan = replace(first, rungs=urgent, why=(
-                f"auto: the start's own rung and the next memory failure's before the engine (a failure in the "
-                f"minutes after READY would compile on its critical path): {first.why}; the rest beside it: "
-                f"{plan.why}"))
-    return plan, plan.why
+    if rc.precompile_order == "first":
+        plan = replace(plan_first(*args, "first", f.cpus), rungs=tuple(todo))
+        return plan, plan.why
+    weighed = plan_first(*args, "auto", f.cpus)  # beside when it fits: then nothing waits for a compile
+    first = plan_first(*args, "first", f.cpus)
+    if soon and first.at_once:
+        rungs = tuple(soon[:first.at_once])
+        what = "the start's own rung and the next memory failure's" if len(rungs) > 1 else "the start's own rung"
+        rest = "; the rest beside it" + ("" if weighed.order == "beside" else " where it fits")
+        plan = replace(first, rungs=rungs, why=(
+            f"auto: {what} before the engine, side by side, in about the time the engine would compile its own (a "
+            f"failure in the minutes after READY would compile on its critical path): {first.why}{rest}: "
+            f"{weighed.why}"))
+        return plan, plan.why
+    if weighed.order == "beside":
+        return replace(weighed, rungs=tuple(todo)), weighed.why
+    why = (f"auto: none first: the start would wait for them (precompile_order = \"first\" compiles them before "
+           f"planned starts), and none fits beside the engine: {weighed.why}; a memory failure into a rung not "
+           "compiled compiles it in its restart")
+    return replace(weighed, order=None, at_once=0, rungs=tuple(todo), why=why), why
 
 
 def _spare_first(f: Facts, otherwise: Step) -> Step:
-    """A spare for the first target built now, on the card the engine is about to start on (spare first), where
-    it would not fit beside the engine; else ``otherwise``, with how the spare was weighed."""
+    """A spare for the first target built now, on the card the engine is about to start on, where it would not fit
+    beside the engine and the operator asked for that order (``"first"``, ``"auto"``); else ``otherwise``, with how
+    the spare was weighed. The default, ``"beside"``, never holds a planned start's READY for it: /status says what
+    the window without one costs instead."""
     if f.spare_kept or not f.targets or not f.card:
         return otherwise  # the order is the card's numbers: without them a spare is only ever built beside
     rung, rc = f.targets[0], f.recovery
-    if _spare_refusal(f, rung) or rc.spare_order == "beside":
+    if _spare_refusal(f, rung):
         return otherwise
     size = f.sizes.get(rung.compile_key())
     refused = host_refusal(size, f.ram_available) if rc.spare == "auto" else None
     if refused:
         return replace(otherwise, spare_why=refused)
+    beside_only = rc.spare_order == "beside"
     order = choose_order(list(f.card), f.engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9,
-                         size.need if size is not None else 0, f.floor, f.headroom, rc.spare_order)
-    if order.order != "first" or order.spare_util is None:
+                         size.need if size is not None else 0, f.floor, f.headroom,
+                         "auto" if beside_only else rc.spare_order)
+    if beside_only and order.order == "first":
+        why = (f'spare_order = "beside": none fits beside the engine, and one built first would hold this start\'s '
+               f'READY for about another start (spare_order = "first" or "auto" builds it so: {order.why}); '
+               f"{_window(f)}")
+        return replace(otherwise, order=Order(None, None, why), spare_why=why)
+    if beside_only or order.order != "first" or order.spare_util is None:
         return replace(otherwise, order=order)
     why = f"building it first: {order.why}"
     return Step(Action.SPARE, why, rung=rung.with_(gpu_memory_utilization=order.spare_util), order=order,
                 spare_why=why, plan=otherwise.plan, compile_why=otherwise.compile_why, at_ready=otherwise.at_ready)
+
+
+def _window(f: Facts) -> str:
+    """What serving without a spare costs: a memory failure's restart is a start, not a wake."""
+    took = f"the last start took {f.last_start_s:.0f}s" if f.last_start_s else "as long as a start"
+    return f"until one sleeps, a memory failure's restart is a start ({took}), not a wake"

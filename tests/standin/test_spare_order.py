@@ -38,6 +38,10 @@ ORDER: dict[str, Any] = {
     "recovery": {"spare": "on", "precompile_idle_s": 600.0},  # only the spare built first: no beside one
     "gateway": {"hold_timeout_s": 60.0, "pressure_poll_s": 0.2},
 }
+# The orders before issue 38, which an operator may still ask for: READY waits for a spare (where none fits beside)
+# and for every rung within reach.
+SPARE_FIRST: dict[str, Any] = {"recovery": {"spare_order": "auto"}}
+ALL_FIRST = {"spare_order": "auto", "precompile_order": "first"}
 
 
 @pytest.fixture
@@ -95,7 +99,7 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
     other = hold(card, foreign * CARD_MIB) if foreign else None
     hog = None
     try:
-        sup = supervise({"profile": {"gpu_memory_utilization": util}} if util else None)
+        sup = supervise(deep_merge(SPARE_FIRST, {"profile": {"gpu_memory_utilization": util}} if util else {}))
         first = sup.wait_ready(60)
         spare = first["next_start"]["spare"]
         assert spare["state"] == "asleep" and spare["order"]["order"] == "first", spare
@@ -147,7 +151,8 @@ def test_a_first_start_imports_its_engine_while_the_spare_is_built_first(supervi
     warm host was 146 s against 51 s without the spare). The spare's EngineCore reports what vLLM set for it
     (``engine.vllm_env``, its pid), a standby imports under that meanwhile, and the engine spawns from it."""
     imports = 2.0
-    sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(imports)}}, "recovery": {"standby": True}})
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(imports)}},
+                     "recovery": {"standby": True, "spare_order": "auto"}})
     st = sup.wait_ready(60)
     assert st["next_start"]["spare"]["order"]["order"] == "first", st["next_start"]["spare"]
     spare_started = sup.events("precompile.started")[0]["timestamp"]
@@ -248,15 +253,16 @@ def model_dir(tmp_path: Path) -> Path:
 
 def test_where_no_throwaway_fits_beside_the_engine_every_rung_within_reach_is_compiled_first_several_at_once(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:
-    """Issue 27, item 2: at utilization 0.9 no throwaway fits beside the engine, so the supervisor's first start
-    compiles its own rung and the four a runtime OOM walks (6144 down to the 512 floor) before it, two or more at a
+    """Issue 27, item 2, now what an operator asks for (``precompile_order = "first"``, ``spare_order = "auto"``):
+    at utilization 0.9 no throwaway fits beside the engine, so the supervisor's first start compiles its own rung
+    and the four a runtime OOM walks (6144 down to the 512 floor) before it, two or more at a
     time on the free card (each ~23 GiB: the 9B weights, a prefill, one 32k sequence's KV cache), then builds the
     spare, then the engine. A stand-in's memory profiling fails, as vLLM's does, when another process allocates on
     the card meanwhile: side by side they pass only because each is started with a fixed KV cache. The record
     outlives the supervisor: the next one on the host compiles nothing first."""
     state = tmp_path / "state"
     overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_PROFILE_S": "1.5"}},
-                 "recovery": {"precompile": "auto"}, "state": {"dir": str(state)}}
+                 "recovery": {"precompile": "auto", **ALL_FIRST}, "state": {"dir": str(state)}}
     sup = supervise(overrides)
     # Issue 38, item 6: while it builds, /status and `vllm-supervisor status` say what, n of m, and the time left.
     mid = sup.wait_for(lambda s: (s["next_start"]["building_first"] or {}).get("step") == "rungs", 60,
@@ -315,7 +321,8 @@ def test_a_new_state_directory_finds_in_vllms_own_cache_what_is_compiled_and_com
     note of what the supervisor compiled there; a directory removed from the cache takes its rung with it."""
     cache = tmp_path / "vllm-cache"
     engine = {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_PROFILE_S": "1.5", "VLLM_CACHE_ROOT": str(cache)}}
-    first = supervise({"engine": engine, "recovery": {"precompile": "auto"}, "state": {"dir": str(tmp_path / "a")}})
+    first = supervise({"engine": engine, "recovery": {"precompile": "auto", **ALL_FIRST},
+                       "state": {"dir": str(tmp_path / "a")}})
     first.wait_ready(120)
     assert len([e for e in first.events("engine.rung_precompiled") if e["ok"]]) == 6  # five rungs, the spare
     first.proc.terminate()
@@ -329,7 +336,8 @@ def test_a_new_state_directory_finds_in_vllms_own_cache_what_is_compiled_and_com
                                                     for k in ks)]
     shutil.rmtree(gone)  # vLLM's cache lost one rung
 
-    again = supervise({"engine": engine, "recovery": {"precompile": "auto"}, "state": {"dir": str(tmp_path / "b")}})
+    again = supervise({"engine": engine, "recovery": {"precompile": "auto", **ALL_FIRST},
+                       "state": {"dir": str(tmp_path / "b")}})
     again.wait_ready(120)
     compiled = [e["profile"]["max_num_batched_tokens"] for e in again.events("engine.rung_precompiled")]
     assert compiled == [512, 6144], compiled  # the rung the cache lost, then the spare
@@ -454,3 +462,42 @@ def test_throwaways_compiling_side_by_side_outlive_a_sigkilled_supervisor_only_u
     assert len(stopped) >= 2, again.events("engine.leftover_stopped")
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in left)
     assert not list(state.glob("precompile*.json"))
+
+
+def test_by_default_no_planned_start_waits_for_a_second_engine_and_status_says_what_the_window_costs(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 1: at vLLM's default utilization 0.9 neither a spare nor a throwaway fits beside the engine.
+    With every key at its default, the first start compiles only its own rung and the next memory failure's, side
+    by side (the engine would compile its own in its start anyway); it builds no spare first, and the next planned
+    start (`restart`) builds nothing first. /status says why there is no spare and what serving without one costs.
+    The seed's crash then restarts at a rung compiled before the first READY: nothing compiles on its path. (Before,
+    the first start compiled five rungs and built the spare first, and a restart built the spare first again: 2.2-2.8x
+    a start on the H200.)"""
+    overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_PROFILE_S": "1.0"}},
+                 "recovery": {"precompile": "auto", "standby": True}, "state": {"dir": str(tmp_path / "state")}}
+    sup = supervise(overrides)
+    st = sup.wait_ready(120)
+    started = sup.events("precompile.started")
+    assert sorted(e["profile"]["max_num_batched_tokens"] for e in started) == [6144, 8192], started
+    engine = sup.events("engine.spawned")[0]
+    assert max(e["timestamp"] for e in sup.events("engine.rung_precompiled")) < engine["timestamp"]
+    assert [e["step"] for e in sup.events("start.building_first")] == ["rungs"] * 3  # 0, 1, 2 of 2: no spare
+    spare = st["next_start"]["spare"]
+    assert spare["state"] is None and spare["order"]["order"] is None, spare
+    assert 'spare_order = "beside"' in spare["why"] and "a memory failure's restart is a start" in spare["why"], spare
+    # Once READY, /status says what the last start took: the price of a failure without a spare.
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"]["window"] or {}).get("restart_s") is not None, 30,
+                      "the window's cost")
+    assert st["next_start"]["spare"]["window"]["restart_s"] == st["timings"]["start_to_ready_s"]
+    assert st["next_start"]["spare"]["due"]["in_s"] is None
+
+    assert cli("restart", "--config", str(sup.config)).returncode == 0
+    st = sup.wait_for(lambda s: s["ready"] and s["start"] == 2, 60, "READY after the restart")
+    assert len(sup.events("precompile.started")) == 2  # the restart built nothing first
+    assert sup.events("engine.spawned")[-1]["standby"] is True
+
+    sup.wait_standby_imported(30)
+    assert send_long_prompt(sup) == 500  # the seed's crash, no spare: a start from the standby
+    st = sup.wait_ready(30, restarts=1)
+    assert st["profile"]["max_num_batched_tokens"] == 6144
+    assert len(sup.events("precompile.started")) == 2 and not sup.events("spare.woken")

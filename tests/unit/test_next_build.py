@@ -54,6 +54,8 @@ def compiled(*chunks: int) -> frozenset[str]:
 
 ALL = compiled(8192, 4096, 2048, 1024)
 READY, BEFORE, AFTER_COMPILES = Moment.READY, Moment.BEFORE_START, Moment.BEFORE_START_COMPILED
+FIRST = RecoveryConfig(precompile_order="first")  # the operator asks READY to wait for every rung within reach
+SPARE_FIRST = RecoveryConfig(spare_order="auto")  # ... for a spare where none fits beside (the order before issue 38)
 
 # (case, facts, the action, the rung's chunk or the rungs compiled first, a phrase of the reason)
 CASES: list[tuple[str, Facts, Action, Any, str]] = [
@@ -99,27 +101,49 @@ CASES: list[tuple[str, Facts, Action, Any, str]] = [
     ("a model of unknown size (a hub name): nothing on a GPU", facts(READY, 0.5, serving(0.5), sizes={}),
      Action.NOTHING, None, "not a local directory"),
     # ---- before a planned start ----
-    ("a fresh host at 0.9: every rung within reach compiled first, four at once on 16 cores",
+    ("a fresh host at 0.9: the start's own rung and the next failure's first, side by side (issue 38, item 1)",
      facts(BEFORE, 0.9, card(139), first_start=True),
+     Action.COMPILE_FIRST, [8192, 4096], "in about the time the engine would compile its own"),
+    ('precompile_order = "first", a fresh host at 0.9: every rung within reach first, four at once on 16 cores',
+     facts(BEFORE, 0.9, card(139), first_start=True, recovery=FIRST),
      Action.COMPILE_FIRST, [8192, 4096, 2048, 1024], "4 at a time"),
     ("a fresh host at 0.5: the start's own rung and the next failure's first, the rest beside it",
      facts(BEFORE, 0.5, card(139), first_start=True),
      Action.COMPILE_FIRST, [8192, 4096], "the start's own rung and the next memory failure's"),
     ("a fresh host on two cores: two at once", facts(BEFORE, 0.9, card(139), first_start=True, cpus=2),
+     Action.COMPILE_FIRST, [8192, 4096], "2 at a time"),
+    ('precompile_order = "first" on two cores: every rung, two at once',
+     facts(BEFORE, 0.9, card(139), first_start=True, cpus=2, recovery=FIRST),
      Action.COMPILE_FIRST, [8192, 4096, 2048, 1024], "2 at a time"),
-    ("a lost state directory whose rungs vLLM's cache holds, at 0.9: nothing compiled, the spare first",
-     facts(BEFORE, 0.9, card(139), first_start=True, compiled=ALL),
+    ("a lost state directory whose rungs vLLM's cache holds, at 0.9: nothing first, no spare first: READY waits "
+     "for nothing, /status says what the window costs", facts(BEFORE, 0.9, card(139), first_start=True, compiled=ALL,
+                                                              last_start_s=17.4),
+     Action.NOTHING, None, "a memory failure's restart is a start (the last start took 17s)"),
+    ('spare_order = "auto", the same: the spare first', facts(BEFORE, 0.9, card(139), first_start=True,
+                                                            compiled=ALL, recovery=SPARE_FIRST),
      Action.SPARE, 4096, "building it first"),
+    ("a restart at 0.9 whose next rung is not compiled: nothing first (it would hold READY for a whole compile)",
+     facts(BEFORE, 0.9, card(139), compiled=compiled(8192)),
+     Action.NOTHING, None, "none first: the start would wait for them"),
     ("a reboot at 0.5 (its own rung compiled, not the next): nothing first, the next at READY",
      facts(BEFORE, 0.5, card(139), first_start=True, compiled=compiled(8192)),
      Action.NOTHING, None, "beside the engine"),
-    ("the rungs compiled first at 0.9: the spare's turn", facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL),
+    ("the rungs compiled first at 0.9: no spare first by default", facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL),
+     Action.NOTHING, None, "one built first would hold this start's READY"),
+    ('spare_order = "auto", the rungs compiled first at 0.9: the spare\'s turn',
+     facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL, recovery=SPARE_FIRST),
      Action.SPARE, 4096, "building it first"),
+    ("at 0.9 while serving: no spare beside, and /status says what the window costs",
+     facts(READY, 0.9, serving(0.9), compiled=ALL, last_start_s=15.5),
+     Action.NOTHING, None, "a memory failure's restart is a start (the last start took 16s)"),
     ("a climb at 0.6 with a spare asleep: nothing before the engine", facts(BEFORE, 0.6, card(137), spare_kept=True,
                                                                           compiled=ALL),
      Action.NOTHING, None, "no rung to compile first"),
-    ("the shared card at 0.4 before its start: two throwaways at once in what the other process left",
+    ("the shared card at 0.4 before a restart, its own rung compiled: nothing first",
      facts(BEFORE, 0.4, card(73), compiled=compiled(8192)),
+     Action.NOTHING, None, "none fits beside the engine"),
+    ('precompile_order = "first", the same: two throwaways at once in what the other process left',
+     facts(BEFORE, 0.4, card(73), compiled=compiled(8192), recovery=FIRST),
      Action.COMPILE_FIRST, [4096, 2048, 1024], "2 at a time"),
     ("nothing fits: another process holds all but 20 GiB", facts(BEFORE, 0.9, card(20)),
      Action.NOTHING, None, "neither beside the engine"),
@@ -150,7 +174,7 @@ def test_a_throwaway_beside_the_engine_starts_at_half_of_what_is_free_a_spare_wi
     assert step.rung is not None and step.rung.gpu_memory_utilization == 0.25  # half of the 50 % left
     spare = next_step(facts(READY, 0.6, serving(0.6)))
     assert spare.rung is not None and spare.rung.gpu_memory_utilization == pytest.approx(0.38)
-    first = next_step(facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL))
+    first = next_step(facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL, recovery=SPARE_FIRST))
     assert first.rung is not None and first.rung.gpu_memory_utilization == 0.9
     assert first.order is not None and first.order.order == "first"
 

@@ -1,0 +1,162 @@
+"""On a lent H200: issue 38, item 1: the starts a user waits for, against vLLM's own, with the shipped defaults.
+
+MODEL (default ~/glm9b, ../shared/gpu/mkglm9b.py's GLM-4-9B shape) at 128k, UTIL (default 0.9, vLLM's own default),
+chunk 8192, 10 sequences, every other key at its default. Two parts, each one device call on the same machine:
+PART=plain  vLLM alone (`python3 -m vllm.entrypoints.openai.api_server`, the supervisor's own engine arguments):
+            a fresh-host cold start (an empty compile cache), then a warm-cache cold start on that cache; each
+            spawn -> /health 200. Kept in /tmp/starts-plain.json for the next part.
+PART=sup    the supervisor on a fresh host of its own (another empty compile cache, a fresh state directory), the
+            gateway in front with its memory rules off as in the field, 16 clients through it from the first READY:
+            1. its first READY (what it compiles first is said as it goes);
+            2. once the next standby has imported, a planned restart (`vllm-supervisor restart`): the command ->
+               READY, what the clients waited, and the engine's spawn -> READY;
+            3. SECOND_AFTER_S (10) later, the seed's crash (another process takes all but 16 MiB and stays, the
+               long prompt through the gateway), with no spare (none fits beside the engine at 0.9): death -> READY
+               and the restart's phases.
+            Each against PART=plain's starts in the same machine: the first READY against vLLM's fresh-host cold
+            start (issue 38's bound 1.3x), the planned restart against its warm-cache cold start (1.2x), the crash
+            against the same (0.15x is item 4's bound).
+$OUT gets summary-<part>.txt and, for PART=sup, events-starts.jsonl. Usage: `PART=plain python3 bench/gpu_starts.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import events_in
+from gpu_common import OUT, PORT, Stop, http, note, notes, run_supervisor, wait
+from gpu_proof import LOG, recovered, seed_crash
+from gpu_seed import GW, MAX_LEN, MODEL, Clients, at, ended, ready, saved, second_engines, toml
+
+UTIL = float(os.environ.get("UTIL", "0.9"))
+PLAIN = Path("/tmp/starts-plain.json")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plain_start(cache: Path, what: str) -> float:
+    """vLLM alone, as the supervisor would start it: spawn -> /health 200, then stopped (its process group)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_CACHE_ROOT": f"{cache}/vllm", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
+           "TRITON_CACHE_DIR": f"{cache}/triton"}
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--port", str(PORT),
+            "--served-model-name", "m", "--trust-remote-code", "--max-num-batched-tokens", "8192",
+            "--max-num-seqs", "10", "--gpu-memory-utilization", str(UTIL), "--max-model-len", str(MAX_LEN)]
+    log = open(OUT / "vllm-plain.log", "ab")  # noqa: SIM115 - the child holds it
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while proc.poll() is None:
+            if http(f"http://127.0.0.1:{PORT}/health", timeout=2)[0] == 200:
+                took = time.monotonic() - t0
+                note(f"plain vLLM, {what}: spawn -> /health 200 in {took:.1f}s")
+                return took
+            time.sleep(0.25)
+        raise Stop(f"plain vLLM exited with {proc.returncode} during its {what}")
+    finally:
+        with_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def with_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def part_plain() -> int:
+    cache = Path("/tmp/vcache-plain")
+    shutil.rmtree(cache, ignore_errors=True)
+    try:
+        fresh = plain_start(cache, "a fresh-host cold start (empty compile cache)")
+        warm = plain_start(cache, "a warm-cache cold start")
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
+    finally:
+        (OUT / "summary-plain.txt").write_text("\n".join(notes) + "\n")
+    PLAIN.write_text(json.dumps({"fresh_s": fresh, "warm_s": warm}))
+    return 0
+
+
+def part_sup() -> int:
+    plain = json.loads(PLAIN.read_text()) if PLAIN.exists() else None
+    note(f"plain vLLM on this machine: {plain}")
+    cache, state, log = Path("/tmp/vcache-starts"), Path("/tmp/sup-state-starts"), LOG  # gpu_proof's helpers read it
+    for stale in (cache, state):
+        shutil.rmtree(stale, ignore_errors=True)
+    cfg = Path("/tmp/sup-starts.toml")
+    gateway = f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n'
+    cfg.write_text(toml(state, cache, gateway, UTIL))  # spare = "auto", every order at its default
+    clients, sup, hogs = Clients(), run_supervisor(cfg, log), []
+    try:
+        progress = second_engines(log, "engine.rung_precompiled", "spare.asleep")
+        st = ready(sup, log, "the first READY on a fresh host", progress=progress)
+        first = float(st["timings"]["start_to_ready_s"])
+        since = at(events_in(log, "supervisor.started")[0])
+        first_wall = at(next(e for e in events_in(log, "engine.state_changed") if e.get("to") == "READY")) - since
+        note(f"first READY on a fresh host: {first_wall:.1f}s after the supervisor started (the engine's spawn -> "
+             f"READY {first:.1f}s); precompile {json.dumps(st['next_start']['precompile'])[:400]}; spare "
+             f"{json.dumps(st['next_start']['spare'])[:600]}")
+        clients.start()
+        wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the next standby")
+        t0, w0 = time.monotonic(), time.time()
+        cmd = subprocess.run([sys.executable, "-m", "supervisor", "restart", "--config", str(cfg)],
+                             capture_output=True, text=True, cwd=ROOT)
+        note(f"vllm-supervisor restart: rc {cmd.returncode} {(cmd.stdout + cmd.stderr).strip()[:200]}")
+        again = wait(lambda s: s["ready"] and s["start"] >= 2, "READY after the planned restart")
+        if again is None:
+            raise Stop("no READY after the planned restart")
+        planned, spawn_ready = time.monotonic() - t0, float(again["timings"]["start_to_ready_s"])
+        time.sleep(2)
+        note(f"planned restart: the command -> READY {planned:.1f}s (spawn -> READY {spawn_ready:.1f}s, phases "
+             f"{again['timings']['phases']}); clients meanwhile: {clients.latency(w0, time.time())}; built first: "
+             f"{len(events_in(log, 'precompile.started'))} second engines in all so far")
+        time.sleep(float(os.environ.get("SECOND_AFTER_S", "10")))
+        hogs.append(seed_crash())
+        crash = recovered(sup, 1, "the seed's crash, no spare")
+        crash_phases = [e.get("phases") for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"]
+        note(f"the crash's restart phases: {crash_phases[-1]}")
+        time.sleep(5)
+        note(clients.finish())
+        if plain:
+            fresh, warm = plain["fresh_s"], plain["warm_s"]
+            note(f"starts: first READY {first_wall:.1f}s = {first_wall / fresh:.2f}x vLLM's fresh-host cold start "
+                 f"({fresh:.1f}s; bound 1.3x); planned restart {planned:.1f}s = {planned / warm:.2f}x vLLM's "
+                 f"warm-cache cold start ({warm:.1f}s; bound 1.2x); the seed's crash without a spare {crash:.1f}s = "
+                 f"{crash / warm:.3f}x (item 4's bound 0.15x)")
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
+    finally:
+        if clients.threads[0].is_alive():
+            note(clients.finish())
+        ended(hogs, sup)
+        for name in ("gpu.utilization_adapted", "engine.failed", "start.building_first"):
+            for e in events_in(log, name)[:6]:
+                note(json.dumps(e)[:400])
+        saved("starts", log)
+    return 0
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    part = os.environ.get("PART", "sup")
+    if part not in ("plain", "sup"):
+        raise SystemExit(f"PART must be plain or sup, not {part!r}")
+    return part_plain() if part == "plain" else part_sup()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
