@@ -162,8 +162,8 @@ def _spare_beside(f: Facts, rung: Profile) -> tuple[float | None, str]:
         return (fits_beside(f.card, util, f.headroom) if f.card else util), '[recovery] spare = "on"'
     if not f.card:
         return None, "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
-    util, why = room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor, f.ram_available)
-    return util, why if util is not None else f"{why}; {_window(f)}"
+    room, why = room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor, f.ram_available)
+    return room, why if room is not None else f"{why}; {_window(f)}"
 
 
 def _throwaway_fits(f: Facts, rung: Profile) -> tuple[bool, str]:
