@@ -4,7 +4,9 @@ A fresh host (empty compile cache, fresh state directory) at UTIL (default 0.9, 
 at its default (HOG_BEFORE: a share of the card another process holds from before the start, e.g. 0.47 with
 UTIL=0.4), MODEL (default ~/glm9b, ../shared/gpu/mkglm9b.py's GLM-4-9B shape) at 128k, the gateway in front with
 its memory rules off as in the field, 16 clients through it from the first READY on:
-  1. the supervisor's first start: the rungs compiled first, the spare built first, then the engine (its KV cache);
+  1. the supervisor's first start: since issue 38 by default its own rung and the next compiled side by side,
+     then the engine (RECOVERY_ARGS='spare_order = "auto"' and 'precompile_order = "first"': every rung within
+     reach and the spare first, the runs of docs/runs/README.md before issue 38);
   2. CRASH_AFTER_S (10) after READY (with CRASH_AFTER_SPARE=1: after a spare sleeps beside the engine, e.g. at
      UTIL=0.5), the seed's crash: another process takes all but 16 MiB and stays, the long
      prompt through the gateway: death -> READY (the spare woken, its canary);
@@ -35,7 +37,7 @@ from typing import Any
 import psutil
 from common import events_in
 from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status, wait
-from gpu_seed import GW, MAX_LEN, Clients, at, ended, latency_windows, ready, saved, second_engines, toml
+from gpu_seed import GW, MAX_LEN, Clients, at, ended, latency_windows, ready, second_engines, toml, wrapped_up
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
 WARM = bool(os.environ.get("WARM_HOST"))
@@ -90,13 +92,8 @@ def main() -> int:
         note(f"STOPPED: {why}")
         return 1
     finally:
-        if clients.threads[0].is_alive():
-            note(clients.finish())
-        ended(hogs, sup)
-        for name in ("gpu.utilization_adapted", "engine.failed", "spare.asleep", "spare.woken", "spare.dropped"):
-            for e in events_in(LOG, name)[:4]:
-                note(json.dumps(e)[:500])
-        saved("proof", LOG)
+        wrapped_up(clients, hogs, sup, LOG, "proof",
+                   ("gpu.utilization_adapted", "engine.failed", "spare.asleep", "spare.woken", "spare.dropped"))
     return 0
 
 

@@ -269,6 +269,19 @@ def ended(hogs: list[subprocess.Popen[str] | None], sup: subprocess.Popen[bytes]
         stop_supervisor(sup)
 
 
+def wrapped_up(clients: Clients, hogs: list[Any], sup: subprocess.Popen[bytes] | None, log: Path, part: str,
+               names: tuple[str, ...]) -> None:
+    """A driver part's end, whatever ended it: the clients' verdict, the other processes and the supervisor stopped,
+    the first few of each of ``names``' events said, and the part's files saved."""
+    if clients.threads[0].is_alive():
+        note(clients.finish())
+    ended(hogs, sup)
+    for name in names:
+        for e in events_in(log, name)[:4]:
+            note(json.dumps(e)[:500])
+    saved(part, log)
+
+
 def saved(part: str, log: Path) -> None:
     """$OUT/summary-<part>.txt (the notes) and events-<part>.jsonl (the supervisor's own events)."""
     (OUT / f"summary-{part}.txt").write_text("\n".join(notes) + "\n")

@@ -33,7 +33,7 @@ from pathlib import Path
 from common import events_in
 from gpu_common import OUT, PORT, Stop, http, note, notes, run_supervisor, wait
 from gpu_proof import LOG, recovered, seed_crash
-from gpu_seed import GW, MAX_LEN, MODEL, Clients, at, ended, ready, saved, second_engines, toml
+from gpu_seed import GW, MAX_LEN, MODEL, Clients, at, ready, second_engines, toml, wrapped_up
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
 PLAIN = Path("/tmp/starts-plain.json")
@@ -140,13 +140,8 @@ def part_sup() -> int:
         note(f"STOPPED: {why}")
         return 1
     finally:
-        if clients.threads[0].is_alive():
-            note(clients.finish())
-        ended(hogs, sup)
-        for name in ("gpu.utilization_adapted", "engine.failed", "start.building_first"):
-            for e in events_in(log, name)[:6]:
-                note(json.dumps(e)[:400])
-        saved("starts", log)
+        wrapped_up(clients, hogs, sup, log, "starts",
+                   ("gpu.utilization_adapted", "engine.failed", "start.building_first"))
     return 0
 
 
