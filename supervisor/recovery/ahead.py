@@ -244,7 +244,7 @@ class Ahead:
         if self.keeper.spare is not None:
             return None
         return {"restart_s": self.last_start_s, "why": "no spare asleep: a memory failure's restart is a start, not a "
-                                                       "wake (about 1-2 s on the H200)"}
+                                                       "wake"}
 
     def _due(self) -> dict[str, Any]:
         k, since = self.keeper, self.builder.spare_since

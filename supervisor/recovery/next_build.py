@@ -231,11 +231,10 @@ def _compile_plan(f: Facts, todo: Sequence[Profile], soon: Sequence[Profile]) ->
     if soon and first.at_once:
         rungs = tuple(soon[:first.at_once])
         what = "the start's own rung and the next memory failure's" if len(rungs) > 1 else "the start's own rung"
-        rest = "; the rest beside it" + ("" if weighed.order == "beside" else " where it fits")
+        rest = "; the rest beside it" + (f": {weighed.why}" if weighed.order == "beside" else " where it fits")
         plan = replace(first, rungs=rungs, why=(
             f"auto: {what} before the engine, side by side, in about the time the engine would compile its own (a "
-            f"failure in the minutes after READY would compile on its critical path): {first.why}{rest}: "
-            f"{weighed.why}"))
+            f"failure in the minutes after READY would compile on its critical path): {first.why}{rest}"))
         return plan, plan.why
     if weighed.order == "beside":
         return replace(weighed, rungs=tuple(todo)), weighed.why
