@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -478,76 +478,61 @@ def generated_tokens(sup: Sup) -> float:
 STREAM_TOKENS = 4000  # as long as the model's context allows (4,096)
 
 
-@contextlib.contextmanager
-def throttled(pid: int, run_s: float = 0.001, stop_s: float = 0.02) -> Iterator[Callable[[], None]]:
-    """The process runs about ``run_s`` of every ``run_s + stop_s`` (SIGCONT, SIGSTOP) until it is frozen (the
-    callable given: it stays stopped) or the block ends (it runs again)."""
-    done, stopped = threading.Event(), threading.Event()
-
-    def cycle() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            while not done.is_set():
-                os.kill(pid, signal.SIGCONT)
-                time.sleep(run_s)
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(stop_s)
-        stopped.set()
-
-    def freeze() -> None:
-        done.set()
-        stopped.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
-
-    thread = threading.Thread(target=cycle, daemon=True)
-    thread.start()
-    try:
-        yield freeze
-    finally:
-        done.set()
-        thread.join()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-
-
-def stream_killed_mid_generation(sup: Sup) -> list[Any] | None:
+def stream_killed_mid_generation(sup: Sup) -> list[Any]:
     """One stream of STREAM_TOKENS greedy tokens through the gateway, its engine's worker SIGKILLed once the client
-    has text and while vLLM is still generating it; the client's events (None: vLLM had made the whole stream by
-    the time the client had 10 events, on a machine loaded beyond CI's, and nothing was killed).
+    has 10 events and while vLLM is still generating it; the client's events.
 
-    On two cores a stream through the gateway went silent for 5-7 s in most tries, at times with no headers until
-    all 4,000 tokens were made (CI: 4 kills of 4 came after the whole stream). Measured 2026-12-05: vLLM's worker
-    and its EngineCore's busy loop hold both CPUs while it generates, and the supervisor (its gateway) and this test
-    get almost none: the supervisor's loop stalled 5.5 s, runnable all along (2,375 preemptions, 91 ms of CPU).
-    With the engine's session at autogroup nice 10 the silences were gone. So the worker is throttled until the
-    client has 10 events, then frozen while vLLM's count of what it made is read, and killed with the stream
-    unfinished."""
+    The worker is stopped (SIGSTOP) except for short slices, and after each slice the test waits for what it made
+    to reach the client. Racing a free-running worker failed: on two cores vLLM's worker and its EngineCore's busy
+    loop hold both CPUs while it generates and the supervisor's loop stalled 5.5 s, runnable all along (2,375
+    preemptions, 91 ms of CPU; 2026-12-05), so at times all 4,000 tokens were made before the client had its
+    first text (CI, 2026-12-04: 3 streams of 3, even with the worker throttled to 5 % by a timer thread that was
+    itself starved). Stepped, the stream cannot end before the kill."""
     assert sup.gateway is not None
     worker = tree(sup)["worker"]
     events: list[Any] = []
+    arrived = threading.Condition()
+    statuses: list[int] = []
+
+    def read(conn: http.client.HTTPConnection) -> None:
+        resp = conn.getresponse()  # the gateway answers headers with the first chunk of substance
+        statuses.append(resp.status)
+        for line in resp:
+            with arrived:
+                events.extend(sse_events(line))
+                arrived.notify_all()
+
     before = generated_tokens(sup)
-    with throttled(worker.pid) as freeze:
-        conn = http.client.HTTPConnection(sup.gateway.removeprefix("http://"), timeout=START_S)
+    conn = http.client.HTTPConnection(sup.gateway.removeprefix("http://"), timeout=START_S)
+    reader = threading.Thread(target=read, args=(conn,), daemon=True)
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
         conn.request("POST", "/v1/completions", json.dumps({
             "model": "tiny-llama", "prompt": "hello", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
             "temperature": 0, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        lines = iter(resp)
-        for line in lines:
-            events.extend(sse_events(line))
-            if len(events) >= 10:
-                break
+        reader.start()
+        deadline = time.monotonic() + START_S
+        while True:
+            with arrived:
+                # A slice's tokens reach the client within a second while the worker is stopped.
+                if arrived.wait_for(lambda: len(events) >= 10, timeout=1.0):
+                    break
+            assert time.monotonic() < deadline, f"the client had {len(events)} events after {START_S} s"
+            os.kill(worker.pid, signal.SIGCONT)
+            time.sleep(0.005)
+            os.kill(worker.pid, signal.SIGSTOP)
+        made = generated_tokens(sup) - before
+        assert made < STREAM_TOKENS, f"vLLM made all {made} tokens in slices of 5 ms"
         assert any(e["choices"][0]["text"] for e in events), events  # text came: the stream is the client's
-        freeze()
-        if generated_tokens(sup) - before >= STREAM_TOKENS:
-            conn.close()
-            return None
-        with contextlib.suppress(ProcessLookupError):  # or the supervisor found it hung, frozen, and killed it
+        with contextlib.suppress(ProcessLookupError):  # or the supervisor found it hung, stopped, and killed it
             os.kill(worker.pid, signal.SIGKILL)  # mid-generation: 10 tokens are the client's
-    for line in lines:
-        events.extend(sse_events(line))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGCONT)
+    reader.join(START_S)
+    assert not reader.is_alive(), "the stream did not end"
     conn.close()
+    assert statuses == [200], statuses
     return events
 
 
@@ -565,12 +550,8 @@ def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: S
     assert before is not None
     # Greedy: sampled, the random tiny model sometimes makes hundreds of tokens of empty text first, which the
     # gateway rightly holds (nothing of substance has reached the client); greedy, its first text is token 9.
-    for _ in range(3):
-        sup.wait_for(lambda s: bool((s["next_start"]["standby"] or {}).get("imported_s")), START_S, "the standby")
-        events = stream_killed_mid_generation(sup)
-        if events is not None:
-            break
-    assert events is not None, "in 3 streams, vLLM had made the whole stream before the client's first text"
+    sup.wait_for(lambda s: bool((s["next_start"]["standby"] or {}).get("imported_s")), START_S, "the standby")
+    events = stream_killed_mid_generation(sup)
     restarts = before["restarts"] + 1
     chunks = [e for e in events if isinstance(e, dict)]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
