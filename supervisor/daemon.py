@@ -33,7 +33,8 @@ from supervisor.event_stream import (
     ProfileRestored,
     SupervisorStarted,
 )
-from supervisor.gateway.server import EVENTS, OUTCOMES, EngineView, Gateway, SupervisorSide
+from supervisor.gateway.pipeline import EngineView, SupervisorSide
+from supervisor.gateway.server import EVENTS, OUTCOMES, Gateway
 from supervisor.heartbeat import Heartbeat
 from supervisor.host import Child, DeviceSnapshot, Host, leftovers, reaper, rundir
 from supervisor.host.gpu import GpuLost

@@ -46,6 +46,18 @@ class Answers:
         return web.Response(status=r.status, text=json.dumps(r.body()), content_type="application/json",
                             headers=headers)
 
+    def forwarded(self, out: web.StreamResponse, cut_short: bool = False) -> web.StreamResponse:
+        """How a forwarded request ended, counted once: its client left first, or it was answered (a stream the
+        engine died under counts as broken too). ``cut_short``: a stream the gateway ended with an error event
+        after most of it reached the client, forwarded and broken whether or not the client read that end."""
+        if getattr(out, "client_gone", False) and not cut_short:
+            self.counters["client_disconnected"] += 1
+            return out
+        self.counters["forwarded"] += 1
+        if cut_short or getattr(out, "broken", False):
+            self.counters["streams_broken"] += 1
+        return out
+
     def refused_raw(self, status: int, code: str) -> None:
         """A connection answered before aiohttp saw a request (the connection cap, a late head)."""
         self.count(Rejection(status, code, ""))

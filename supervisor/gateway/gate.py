@@ -59,6 +59,14 @@ class Flight:
     sketch: tuple[int, ...] = ()  # its prompt's, computed only when asked (admission.body_sketch)
     body: bytes = b""  # as the client sent it (held anyway, to be sent again): what the sketch reads
 
+    @classmethod
+    def of(cls, rid: str, parsed: admission.Parsed | None, body: bytes, arrived: float) -> Flight:
+        """A request as it arrives: a generation request's key and byte bound, or (any other route) its body."""
+        if parsed is None:
+            return cls(rid, None, 0, arrived=arrived, body=body)
+        return cls(rid, parsed.digest, parsed.upper_bound, arrived=arrived, shape=parsed.shape, body=body,
+                   prompt=parsed.prompt_key)
+
 
 @dataclass(frozen=True)
 class Blamed(Blame):

@@ -369,7 +369,7 @@ async def test_the_pressure_watch_reads_nvml_and_vllms_kv_cache() -> None:
 
 def test_auto_holds_for_the_slowest_start_measured_plus_the_gates_and_a_number_still_works() -> None:
     from supervisor.config_file import parse
-    from supervisor.gateway.server import hold_bound
+    from supervisor.gateway.pipeline import hold_bound
 
     cfg = parse({"engine": {"model": "m"}, "gateway": {}})
     assert cfg.gateway is not None and cfg.gateway.hold_timeout_s == "auto"
