@@ -25,7 +25,8 @@ from supervisor.commands import OperatorCommands
 from supervisor.config import Config
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.engine import leftover
-from supervisor.engine.run import EngineRun, PreparedSource
+from supervisor.engine.origin import PreparedSource
+from supervisor.engine.run import EngineRun
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
     Event,

@@ -25,7 +25,9 @@ from typing import Any, Protocol
 from supervisor.bounds import SHORT_SLACK_S
 from supervisor.config import Config
 from supervisor.decide.policy import Decision, Policy, floor_of
-from supervisor.engine.run import EngineRun, Healthy, PreparedSource, Trigger, Verdict
+from supervisor.engine.origin import PreparedSource
+from supervisor.engine.run import EngineRun, Healthy, Verdict
+from supervisor.engine.steps import Trigger
 from supervisor.engine_states import (
     Blame,
     EngineState,

@@ -32,6 +32,18 @@ class Monitor:
         """How long one probe round may take (the watchdog's measure)."""
         return self.h.probe_interval_s + 2 * min(self.h.hang_timeout_s, 5.0) + STEP_SLACK_S
 
+    async def until_healthy(self) -> Fired | None:
+        """Ask /health until it answers 200 (None), or until the start is overdue (its liveness rule)."""
+        delay = 0.05
+        while True:
+            if await self.client.health(timeout=2.0) == 200:
+                return None
+            overdue = self.live.start_overdue(self.host.monotonic())
+            if overdue:
+                return TriggerKind.HANG, overdue
+            await self.host.sleep(delay)
+            delay = min(0.5, delay * 1.5)
+
     async def until_fired(self, on_round: Callable[[], None]) -> Fired:
         """Probe until a rule fires; ``on_round`` runs at the start of each round."""
         h, live = self.h, self.live

@@ -98,6 +98,9 @@ class Observer:
                 self.ending = True
                 self.on_death(found)
 
-    def step(self) -> tuple[str, float] | None:
-        """vLLM's current startup step, and since when."""
-        return self.steps[-1] if self.steps else None
+    def startup(self, now: float, started: float) -> dict[str, Any] | None:
+        """While the engine loads (a start that began at ``started``): vLLM's current step and for how long."""
+        if not self.loading or self.ending:
+            return None
+        step, since = self.steps[-1] if self.steps else ("starting", started)
+        return {"step": step, "for_s": round(now - since, 1)}

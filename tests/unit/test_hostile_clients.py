@@ -484,7 +484,7 @@ def test_tool_schemas_and_tool_call_arguments_count_against_the_token_gates() ->
 def test_a_spawn_that_fails_for_want_of_descriptors_is_retried_not_a_config_error() -> None:
     """Issue 25: with the descriptor table full, the next engine's spawn failed 'Too many open files' and the
     supervisor exited as for a bad engine command."""
-    from supervisor.engine.run import spawn_failure_kind
+    from supervisor.engine.origin import spawn_failure_kind
 
     assert spawn_failure_kind(OSError(errno.EMFILE, "Too many open files")) is FailureKind.ENGINE_DEAD
     assert spawn_failure_kind(OSError(errno.EAGAIN, "Resource temporarily unavailable")) is FailureKind.ENGINE_DEAD
