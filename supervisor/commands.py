@@ -12,6 +12,8 @@ from supervisor import config_file
 from supervisor.config import Config, ConfigError
 from supervisor.decide.policy import clamp_to_configured
 from supervisor.decide.reload import reload_plan
+from supervisor.engine_states import EngineState as S
+from supervisor.engine_states import TriggerKind
 from supervisor.event_stream import Event, Reloaded, ReloadFailed, Reloading
 from supervisor.gateway.server import Gateway
 from supervisor.host import Host
@@ -19,6 +21,7 @@ from supervisor.lifecycle import Lifecycle
 from supervisor.ops.alerts.channels import MissingSecret
 from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.metrics import Metrics
+from supervisor.profile import Profile
 from supervisor.recovery import Recovery
 
 log = structlog.get_logger("supervisor.commands")
@@ -39,9 +42,28 @@ class OperatorCommands:
             return self.gateway.quarantine.undo(arg, self.host.wall())  # on-call's undo: one entry, or all
         if command == "reload":
             return await self.reload()
-        if command == "reset-profile":
-            return self.lifecycle.reset_profile()
-        return self.lifecycle.restart_at(self.lifecycle.profile, "restart asked by the operator")
+        lc = self.lifecycle
+        if command == "reset-profile":  # failed rungs forgotten, and back to [profile]
+            lc.policy.forget_failed_rungs()
+            lc.learned()
+            if lc.profile == lc.cfg.profile:
+                return True, "the profile already is the configured one; failed rungs forgotten"
+            return self.restart_at(lc.cfg.profile, "reset-profile: back to [profile]")
+        return self.restart_at(lc.profile, "restart asked by the operator")
+
+    def restart_at(self, target: Profile, why: str) -> tuple[bool, str]:
+        """A planned restart at ``target`` (the operator's restart or reset-profile, a reload): the run asked to end
+        with it, or while the engine is already restarting, the next start's profile."""
+        lc = self.lifecycle
+        run = lc.run
+        if lc.state not in (S.STARTING, S.WARMING, S.READY) or run is None:
+            if lc.state in (S.BACKOFF, S.STOPPING):
+                lc.change_profile(target, why)  # the start that comes next uses it
+                lc.learned()
+                return True, f"the engine is already restarting ({lc.state.value}); the next start uses the profile"
+            return False, f"the engine is {lc.state.value}: nothing to restart"
+        run.end(TriggerKind.RESTART, why, target=target)
+        return True, f"{why}: the engine restarts at {target.knobs()}"
 
     def alerts_for(self, cfg: Config) -> Alerts:
         """The alert hooks of ``cfg``, their series at 0 on /metrics; raises MissingSecret."""
@@ -84,6 +106,6 @@ class OperatorCommands:
                          configured_profile=new.profile))
         if not plan.engine_restart:
             return True, f"reloaded ({', '.join(plan.changed) or 'nothing'} changed); the engine keeps running"
-        ok, message = self.lifecycle.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
+        ok, message = self.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
                                                 "config reloaded: engine settings changed")
         return ok, f"reloaded ({', '.join(plan.changed)} changed); {message}"

@@ -25,7 +25,6 @@ from supervisor.commands import OperatorCommands
 from supervisor.config import Config
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.engine import leftover
-from supervisor.engine.origin import PreparedSource
 from supervisor.engine.run import EngineRun
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
@@ -94,12 +93,12 @@ class Daemon:
         self.heartbeat = Heartbeat(host, self.notifier, publish, lambda: self.lifecycle.state)
         self.loop_lag = LoopLag()
 
-        def new_run(p: Profile, number: int, standby: PreparedSource) -> EngineRun:
+        async def new_run(p: Profile, number: int) -> EngineRun:
+            await self.recovery.settled()  # a throwaway precompile engine is gone before any start
             return EngineRun(self.cfg, host, p, number, self.session.run_dir / f"start-{number}", publish, echo=echo,
-                             client=client_factory() if client_factory else None, standby=standby)
+                             client=client_factory() if client_factory else None, standby=self.recovery)
 
-        self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run,
-                                   recovery=self.recovery, front=self.gateway,
+        self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run, front=self.gateway,
                                    learned={"restarts_total": learned.restarts_total,
                                             "slowest_start_s": learned.slowest_start_s, "fatal": learned.fatal,
                                             "last_failure": learned.last_failure} if learned else None)
@@ -223,7 +222,7 @@ class Daemon:
     def _engine_view(self) -> EngineView:
         life = self.lifecycle
         return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
-                          life.tally.restart_eta_s(), life.remembered.slowest_start_s, life.restarting())
+                          life.tally.restart_eta_s(), life.tally.remembered.slowest_start_s, life.restarting())
 
     async def engine_metrics(self) -> tuple[int, bytes, str]:
         """The serving engine's own /metrics for /metrics/engine; 503 with the reason while none serves."""

@@ -152,6 +152,16 @@ class ProfileChanged(Event):
     reason: str
 
 
+def profile_changed(old: Profile, new: Profile, at: float, reason: str, failure: Failure | None = None) -> Event:
+    """The one event that says how the profile changed: lowered for a failure, raised, or otherwise changed."""
+    diff = old.diff(new)
+    if failure is not None:
+        return ProfileLowered(at=at, diff=diff, profile=new, kind=failure.kind, evidence=failure.evidence)
+    if new.reaches(old):
+        return ProfileRaised(at=at, diff=diff, profile=new, reason=reason)
+    return ProfileChanged(at=at, diff=diff, profile=new, reason=reason)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineSpawned(Event):
     name = "engine.spawned"

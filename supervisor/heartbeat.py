@@ -48,6 +48,16 @@ class Heartbeat:
         until = self.host.monotonic() + seconds
         return lambda: until
 
+    async def sleep_unless(self, stop: asyncio.Event, seconds: float) -> bool:
+        """Sleep ``seconds`` on the host's clock, beating; True (at once) if ``stop`` is set meanwhile."""
+        sleeper = asyncio.ensure_future(self.host.sleep(seconds))
+        stopper = asyncio.ensure_future(stop.wait())
+        both = asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await self.wait(both, self.within(seconds))
+        for t in (sleeper, stopper):
+            t.cancel()
+        return stop.is_set()
+
     async def wait(self, work: Awaitable[T], deadline: Callable[[], float],
                    on_tick: Callable[[], Awaitable[None]] | None = None) -> T:
         """Await ``work`` in slices of ``tick_s``, beating while it is within ``deadline()``."""

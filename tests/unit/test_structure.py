@@ -79,12 +79,12 @@ def test_every_event_the_code_publishes_is_named_in_the_design_table() -> None:
 
 
 def test_every_method_of_every_port_is_in_the_design() -> None:
-    """Issue 37, item 6: the OS seam (host/__init__.Host) and the protocols between the boxes (the lifecycle's Front
-    and RecoveryPort, the run's PreparedSource) have each method named in docs/design.md's prose."""
+    """Issue 37, item 6: the OS seam (host/__init__.Host) and the protocols between the boxes (the lifecycle's Front,
+    the run's PreparedSource) have each method named in docs/design.md's prose."""
     from supervisor.engine.origin import PreparedSource
     from supervisor.host import Host
-    from supervisor.lifecycle import Front, RecoveryPort
+    from supervisor.lifecycle.ports import Front
 
-    for port in (Host, Front, RecoveryPort, PreparedSource):
+    for port in (Host, Front, PreparedSource):
         methods = [m for m in vars(port) if not m.startswith("_")]
         assert methods and [m for m in methods if f"`{m}`" not in DESIGN] == [], port.__name__

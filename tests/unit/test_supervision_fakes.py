@@ -202,7 +202,8 @@ async def test_ready_to_backoff_on_runtime_oom_then_restart_with_a_lower_chunk(t
     assert await states(arb) == ["STARTING", "WARMING", "READY", "STOPPING", "BACKOFF", "STARTING", "WARMING", "READY"]
     assert "--max-num-batched-tokens" in second.argv
     assert second.argv[second.argv.index("--max-num-batched-tokens") + 1] == "6144"
-    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "runtime_oom"
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert lf is not None and lf["kind"] == "runtime_oom"
     assert 2.0 in host.slept  # the first backoff, on the fake clock
     arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
@@ -234,7 +235,8 @@ async def test_backoff_grows_on_the_fake_clock_until_the_budget_is_spent(tmp_pat
     assert await run == ExitCode.RESTART_BUDGET_SPENT
     backoffs = [h["delay_s"] for h in arb.history.entries if h["to"] == "BACKOFF"]
     assert backoffs == [2.0, 4.0, 8.0]
-    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "signal"
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert lf is not None and lf["kind"] == "signal"
 
 
 async def test_time_an_engine_served_counts_toward_its_backoff(tmp_path: Path) -> None:
@@ -274,7 +276,8 @@ async def test_warmup_failure_is_a_startup_failure(tmp_path: Path) -> None:
     await host.spawned.get()
     assert await run == ExitCode.RESTART_BUDGET_SPENT
     assert "READY" not in await states(arb)
-    assert arb.lifecycle.last_failure is not None and "warm-up" in arb.lifecycle.last_failure["evidence"]
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert lf is not None and "warm-up" in lf["evidence"]
 
 
 async def test_stop_during_backoff_exits_zero_without_another_start(tmp_path: Path) -> None:
@@ -310,8 +313,9 @@ async def test_ready_to_stopping_on_frozen_token_progress(tmp_path: Path, hang_a
     run = asyncio.create_task(arb.run())
     await host.spawned.get()
     assert await run == ExitCode.RESTART_BUDGET_SPENT
-    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "hang"
-    assert "no token progress for 5s" in arb.lifecycle.last_failure["evidence"]
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert lf is not None and lf["kind"] == "hang"
+    assert "no token progress for 5s" in lf["evidence"]
 
 
 async def test_a_card_held_steadily_by_another_process_starts_now_at_the_utilization_that_fits(
@@ -328,7 +332,8 @@ async def test_a_card_held_steadily_by_another_process_starts_now_at_the_utiliza
     await until(lambda: arb.lifecycle.state.value == "READY", "READY")
     assert host.gate_asks == [0.5]  # one gate, no failed start, no second try
     assert child.argv[child.argv.index("--gpu-memory-utilization") + 1] == "0.48"  # (70 - 1) / 140 = 0.493
-    assert len(host.children) == 1 and arb.lifecycle.restarts == 0 and arb.lifecycle.last_failure is None
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert len(host.children) == 1 and arb.lifecycle.tally.restarts == 0 and lf is None
     assert arb.lifecycle.profile.gpu_memory_utilization == 0.48
     await arb.bus.drain()
     adapted = [e for e in seen if e.name == "gpu.utilization_adapted"]
@@ -376,10 +381,11 @@ async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path
     (await host.spawned.get()).proc.exit(-9)  # the restart dies too, before READY
     await host.spawned.get()
     life = arb.lifecycle
-    await until(lambda: life.state.value == "READY" and life.restarts == 2, "READY after two failures")
-    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "signal"
+    await until(lambda: life.state.value == "READY" and life.tally.restarts == 2, "READY after two failures")
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert lf is not None and lf["kind"] == "signal"
     # backoffs of 2 s and 4 s on the fake clock lie between the first failure and READY
-    assert 6.0 <= arb.lifecycle.last_failure["recovered_after_s"] <= host.now - t_fail
+    assert 6.0 <= arb.lifecycle.tally.remembered.last_failure["recovered_after_s"] <= host.now - t_fail
     arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
 
@@ -420,7 +426,7 @@ async def test_a_start_adapted_to_another_processs_memory_is_not_the_rungs_fault
     life = arb.lifecycle
     await until_async(lambda: life.profile.gpu_memory_utilization == 0.5 and life.state.value == "READY",
                       "climbed back to 0.5")
-    assert arb.lifecycle.restarts == 0  # adapted at the gate, then a planned climb: no failure at all
+    assert arb.lifecycle.tally.restarts == 0  # adapted at the gate, then a planned climb: no failure at all
     arb.lifecycle.request_stop("test")
     assert await run == ExitCode.OK
     assert [e["to"] for e in arb.history.entries].count("DRAINING") == 1
@@ -461,8 +467,10 @@ async def test_a_model_path_that_never_appears_is_a_config_error_after_the_wait(
     assert await arb.run() == ExitCode.ENGINE_CONFIG_ERROR
     assert host.children == []
     assert sum(host.slept) == pytest.approx(60.0)
-    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "config_error"
-    assert "'/models/never' does not exist (waited engine.model_wait_s=60s)" in arb.lifecycle.last_failure["evidence"]
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert lf is not None and lf["kind"] == "config_error"
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert "'/models/never' does not exist (waited engine.model_wait_s=60s)" in lf["evidence"]
 
 
 async def test_starts_that_hang_until_start_timeout_end_in_fatal_whatever_their_spacing(tmp_path: Path) -> None:
@@ -471,8 +479,9 @@ async def test_starts_that_hang_until_start_timeout_end_in_fatal_whatever_their_
     client.healthy = False  # /health never answers: every start hangs until start_timeout_s
     assert await arb.run() == ExitCode.RESTART_BUDGET_SPENT
     assert len(host.children) == 3
-    assert arb.lifecycle.last_failure is not None and arb.lifecycle.last_failure["kind"] == "hang"
-    assert "start_timeout_s=900s" in arb.lifecycle.last_failure["evidence"]
+    lf = arb.lifecycle.tally.remembered.last_failure
+    assert lf is not None and lf["kind"] == "hang"
+    assert "start_timeout_s=900s" in lf["evidence"]
     assert "READY" not in await states(arb)
 
 
@@ -481,7 +490,7 @@ async def test_a_gpu_that_fell_off_the_bus_is_device_fatal_with_an_incident(tmp_
     host.gpu_lost = "NVML: GPU is lost (the GPU has fallen off the bus or the driver lost it)"
     assert await arb.run() == ExitCode.DEVICE_FATAL
     assert host.children == []
-    lf = arb.lifecycle.last_failure
+    lf = arb.lifecycle.tally.remembered.last_failure
     assert lf is not None and lf["kind"] == "device_fatal" and "fallen off the bus" in lf["evidence"]
     bundle, mode = read_incident(lf["incident"])
     assert bundle["failure"]["kind"] == "device_fatal"
