@@ -11,9 +11,7 @@ config and the alert hooks) are commands.py's. Signal handlers only set intent; 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
-import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +24,6 @@ from supervisor.config import Config
 from supervisor.decide.policy import Policy, clamp_to_configured
 from supervisor.engine import leftover
 from supervisor.engine.run import EngineRun
-from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
     Event,
     EventBus,
@@ -36,25 +33,20 @@ from supervisor.event_stream import (
 from supervisor.gateway.pipeline import EngineView, SupervisorSide
 from supervisor.gateway.server import EVENTS, OUTCOMES, Gateway
 from supervisor.heartbeat import Heartbeat
-from supervisor.host import Child, DeviceSnapshot, Host, leftovers, reaper, rundir
-from supervisor.host.gpu import GpuLost
-from supervisor.host.vllm_http import EngineClient, EngineError
+from supervisor.host import Host, leftovers, reaper, rundir, signals
+from supervisor.host.vllm_http import EngineClient
 from supervisor.lifecycle import Lifecycle
 from supervisor.loop_lag import LoopLag
 from supervisor.ops import control, statefile
-from supervisor.ops.admin import AdminServer, make_app, metrics_app
+from supervisor.ops.admin import admin_servers, scrape_engine
 from supervisor.ops.control import ControlServer
 from supervisor.ops.history import History
 from supervisor.ops.logs import EventLog
 from supervisor.ops.metrics import Metrics
 from supervisor.ops.notify import Notifier
+from supervisor.ops.processes import Row, ours_on_host
 from supervisor.profile import Profile
 from supervisor.recovery import Recovery
-
-GPU_POLL_S = 10.0
-ENGINE_SCRAPE_S = 5.0  # under Prometheus' default scrape timeout (10 s)
-SCRAPED_STATES = (EngineState.WARMING, EngineState.READY, EngineState.DRAINING)  # an engine up and answering
-REAP_S = 1.0
 
 log = structlog.get_logger("supervisor.daemon")
 
@@ -99,9 +91,7 @@ class Daemon:
                              client=client_factory() if client_factory else None, standby=self.recovery)
 
         self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run, front=self.gateway,
-                                   learned={"restarts_total": learned.restarts_total,
-                                            "slowest_start_s": learned.slowest_start_s, "fatal": learned.fatal,
-                                            "last_failure": learned.last_failure} if learned else None)
+                                   learned=learned.remembered() if learned else None)
         # Subscribers, in the order they read each event.
         self.metrics = Metrics(profile.knobs(), cfg.profile.knobs())
         self.metrics.budget_from(lambda: policy.budget_left(host.monotonic()))
@@ -121,12 +111,9 @@ class Daemon:
             self.metrics.gateway_from(self.gateway.status, OUTCOMES, EVENTS)
         # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control socket.
         self.listeners: list[Listener] = [
-            AdminServer(make_app(self.status, self.heartbeat.alive, self.metrics.render, self.engine_metrics),
-                        *cfg.admin.host_port, host.monotonic),
+            *admin_servers(cfg.admin, host.monotonic, self.status, self.heartbeat.alive, self.metrics.render,
+                           self.engine_metrics),
             ControlServer(control.path_in(cfg.state.dir), self.commands.command)]
-        if cfg.admin.metrics_listen:
-            self.listeners.append(AdminServer(metrics_app(self.metrics.render, self.engine_metrics),
-                                              *cfg.admin.metrics_host_port, host.monotonic))
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -151,11 +138,8 @@ class Daemon:
             await self.shutdown()
 
     async def startup(self) -> None:
-        loop = asyncio.get_running_loop()
         if self.session.install_signals:
-            loop.add_signal_handler(signal.SIGTERM, self.lifecycle.request_stop, "SIGTERM")
-            loop.add_signal_handler(signal.SIGINT, self.lifecycle.request_stop, "SIGINT")
-            loop.add_signal_handler(signal.SIGHUP, self._soon, self.commands.reload)
+            signals.answer(self.lifecycle.request_stop, lambda: self._soon(self.commands.reload))
         self.session.run_dir = rundir.make()
         self.recovery.use_dir(self.session.run_dir)
         for listener in self.listeners:
@@ -165,17 +149,16 @@ class Daemon:
         self.bus.start()
         self.commands.alerts.start()
         self.recovery.start()
-        self._soon(self._poll_gpu)
+        self._soon(lambda: self.metrics.poll_gpu(self.host))
         if reaper.needed():
-            self._soon(self._reap)
+            self._soon(reaper.keep_reaping)
         self._soon(self.loop_lag.run)
-        profile = self.lifecycle.profile
-        self.bus.publish(SupervisorStarted(at=self.host.wall(), admin=self.cfg.admin.listen,
-                                           engine=self.cfg.engine.base_url, profile=profile,
-                                           state_dir=self.cfg.state.dir))
-        if profile != self.cfg.profile:
+        profile, cfg = self.lifecycle.profile, self.cfg
+        self.bus.publish(SupervisorStarted(at=self.host.wall(), admin=cfg.admin.listen, engine=cfg.engine.base_url,
+                                           profile=profile, state_dir=cfg.state.dir))
+        if profile != cfg.profile:
             self.bus.publish(ProfileRestored(at=self.host.wall(), profile=profile,
-                                             below_configured=self.cfg.profile.diff(profile)))
+                                             below_configured=cfg.profile.diff(profile)))
 
     async def shutdown(self) -> None:
         """Every part stopped, in the reverse order of startup; the alerts flushed last (a FATAL is paged)."""
@@ -195,22 +178,7 @@ class Daemon:
             await listener.close()
         shutil.rmtree(self.session.run_dir, ignore_errors=True)
         if self.session.install_signals:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-
-    async def _poll_gpu(self) -> None:
-        """GPU memory per device for /metrics, every 10 s (NVML in a thread; a lost GPU is the gate's business)."""
-        while True:
-            with contextlib.suppress(GpuLost):
-                self.metrics.set_gpu(await self.host.gpu_snapshot())
-            await asyncio.sleep(GPU_POLL_S)
-
-    async def _reap(self) -> None:
-        """As PID 1: reap the engine's orphans every second (a container's PID table never fills with them)."""
-        while True:
-            reaper.reap_orphans()
-            await asyncio.sleep(REAP_S)
+            signals.stop_answering()
 
     def _soon(self, work: Callable[[], Awaitable[Any]]) -> None:
         """Run ``work`` as a task of the loop (signal handlers only enqueue)."""
@@ -225,15 +193,8 @@ class Daemon:
                           life.tally.restart_eta_s(), life.tally.remembered.slowest_start_s, life.restarting())
 
     async def engine_metrics(self) -> tuple[int, bytes, str]:
-        """The serving engine's own /metrics for /metrics/engine; 503 with the reason while none serves."""
-        run, state = self.lifecycle.run, self.lifecycle.state
-        if run is None or state not in SCRAPED_STATES:
-            return 503, f"no engine serving (state {state.value})\n".encode(), "text/plain; charset=utf-8"
-        try:
-            body, content_type = await run.client.exposition(timeout=ENGINE_SCRAPE_S)
-        except EngineError as exc:
-            return 503, f"the engine's /metrics: {exc}\n".encode(), "text/plain; charset=utf-8"
-        return 200, body, content_type
+        run = self.lifecycle.run
+        return await scrape_engine(run.client if run else None, self.lifecycle.state)
 
     def status(self) -> dict[str, Any]:
         """The /status document (docs/interface.md)."""
@@ -251,19 +212,6 @@ class Daemon:
         }
 
     def processes(self) -> list[dict[str, Any]]:
-        """Every vLLM of ours on the host, by role (docs/operations.md, "What runs on the card"): its session (the
-        leader's pid, which `ps -o sid=` prints for any of its processes, nvidia-smi's EngineCore included), its live
-        pids, and the GPU memory they held at the last poll."""
         run = self.lifecycle.run
-        rows: list[tuple[str, Child, str | None, Profile | None]] = \
-            [("engine", run.child, run.origin.url, self.lifecycle.profile)] if run and run.child else []
-        polled: list[DeviceSnapshot] = self.metrics.gpu_last
-        held = {pid: used for snap in polled for pid, used in snap.processes}
-        out = []
-        for role, child, url, profile in rows + self.recovery.processes():
-            pids = self.host.session_pids(child.sid)
-            if pids:
-                out.append({"role": role, "session": child.sid, "pids": pids, "url": url,
-                            "profile": profile.knobs() if profile else None,
-                            "gpu_bytes": sum(held.get(p, 0) for p in pids) if polled else None})
-        return out
+        rows: list[Row] = [("engine", run.child, run.origin.url, self.lifecycle.profile)] if run and run.child else []
+        return ours_on_host(self.host, rows + self.recovery.processes(), self.metrics.gpu_last)

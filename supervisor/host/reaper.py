@@ -10,9 +10,19 @@ which a blanket ``waitpid(-1)`` would break by stealing their exit statuses.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import psutil
+
+REAP_S = 1.0
+
+
+async def keep_reaping() -> None:
+    """As PID 1: reap the engine's orphans every second (a container's PID table never fills with them)."""
+    while True:
+        reap_orphans()
+        await asyncio.sleep(REAP_S)
 
 
 def needed() -> bool:

@@ -10,10 +10,15 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from supervisor.config import AdminConfig
+from supervisor.engine_states import EngineState
 from supervisor.host.listener import Limits, PublicPort
+from supervisor.host.vllm_http import EngineClient, EngineError
 
 # (HTTP status, body, content type) of the current engine's /metrics.
 EngineMetrics = Callable[[], Awaitable[tuple[int, bytes, str]]]
+ENGINE_SCRAPE_S = 5.0  # under Prometheus' default scrape timeout (10 s)
+SCRAPED_STATES = (EngineState.WARMING, EngineState.READY, EngineState.DRAINING)  # an engine up and answering
 
 
 def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool],
@@ -34,6 +39,18 @@ def make_app(status: Callable[[], dict[str, Any]], loop_alive: Callable[[], bool
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status_)
     return app
+
+
+async def scrape_engine(client: EngineClient | None, state: EngineState) -> tuple[int, bytes, str]:
+    """The serving engine's own /metrics for /metrics/engine (``client``: the current run's); 503 with the reason
+    while none serves."""
+    if client is None or state not in SCRAPED_STATES:
+        return 503, f"no engine serving (state {state.value})\n".encode(), "text/plain; charset=utf-8"
+    try:
+        body, content_type = await client.exposition(timeout=ENGINE_SCRAPE_S)
+    except EngineError as exc:
+        return 503, f"the engine's /metrics: {exc}\n".encode(), "text/plain; charset=utf-8"
+    return 200, body, content_type
 
 
 def metrics_app(metrics: Callable[[], bytes], engine_metrics: EngineMetrics) -> web.Application:
@@ -78,3 +95,13 @@ class AdminServer:
 
     def _accept_failed(self, error: str, count: int) -> None:
         log.warning("admin.accept_failed", listen=f"{self.host}:{self.port_number}", error=error, count=count)
+
+
+def admin_servers(admin: AdminConfig, clock: Callable[[], float], status: Callable[[], dict[str, Any]],
+                  loop_alive: Callable[[], bool], metrics: Callable[[], bytes],
+                  engine_metrics: EngineMetrics) -> list[AdminServer]:
+    """The admin port (loopback), and /metrics alone on ``metrics_listen`` for a central Prometheus when set."""
+    servers = [AdminServer(make_app(status, loop_alive, metrics, engine_metrics), *admin.host_port, clock)]
+    if admin.metrics_listen:
+        servers.append(AdminServer(metrics_app(metrics, engine_metrics), *admin.metrics_host_port, clock))
+    return servers

@@ -5,6 +5,8 @@ An event-stream subscriber: every series moves only on the events it reads.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import platform
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +36,10 @@ from supervisor.event_stream import (
     Reloaded,
     StateChanged,
 )
+from supervisor.host import Host
+from supervisor.host.gpu import GpuLost
+
+GPU_POLL_S = 10.0
 
 
 class Metrics:
@@ -142,6 +148,13 @@ class Metrics:
                      events: Sequence[str] = ()) -> None:
         """The gateway's own counters, read at each scrape (one source of truth: its /status object)."""
         self.registry.register(_GatewayCollector(read, outcomes, events))
+
+    async def poll_gpu(self, host: Host) -> None:
+        """GPU memory per device, every GPU_POLL_S (NVML in a thread; a lost GPU is the gate's business)."""
+        while True:
+            with contextlib.suppress(GpuLost):
+                self.set_gpu(await host.gpu_snapshot())
+            await asyncio.sleep(GPU_POLL_S)
 
     def set_gpu(self, devices: Sequence[Any]) -> None:
         self.gpu_last = list(devices)  # /status processes reads who held what from the same poll

@@ -34,6 +34,11 @@ class Learned:
     fatal: dict[str, Any] | None = None  # the supervisor gave up: exit_code, reason, at, kind
     configured: Profile | None = None  # what the operator had configured when it was learned (None: an older file)
 
+    def remembered(self) -> dict[str, Any]:
+        """What the lifecycle remembers of it (its Remembered's fields)."""
+        return {"restarts_total": self.restarts_total, "slowest_start_s": self.slowest_start_s, "fatal": self.fatal,
+                "last_failure": self.last_failure}
+
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "profile": self.profile.as_dict(), "rung_failures": self.rung_failures,
                 "last_failure": self.last_failure, "restarts_total": self.restarts_total,
