@@ -236,15 +236,7 @@ class Ahead:
         return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
                 "step": None if step is None else {"action": step.action.value, "why": step.why},
                 "building_first": self.first.status(),
-                "spare": {**self.keeper.status(), "due": self._due(), "window": self._window()}}
-
-    def _window(self) -> dict[str, Any] | None:
-        """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as the last start
-        that woke no spare took from spawn to READY (null before one)."""
-        if self.keeper.spare is not None:
-            return None
-        return {"restart_s": self.last_start_s, "why": "no spare asleep: a memory failure's restart is a start, not a "
-                                                       "wake"}
+                "spare": {**self.keeper.status(), "due": self._due(), "window": self.keeper.window(self.last_start_s)}}
 
     def _due(self) -> dict[str, Any]:
         k, since = self.keeper, self.builder.spare_since

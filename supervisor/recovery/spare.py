@@ -321,6 +321,13 @@ class SpareKeeper:
         asleep = {} if self.spare is None else {**self.spare.status(), "last_check": self.last_check}
         return {"state": None, "why": self.why, "order": self.order.as_dict() if self.order else None, **asleep}
 
+    def window(self, last_start_s: float | None) -> dict[str, Any] | None:
+        """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as the last start
+        that woke no spare took from spawn to READY (``last_start_s``; null before one)."""
+        if self.spare is not None:
+            return None
+        return {"restart_s": last_start_s, "why": "no spare asleep: a memory failure's restart is a start, not a wake"}
+
     async def close(self) -> None:
         await self.drop("the supervisor stops")
 
