@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from common import OOM_LADDER, Supervisor, cap_worker, free_port, here, pct, real_vllm_toml, status, wait_ready
 
 GATEWAY = """

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from common import events_in
 from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status, wait
 from gpu_seed import GW, MAX_LEN, Clients, at, ended, latency_windows, ready, second_engines, toml, wrapped_up

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import psutil
+
 from common import Supervisor, free_port, here, status, wait_ready
 
 TOML = """

@@ -12,10 +12,10 @@ import time
 import urllib.request
 
 import psutil
-from common import Supervisor, real_vllm_toml, wait_ready
 from prometheus_client.parser import text_string_to_metric_families
-
 from supervisor.host.vllm_http import RUNNING, TOKENS, WAITING, parse_progress
+
+from common import Supervisor, real_vllm_toml, wait_ready
 
 EXTRA = """
 [health]

@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+
 from common import free_port, here
 
 SCRIPT = here().parent / "supervisor" / "child" / "vllm_standby.py"

@@ -7,8 +7,9 @@ from typing import Any
 
 
 async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
-    """Cancel ``tasks`` (None and finished ones are skipped) and wait for each to end. Their CancelledError is
-    theirs and swallowed; the caller's own cancellation, arriving meanwhile, is not (it propagates)."""
+    """Cancel ``tasks`` (None and finished ones are skipped) and wait for each to end. Their
+    CancelledError is theirs and swallowed; the caller's own cancellation, arriving meanwhile,
+    is not (it propagates)."""
     live = [t for t in tasks if t is not None]
     for t in live:
         t.cancel()

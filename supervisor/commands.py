@@ -1,6 +1,7 @@
-"""The operator's commands on the control socket (docs/operations.md): restart, reset-profile, quarantine-clear
-and reload. It holds the config in force and the alert hooks made from it, the two things a reload replaces; a
-reload reads the file again, refuses what cannot change live, and hands each part its new settings."""
+"""The operator's commands on the control socket (docs/operations.md): restart, reset-profile,
+quarantine-clear and reload. It holds the config in force and the alert hooks made from it,
+the two things a reload replaces; a reload reads the file again, refuses what cannot change
+live, and hands each part its new settings."""
 
 from __future__ import annotations
 
@@ -29,17 +30,20 @@ log = structlog.get_logger("supervisor.commands")
 
 class OperatorCommands:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], metrics: Metrics,
-                 config_path: str | None, lifecycle: Lifecycle, gateway: Gateway | None, recovery: Recovery) -> None:
+                 config_path: str | None, lifecycle: Lifecycle, gateway: Gateway | None,
+                 recovery: Recovery) -> None:
         self.cfg, self.host, self.publish, self.metrics = cfg, host, publish, metrics
         self.config_path = config_path
-        self.lifecycle, self.gateway, self.recovery = lifecycle, gateway, recovery  # what the commands act on
+        # what the commands act on
+        self.lifecycle, self.gateway, self.recovery = lifecycle, gateway, recovery
         self.alerts = self.alerts_for(cfg)  # raises MissingSecret (a configuration error)
 
     async def command(self, command: str, arg: str | None = None) -> tuple[bool, str]:
         if command == "quarantine-clear":
             if self.gateway is None:
                 return False, "this supervisor has no [gateway]: nothing is quarantined"
-            return self.gateway.quarantine.undo(arg, self.host.wall())  # on-call's undo: one entry, or all
+            # on-call's undo: one entry, or all
+            return self.gateway.quarantine.undo(arg, self.host.wall())
         if command == "reload":
             return await self.reload()
         lc = self.lifecycle
@@ -52,15 +56,17 @@ class OperatorCommands:
         return self.restart_at(lc.profile, "restart asked by the operator")
 
     def restart_at(self, target: Profile, why: str) -> tuple[bool, str]:
-        """A planned restart at ``target`` (the operator's restart or reset-profile, a reload): the run asked to end
-        with it, or while the engine is already restarting, the next start's profile."""
+        """A planned restart at ``target`` (the operator's restart or reset-profile, a reload):
+        the run asked to end with it, or while the engine is already restarting, the next
+        start's profile."""
         lc = self.lifecycle
         run = lc.run
         if lc.state not in (S.STARTING, S.WARMING, S.READY) or run is None:
             if lc.state in (S.BACKOFF, S.STOPPING):
                 lc.change_profile(target, why)  # the start that comes next uses it
                 lc.learned()
-                return True, f"the engine is already restarting ({lc.state.value}); the next start uses the profile"
+                return True, (f"the engine is already restarting ({lc.state.value}); the next "
+                              "start uses the profile")
             return False, f"the engine is {lc.state.value}: nothing to restart"
         run.end(TriggerKind.RESTART, why, target=target)
         return True, f"{why}: the engine restarts at {target.knobs()}"
@@ -74,12 +80,14 @@ class OperatorCommands:
         return alerts
 
     async def reload(self) -> tuple[bool, str]:
-        """Read the config file again: invalid → keep the old one; engine settings changed → planned restart."""
+        """Read the config file again: invalid → keep the old one; engine settings changed →
+        planned restart."""
         path, publish = self.config_path, self.publish
         publish(Reloading(at=self.host.wall(), source=str(path)))
         try:
             if path is None:
-                raise ConfigError([("(file)", "this supervisor was started without a config file path")])
+                raise ConfigError([("(file)",
+                                    "this supervisor was started without a config file path")])
             new = config_file.load(path)
             plan = reload_plan(self.cfg, new)
             if plan.refused:
@@ -88,11 +96,12 @@ class OperatorCommands:
         except (ConfigError, MissingSecret) as exc:
             publish(ReloadFailed(at=self.host.wall(), error=str(exc)))
             return False, f"reload refused, still running on the old config:\n{exc}"
-        except Exception as exc:  # a bug in reading the file must never take down the running service
+        # a bug in reading the file must never take down the running service
+        except Exception as exc:
             log.exception("reload.crashed", source=str(path))
             publish(ReloadFailed(at=self.host.wall(), error=f"{type(exc).__name__}: {exc}"))
-            return False, f"reload refused (reading the file failed: {type(exc).__name__}: {exc}), " \
-                          "still running on the old config"
+            return False, (f"reload refused (reading the file failed: {type(exc).__name__}: "
+                           f"{exc}), still running on the old config")
         old, self.cfg = self.cfg, new
         self.lifecycle.reconfigure(new)
         if alerts is not None:
@@ -102,10 +111,13 @@ class OperatorCommands:
         if self.gateway is not None and new.gateway is not None:
             self.gateway.reconfigure(new.gateway)
         self.recovery.configure(new)
-        publish(Reloaded(at=self.host.wall(), changed=plan.changed, engine_restart=plan.engine_restart,
-                         configured_profile=new.profile))
+        publish(
+            Reloaded(at=self.host.wall(), changed=plan.changed, engine_restart=plan.engine_restart,
+                     configured_profile=new.profile))
         if not plan.engine_restart:
-            return True, f"reloaded ({', '.join(plan.changed) or 'nothing'} changed); the engine keeps running"
-        ok, message = self.restart_at(clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
-                                                "config reloaded: engine settings changed")
+            return True, (f"reloaded ({', '.join(plan.changed) or 'nothing'} changed); the engine "
+                          "keeps running")
+        ok, message = self.restart_at(
+            clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
+            "config reloaded: engine settings changed")
         return ok, f"reloaded ({', '.join(plan.changed)} changed); {message}"

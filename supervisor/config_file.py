@@ -1,5 +1,6 @@
-"""The config file read: TOML decoded, every section built and type-checked against its schema (config.py), each
-field's and each section's constraints checked, and every problem reported at once with its full path."""
+"""The config file read: TOML decoded, every section built and type-checked against its schema
+(config.py), each field's and each section's constraints checked, and every problem reported
+at once with its full path."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def load(path: str | Path) -> Config:
 
 
 def state_dir_of(path: str | Path) -> str:
-    """[state] dir of a config file even when the rest of it is invalid (the default when unreadable)."""
+    """[state] dir of a config file even when the rest of it is invalid (the default when
+    unreadable)."""
     try:
         raw = tomllib.loads(Path(path).read_text())
         value = raw.get("state", {}).get("dir")
@@ -89,8 +91,8 @@ def _build(cls: type, section: str, table: dict[str, Any], problems: list[tuple[
         field_name = toml_to_field.get(key, key)
         if field_name not in fields or key in TOML_KEYS:
             known = ", ".join(TOML_KEYS.get(f, f) for f in fields)
-            hint = " (secrets are read from the environment: use routing_key_env / auth_token_env)" \
-                if key in ("routing_key", "auth_token") else ""
+            hint = (" (secrets are read from the environment: use routing_key_env / auth_token_env)"
+                    if key in ("routing_key", "auth_token") else "")
             problems.append((name, f"unknown key{hint}; known keys of [{section}]: {known}"))
             continue
         tables = _tables_of(hints[field_name])
@@ -109,14 +111,15 @@ def _build(cls: type, section: str, table: dict[str, Any], problems: list[tuple[
         except _FieldError as exc:
             problems.extend((e.where, str(e)) for e in (exc, *exc.more))
             bad.add(key)
-    # Every other field is still checked, with its default standing in for what was wrong: one run of
-    # `check` names every problem of the file, not the first of each table.
+    # Every other field is still checked, with its default standing in for what was wrong: one run
+    # of `check` names every problem of the file, not the first of each table.
     try:
         obj = cls(**kwargs)
-    except TypeError:  # a required key of this table is missing: reported by the caller or the hook checks
+    # a required key of this table is missing: reported by the caller or the hook checks
+    except TypeError:
         return None
-    problems.extend(p for p in _range_checks(section, obj) if p[0].removeprefix(f"{section}.").split("[")[0]
-                    not in bad)
+    problems.extend(p for p in _range_checks(section, obj)
+                    if p[0].removeprefix(f"{section}.").split("[")[0] not in bad)
     return obj if not bad else None
 
 
@@ -146,8 +149,9 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, list):
             for i, v in enumerate(value):
                 if not isinstance(v, (str, int, float, bool)):
-                    raise _FieldError(f"{name}[{i}]", f"must be a string, number or boolean (a flag's value), "
-                                                     f"got {type(v).__name__}")
+                    raise _FieldError(
+                        f"{name}[{i}]", f"must be a string, number or boolean (a flag's value), "
+                        f"got {type(v).__name__}")
             return value
         raise _FieldError(name, "must be a string, number, boolean, list of those, or a table")
     if origin in (types.UnionType, typing.Union):
@@ -157,7 +161,8 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if tp == Scalar or set(inner) == {str, int, float, bool}:
             if isinstance(value, (str, int, float, bool)):
                 return value
-            raise _FieldError(name, f"must be a string, number or boolean, got {type(value).__name__}")
+            raise _FieldError(name,
+                              f"must be a string, number or boolean, got {type(value).__name__}")
         if set(inner) == {float, str}:  # a number of seconds, or a word such as "auto"
             if isinstance(value, str):
                 return value
@@ -217,24 +222,32 @@ def _hook_problems(where: str, h: HookConfig) -> list[tuple[str, str]]:
             out.append((f"{where}.{TOML_KEYS.get(key, key)}", msg))
 
     need("type", h.type in HOOK_TYPES, f"must be one of {', '.join(HOOK_TYPES)}, got {h.type!r}")
-    need("min_severity", h.min_severity in ("", *SEVERITIES), f"must be one of {', '.join(SEVERITIES)}")
+    need("min_severity", h.min_severity in ("", *SEVERITIES),
+         f"must be one of {', '.join(SEVERITIES)}")
     if h.type in ("webhook", "slack", "pagerduty", "twilio", "alertmanager"):
         need("url", h.endpoint.startswith(("http://", "https://")),
              f"must be an http(s) URL{' (required for ' + h.type + ')' if not h.endpoint else ''}")
     need("auth_header_env", not h.auth_header_env or h.type in ("webhook", "alertmanager"),
          "only webhook and alertmanager hooks send an Authorization header")
-    need("hmac_secret_env", not h.hmac_secret_env or h.type == "webhook", "only webhook hooks sign their bodies")
+    need("hmac_secret_env", not h.hmac_secret_env or h.type == "webhook",
+         "only webhook hooks sign their bodies")
     if h.type == "pagerduty":
-        need("routing_key_env", bool(h.routing_key_env), "required: the environment variable (or systemd "
-                                                         "credential) that holds the PagerDuty routing key")
+        need(
+            "routing_key_env", bool(h.routing_key_env),
+            "required: the environment variable (or systemd "
+            "credential) that holds the PagerDuty routing key")
     if h.type == "twilio":
         need("account_sid", bool(h.account_sid), "required: the Twilio account SID")
-        need("auth_token_env", bool(h.auth_token_env), "required: the environment variable (or systemd "
-                                                       "credential) that holds the Twilio auth token")
+        need(
+            "auth_token_env", bool(h.auth_token_env),
+            "required: the environment variable (or systemd "
+            "credential) that holds the Twilio auth token")
         need("from_", bool(h.from_), "required: the sending number")
         need("to", bool(h.to), "required: a list of numbers to text")
     if h.type == "command":
-        need("argv", bool(h.argv) and all(h.argv), "required: the command and its arguments, run without a shell")
+        need("argv",
+             bool(h.argv) and all(h.argv),
+             "required: the command and its arguments, run without a shell")
     need("timeout_s", h.timeout_s > 0, "must be > 0 seconds")
     need("max_per_hour", h.max_per_hour >= 1, "must be >= 1")
     need("attempts", h.attempts >= 1, "must be >= 1")
@@ -263,7 +276,8 @@ def _cross_checks(built: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _port_clashes(built: dict[str, Any]) -> list[tuple[str, str]]:
-    """Listeners on one port; an address already refused above is left out (it has its own message)."""
+    """Listeners on one port; an address already refused above is left out (it has its own
+    message)."""
     engine, admin, gateway = built.get("engine"), built.get("admin"), built.get("gateway")
     if engine is None or admin is None or not isinstance(engine.port, int):
         return []
@@ -274,8 +288,10 @@ def _port_clashes(built: dict[str, Any]) -> list[tuple[str, str]]:
         out.append(("admin.listen", "must not use the engine's internal port"))
     gateway_at = parse_listen(gateway.listen) if gateway is not None else None
     if gateway_at is not None and gateway_at[1] in (engine.port, admin_port):
-        out.append(("gateway.listen", "must not use the engine's internal port or admin.listen's port"))
+        out.append(
+            ("gateway.listen", "must not use the engine's internal port or admin.listen's port"))
     metrics_at = parse_listen(admin.metrics_listen) if admin.metrics_listen else None
     if metrics_at is not None and metrics_at[1] in (engine.port, admin_port):
-        out.append(("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))
+        out.append(
+            ("admin.metrics_listen", "must not use the engine's port or admin.listen's port"))
     return out

@@ -1,4 +1,5 @@
-"""The composition root: every part is built, started and stopped here, in an order read top to bottom.
+"""The composition root: every part is built, started and stopped here, in an order read top to
+bottom.
 
 ``Daemon.run`` is startup → the lifecycle's main loop → shutdown, as uvicorn's ``Server.serve``
 is. The parts never build each other: the event stream and its subscribers, the lifecycle (the
@@ -58,7 +59,8 @@ class Listener(Protocol):
 
 @dataclass
 class Session:
-    """This supervisor process: how it was started, since when, and its run directory (its per-start files)."""
+    """This supervisor process: how it was started, since when, and its run directory (its
+    per-start files)."""
 
     config_path: str | None
     install_signals: bool
@@ -69,13 +71,15 @@ class Session:
 class Daemon:
     def __init__(self, cfg: Config, host: Host, *, notifier: Notifier | None = None,
                  echo: TextIO | None = None, install_signals: bool = True,
-                 client_factory: Callable[[], EngineClient] | None = None, config_path: str | None = None) -> None:
+                 client_factory: Callable[[], EngineClient] | None = None,
+                 config_path: str | None = None) -> None:
         self.host = host
         self.session = Session(config_path, install_signals, host.monotonic())
         self.bus = EventBus()
         publish = self.bus.publish
         learned = statefile.load(cfg.state.dir)
-        profile = clamp_to_configured(learned.profile, cfg.profile, learned.configured) if learned else cfg.profile
+        profile = clamp_to_configured(learned.profile, cfg.profile,
+                                      learned.configured) if learned else cfg.profile
         policy = Policy(cfg.restart, cfg.ladder, cfg.profile,
                         rung_failures=dict(learned.rung_failures) if learned else {})
         self.notifier = notifier or Notifier(cfg.engine.start_timeout_s + cfg.warmup.timeout_s)
@@ -87,33 +91,40 @@ class Daemon:
 
         async def new_run(p: Profile, number: int) -> EngineRun:
             await self.recovery.settled()  # a throwaway precompile engine is gone before any start
-            return EngineRun(self.cfg, host, p, number, self.session.run_dir / f"start-{number}", publish, echo=echo,
-                             client=client_factory() if client_factory else None, standby=self.recovery)
+            return EngineRun(self.cfg, host, p, number, self.session.run_dir / f"start-{number}",
+                             publish, echo=echo,
+                             client=client_factory() if client_factory else None,
+                             standby=self.recovery)
 
-        self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run, front=self.gateway,
+        self.lifecycle = Lifecycle(cfg, host, publish, self.heartbeat, policy, profile, new_run,
+                                   front=self.gateway,
                                    learned=learned.remembered() if learned else None)
         # Subscribers, in the order they read each event.
         self.metrics = Metrics(profile.knobs(), cfg.profile.knobs())
         self.metrics.budget_from(lambda: policy.budget_left(host.monotonic()))
         self.metrics.loop_stall_from(lambda: self.loop_lag.max_s)
         self.history = History()
-        self.commands = OperatorCommands(cfg, host, publish, self.metrics, config_path,  # raises MissingSecret
+        # raises MissingSecret
+        self.commands = OperatorCommands(cfg, host, publish, self.metrics, config_path,
                                          self.lifecycle, self.gateway, self.recovery)
         self.bus.subscribe("log", EventLog())
         self.bus.subscribe("metrics", self.metrics)
         self.bus.subscribe("notify", self.notifier)
         self.bus.subscribe("history", self.history)
         self.bus.subscribe("statefile", statefile.StateFileWriter(cfg.state.dir, cfg.profile))
-        self.bus.subscribe("alerts", self)  # forwards to the commands' alerts, which a reload may replace
+        # forwards to the commands' alerts, which a reload may replace
+        self.bus.subscribe("alerts", self)
         self.bus.subscribe("recovery", self.recovery)
         if self.gateway is not None:
             self.bus.subscribe("gateway", self.gateway)
             self.metrics.gateway_from(self.gateway.status, OUTCOMES, EVENTS)
-        # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control socket.
+        # Listeners: the admin port (loopback), /metrics alone for a central Prometheus, the control
+        # socket.
         self.listeners: list[Listener] = [
-            *admin_servers(cfg.admin, host.monotonic, self.status, self.heartbeat.alive, self.metrics.render,
-                           self.engine_metrics),
-            ControlServer(control.path_in(cfg.state.dir), self.commands.command)]
+            *admin_servers(cfg.admin, host.monotonic, self.status, self.heartbeat.alive,
+                           self.metrics.render, self.engine_metrics),
+            ControlServer(control.path_in(cfg.state.dir), self.commands.command)
+        ]
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -123,15 +134,17 @@ class Daemon:
     def on_event(self, event: Event) -> None:
         self.commands.alerts.on_event(event)
 
-    # ---- startup, main loop, shutdown -----------------------------------------------------------------
+    # ---- startup, main loop, shutdown ------------------------------------------------------------
     async def run(self) -> int:
         """Supervise until asked to stop (0) or FATAL (non-zero ExitCode)."""
         await self.startup()
         try:
-            await self.heartbeat.wait(leftover.stop_engine_left(self.cfg, self.host, self.bus.publish),
-                                      self.heartbeat.within(leftover.stop_bound_s(self.cfg)))
-            # Only now: a dead supervisor's throwaway still starting reads its logging config from its run
-            # directory; swept first, it died by itself before it could be stopped (and counted).
+            await self.heartbeat.wait(
+                leftover.stop_engine_left(self.cfg, self.host, self.bus.publish),
+                self.heartbeat.within(leftover.stop_bound_s(self.cfg)))
+            # Only now: a dead supervisor's throwaway still starting reads its logging config from
+            # its run directory; swept first, it died by itself before it could be stopped (and
+            # counted).
             rundir.sweep(self.session.run_dir.parent)
             return await self.lifecycle.run_until_stopped()
         finally:
@@ -154,14 +167,16 @@ class Daemon:
             self._soon(reaper.keep_reaping)
         self._soon(self.loop_lag.run)
         profile, cfg = self.lifecycle.profile, self.cfg
-        self.bus.publish(SupervisorStarted(at=self.host.wall(), admin=cfg.admin.listen, engine=cfg.engine.base_url,
-                                           profile=profile, state_dir=cfg.state.dir))
+        self.bus.publish(
+            SupervisorStarted(at=self.host.wall(), admin=cfg.admin.listen,
+                              engine=cfg.engine.base_url, profile=profile, state_dir=cfg.state.dir))
         if profile != cfg.profile:
             self.bus.publish(ProfileRestored(at=self.host.wall(), profile=profile,
                                              below_configured=cfg.profile.diff(profile)))
 
     async def shutdown(self) -> None:
-        """Every part stopped, in the reverse order of startup; the alerts flushed last (a FATAL is paged)."""
+        """Every part stopped, in the reverse order of startup; the alerts flushed last (a FATAL
+        is paged)."""
         if self.lifecycle.run is not None:
             await self.lifecycle.run.shutdown()
         leftovers.clear(self.cfg.state.dir)
@@ -171,7 +186,8 @@ class Daemon:
         for t in self._background:
             t.cancel()
         await self.bus.close()
-        await self.commands.alerts.close()  # bounded by [alerts] flush_s; before the port's close (clients hold it)
+        # bounded by [alerts] flush_s; before the port's close (clients hold it)
+        await self.commands.alerts.close()
         if self.gateway is not None:
             await self.gateway.close()  # bounded by gateway.CLOSE_S
         for listener in self.listeners:
@@ -186,11 +202,12 @@ class Daemon:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # ---- what the parts read of each other ---------------------------------------------------------------
+    # ---- what the parts read of each other -------------------------------------------------------
     def _engine_view(self) -> EngineView:
         life = self.lifecycle
-        return EngineView(life.profile.chunk(), life.profile.max_model_len, life.pids() | self.recovery.pids(),
-                          life.tally.restart_eta_s(), life.tally.remembered.slowest_start_s, life.restarting())
+        return EngineView(life.profile.chunk(), life.profile.max_model_len,
+                          life.pids() | self.recovery.pids(), life.tally.restart_eta_s(),
+                          life.tally.remembered.slowest_start_s, life.restarting())
 
     async def engine_metrics(self) -> tuple[int, bytes, str]:
         run = self.lifecycle.run
@@ -213,5 +230,6 @@ class Daemon:
 
     def processes(self) -> list[dict[str, Any]]:
         run = self.lifecycle.run
-        rows: list[Row] = [("engine", run.child, run.origin.url, self.lifecycle.profile)] if run and run.child else []
+        rows: list[Row] = [("engine", run.child, run.origin.url,
+                            self.lifecycle.profile)] if run and run.child else []
         return ours_on_host(self.host, rows + self.recovery.processes(), self.metrics.gpu_last)

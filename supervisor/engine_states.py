@@ -1,6 +1,8 @@
-"""Engine states, failure kinds, trigger kinds, exit codes and the legal transitions between states (pure).
+"""Engine states, failure kinds, trigger kinds, exit codes and the legal transitions between states
+(pure).
 
-The ground floor with supervisor.profile: everything else may import it; it imports only the profile."""
+The ground floor with supervisor.profile: everything else may import it; it imports only the
+profile."""
 
 from __future__ import annotations
 
@@ -64,12 +66,14 @@ class FailureKind(enum.Enum):
 
     @property
     def unexplained(self) -> bool:
-        """A death with no cause in the evidence; repeated with the same request it is treated as memory."""
+        """A death with no cause in the evidence; repeated with the same request it is treated as
+        memory."""
         return self in (FailureKind.ENGINE_DEAD, FailureKind.SIGNAL)
 
     @property
     def request_can_cause(self) -> bool:
-        """A death a request in the batch may have caused (a hang or a device fault is not blamed on one)."""
+        """A death a request in the batch may have caused (a hang or a device fault is not blamed
+        on one)."""
         return self is FailureKind.RUNTIME_OOM or self.unexplained
 
 
@@ -94,7 +98,8 @@ class TriggerKind(enum.Enum):
 
 
 class Phase(enum.Enum):
-    """Where in its life the engine was when it failed; decides startup vs runtime memory failures."""
+    """Where in its life the engine was when it failed; decides startup vs runtime memory
+    failures."""
 
     LOADING = "loading"  # spawned, /health not yet 200
     SERVING = "serving"  # /health was 200 at least once (warm-up or real traffic)
@@ -109,7 +114,8 @@ class Failure:
     # For memory failures: the managed knob the evidence points at, and a value it suggests.
     knob: Knob | None = None
     suggested: float | None = None
-    # Engine request id and prompt length of the largest request in the failing batch, when vLLM dumped it.
+    # Engine request id and prompt length of the largest request in the failing batch, when vLLM
+    # dumped it.
     suspect_request: str | None = None
     suspect_tokens: int | None = None
     # False when the cause lies outside the engine's settings (another process holds the GPU):
@@ -133,15 +139,15 @@ class Failure:
 
 @dataclass(frozen=True)
 class Blame:
-    """What the gateway found about a death: one request alone was proven to cause it (it spends no restart
-    budget, and is not read as the engine's memory signature), the next engine should start at the lowest
-    rung (a request that killed two engines is tried there alone), and how many earlier deaths that proof
-    explains."""
+    """What the gateway found about a death: one request alone was proven to cause it (it spends
+    no restart budget, and is not read as the engine's memory signature), the next engine
+    should start at the lowest rung (a request that killed two engines is tried there alone),
+    and how many earlier deaths that proof explains."""
 
     proven: bool = False
     floor: bool = False
-    # Earlier deaths, each of which spent the restart budget, that the request now proven a poison was at the
-    # engine for: explained now, their budget is given back.
+    # Earlier deaths, each of which spent the restart budget, that the request now proven a poison
+    # was at the engine for: explained now, their budget is given back.
     explained: int = 0
 
 

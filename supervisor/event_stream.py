@@ -1,4 +1,5 @@
-"""The one event stream: frozen records of everything that changes, published once, read by subscribers.
+"""The one event stream: frozen records of everything that changes, published once, read by
+subscribers.
 
 Each event type has one publisher (the lifecycle, an engine run, the gateway, recovery, the alert
 hooks); logging, metrics, the systemd notifier, the /status history, the state file, the gateway,
@@ -64,7 +65,8 @@ class StopRequested(Event):
 
 @dataclass(frozen=True)
 class Ready:
-    """What one start reports when it reaches READY: where its time went, how it warmed up, what it runs."""
+    """What one start reports when it reaches READY: where its time went, how it warmed up, what
+    it runs."""
 
     timings: Mapping[str, float]  # start_to_healthy_s, warmup_s, start_to_ready_s
     phases: Mapping[str, float]  # seconds per phase, in order (decide/startup.phases)
@@ -73,7 +75,8 @@ class Ready:
     from_standby: bool = False
     from_spare: bool = False  # a spare engine was woken: nothing was built
     engine_url: str = ""  # where this start's engine listens (a woken spare has a port of its own)
-    compile_cache: str | None = None  # the torch.compile cache directory vLLM said it used (host/compile_cache.py)
+    # the torch.compile cache directory vLLM said it used (host/compile_cache.py)
+    compile_cache: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.timings, "phases": dict(self.phases)}
@@ -100,9 +103,12 @@ class StateChanged(Event):
     outage_s: float | None = None  # how long the engine has been out of service (None: it is not)
 
     def fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"from": self.old.value, "to": self.new.value, "after_s": self.after_s,
-                               "profile": self.profile.knobs(), "restarts": self.restarts}
-        for name in ("reason", "evidence", "start", "healthy_after_s", "delay_s", "exit_code", "outage_s"):
+        out: dict[str, Any] = {
+            "from": self.old.value, "to": self.new.value, "after_s": self.after_s,
+            "profile": self.profile.knobs(), "restarts": self.restarts
+        }
+        for name in ("reason", "evidence", "start", "healthy_after_s", "delay_s", "exit_code",
+                     "outage_s"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -144,7 +150,8 @@ class ProfileRaised(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileChanged(Event):
-    """The profile changed other than by a failure or a climb: an operator's restart target, a reload."""
+    """The profile changed other than by a failure or a climb: an operator's restart target, a
+    reload."""
 
     name = "engine.profile_changed"
     diff: Mapping[str, Any]
@@ -152,11 +159,14 @@ class ProfileChanged(Event):
     reason: str
 
 
-def profile_changed(old: Profile, new: Profile, at: float, reason: str, failure: Failure | None = None) -> Event:
-    """The one event that says how the profile changed: lowered for a failure, raised, or otherwise changed."""
+def profile_changed(old: Profile, new: Profile, at: float, reason: str,
+                    failure: Failure | None = None) -> Event:
+    """The one event that says how the profile changed: lowered for a failure, raised, or
+    otherwise changed."""
     diff = old.diff(new)
     if failure is not None:
-        return ProfileLowered(at=at, diff=diff, profile=new, kind=failure.kind, evidence=failure.evidence)
+        return ProfileLowered(at=at, diff=diff, profile=new, kind=failure.kind,
+                              evidence=failure.evidence)
     if new.reaches(old):
         return ProfileRaised(at=at, diff=diff, profile=new, reason=reason)
     return ProfileChanged(at=at, diff=diff, profile=new, reason=reason)
@@ -174,7 +184,8 @@ class EngineSpawned(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class RungPrecompiled(Event):
-    """A throwaway engine compiled a rung's graphs into vLLM's cache ahead of need (or failed to)."""
+    """A throwaway engine compiled a rung's graphs into vLLM's cache ahead of need (or failed
+    to)."""
 
     name = "engine.rung_precompiled"
     profile: Profile
@@ -188,9 +199,10 @@ class RungPrecompiled(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class BuildingFirst(Event):
-    """A planned start builds ahead before its engine (``precompile_order``/``spare_order`` "first"): one record per
-    step, for the journal, systemd's STATUS= and /status. ``left_s``: what is left as the last builds on this host
-    took (``<state dir>/builds.json``); None before any."""
+    """A planned start builds ahead before its engine (``precompile_order``/``spare_order``
+    "first"): one record per step, for the journal, systemd's STATUS= and /status. ``left_s``:
+    what is left as the last builds on this host took (``<state dir>/builds.json``); None
+    before any."""
 
     name = "start.building_first"
     step: str  # "rungs" (compiles side by side) or "spare"
@@ -205,8 +217,8 @@ class BuildingFirst(Event):
 def building_line(step: str, done: int, of: int, left_s: float | None) -> str:
     """A build-first's step in words: systemd's STATUS=, `vllm-supervisor status`."""
     what = "rungs compiled" if step == "rungs" else "spare asleep"
-    left = ("no earlier build to tell the time" if left_s is None
-            else f"about {left_s:.0f} s left" if left_s < 120 else f"about {left_s / 60:.0f} min left")
+    left = ("no earlier build to tell the time" if left_s is None else
+            f"about {left_s:.0f} s left" if left_s < 120 else f"about {left_s / 60:.0f} min left")
     return f"building first: {done} of {of} {what}, {left}"
 
 
@@ -220,7 +232,8 @@ class EngineStopped(Event):
     kill_s: float
     drain_s: float
     gpu_release_s: float
-    planned: bool = False  # a stop the supervisor chose (SIGTERM, a climb, a restart): it should never need SIGKILL
+    # a stop the supervisor chose (SIGTERM, a climb, a restart): it should never need SIGKILL
+    planned: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,15 +257,16 @@ class FailureClassified(Event):
     suspect_request: str | None
     failure: Failure
     incident: str | None
-    # vLLM's own record named the request in the failing batch (its scheduler dump): evidence that the
-    # request, not the engine, is to blame. None when nothing named one.
+    # vLLM's own record named the request in the failing batch (its scheduler dump): evidence that
+    # the request, not the engine, is to blame. None when nothing named one.
     named_by_vllm: bool = False
-    # The engine that died already ran at the ladder's lowest batch token budget, and that budget: a request
-    # that killed it twice is tried alone at the lowest rung before it is quarantined (docs/interface.md).
+    # The engine that died already ran at the ladder's lowest batch token budget, and that budget: a
+    # request that killed it twice is tried alone at the lowest rung before it is quarantined
+    # (docs/interface.md).
     at_floor: bool = True
     chunk: int | None = None
-    # The gateway proved one request alone caused it: no restart budget spent (the request is quarantined at its
-    # second such death).
+    # The gateway proved one request alone caused it: no restart budget spent (the request is
+    # quarantined at its second such death).
     caused_by_request: bool = False
 
 
@@ -337,7 +351,8 @@ class RequestQuarantined(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class RequestRejected(Event):
-    """The gateway answered a request itself (413, 429, 503); at most one record per code and second."""
+    """The gateway answered a request itself (413, 429, 503); at most one record per code and
+    second."""
 
     name = "gateway.request_rejected"
     status: int
@@ -351,7 +366,8 @@ class RequestRejected(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class AcceptFailed(Event):
-    """The public port could not accept a connection (out of descriptors or memory); at most one a second."""
+    """The public port could not accept a connection (out of descriptors or memory); at most one
+    a second."""
 
     name = "gateway.accept_failed"
     error: str
@@ -388,7 +404,8 @@ class SheddingChanged(Event):
 
     name = "gateway.shedding"
     reason: str
-    everyone: bool = False  # the KV cache is full: every new request; else only prompts that need new memory
+    # the KV cache is full: every new request; else only prompts that need new memory
+    everyone: bool = False
 
     def log_level(self) -> str:
         return "warning" if self.reason else "info"
@@ -407,7 +424,8 @@ class GatewayDrained(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class AlertOutcome(Event):
-    """What became of one alert on one hook: sent, failed (after the retries), suppressed, dropped."""
+    """What became of one alert on one hook: sent, failed (after the retries), suppressed,
+    dropped."""
 
     name = "alert.outcome"
     channel: str
@@ -420,12 +438,13 @@ class AlertOutcome(Event):
         return "info" if self.outcome == "sent" else "warning"
 
 
-# ---- what used to be bare log lines: now on the stream, so alert rules and metrics can read them ----
+# ---- what used to be bare log lines: now on the stream, so alert rules and metrics can read them -
 
 
 @dataclass(frozen=True, kw_only=True)
 class SupervisorStuck(Event):
-    """A step of the supervision loop ran past the bound it announced: the watchdog is no longer petted."""
+    """A step of the supervision loop ran past the bound it announced: the watchdog is no longer
+    petted."""
 
     name = "supervisor.stuck"
     level = "error"
@@ -463,7 +482,8 @@ class GpuShort(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class StartupStep(Event):
-    """vLLM's startup reached a new step (loading weights, compiling, capturing graphs, ...), from its console."""
+    """vLLM's startup reached a new step (loading weights, compiling, capturing graphs, ...),
+    from its console."""
 
     name = "engine.startup_step"
     step: str
@@ -532,12 +552,14 @@ class NoStackDump(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class EngineEnvReported(Event):
-    """The variables vLLM set for its EngineCore (the IPC hook's ``vllm_env``); the log line names them only."""
+    """The variables vLLM set for its EngineCore (the IPC hook's ``vllm_env``); the log line
+    names them only."""
 
     name = "engine.vllm_env"
     pid: int | None
     env: Mapping[str, str]
-    second_engine: bool = False  # a precompile throwaway's or a spare's EngineCore, not the engine's
+    # a precompile throwaway's or a spare's EngineCore, not the engine's
+    second_engine: bool = False
 
     def fields(self) -> dict[str, Any]:
         return {"pid": self.pid, "names": sorted(self.env), "second_engine": self.second_engine}
@@ -545,7 +567,8 @@ class EngineEnvReported(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class EngineIdle(Event):
-    """While READY: nothing of the clients' or the supervisor's is at the engine (True), or work arrived."""
+    """While READY: nothing of the clients' or the supervisor's is at the engine (True), or work
+    arrived."""
 
     name = "engine.idle"
     level = "debug"
@@ -570,7 +593,8 @@ class StandbySpawned(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class StandbyUnavailable(Event):
-    """A standby could not be made (``spawn_failed``) or was gone when the start wanted it (``lost``)."""
+    """A standby could not be made (``spawn_failed``) or was gone when the start wanted it
+    (``lost``)."""
 
     name = "standby.unavailable"
     level = "warning"
@@ -589,7 +613,8 @@ class PrecompileStarted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class PrecompileCrashed(Event):
-    """The precompiler's own fault (not the throwaway engine's): the rung is not tried again in this run."""
+    """The precompiler's own fault (not the throwaway engine's): the rung is not tried again in
+    this run."""
 
     name = "precompile.crashed"
     level = "warning"
@@ -599,7 +624,8 @@ class PrecompileCrashed(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class SpareAsleep(Event):
-    """The next rung's engine is built and asleep: the start that wants that rung wakes it (recovery/spare.py)."""
+    """The next rung's engine is built and asleep: the start that wants that rung wakes it
+    (recovery/spare.py)."""
 
     name = "spare.asleep"
     pid: int
@@ -618,12 +644,14 @@ class SpareWoken(Event):
     port: int
     profile: Profile
     took_s: float
-    canary: Mapping[str, Any] | None = None  # the check after the wake: equal, tokens, max_logprob_drift, took_s
+    # the check after the wake: equal, tokens, max_logprob_drift, took_s
+    canary: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpareChecked(Event):
-    """A sleeping spare was woken, answered the canary as before it first slept, and sleeps again."""
+    """A sleeping spare was woken, answered the canary as before it first slept, and sleeps
+    again."""
 
     name = "spare.checked"
     pid: int
@@ -689,7 +717,8 @@ class EventBus:
         self.queue_size = queue_size
         self.subscriptions: list[Subscription] = []
 
-    def subscribe(self, name: str, subscriber: Subscriber, queue_size: int | None = None) -> Subscription:
+    def subscribe(self, name: str, subscriber: Subscriber,
+                  queue_size: int | None = None) -> Subscription:
         sub = Subscription(name, subscriber, asyncio.Queue(queue_size or self.queue_size))
         self.subscriptions.append(sub)
         return sub
@@ -716,8 +745,8 @@ class EventBus:
                     await result
             except Exception as exc:  # noqa: BLE001 - a subscriber's bug must not stop the others
                 sub.failed += 1
-                log.error("event_stream.subscriber_failed", subscriber=sub.name, event_name=event.name,
-                          error=f"{type(exc).__name__}: {exc}")
+                log.error("event_stream.subscriber_failed", subscriber=sub.name,
+                          event_name=event.name, error=f"{type(exc).__name__}: {exc}")
             finally:
                 sub.queue.task_done()
 

@@ -1,4 +1,5 @@
-"""The supervision loop's heartbeat: systemd's watchdog and /healthz answer from the loop's own progress.
+"""The supervision loop's heartbeat: systemd's watchdog and /healthz answer from the loop's own
+progress.
 
 Every long step of the lifecycle (a start, a warm-up, a stop, a backoff) is awaited through
 ``wait`` in slices of ``tick_s``, with the deadline the step announced. Each slice pets the
@@ -49,7 +50,8 @@ class Heartbeat:
         return lambda: until
 
     async def sleep_unless(self, stop: asyncio.Event, seconds: float) -> bool:
-        """Sleep ``seconds`` on the host's clock, beating; True (at once) if ``stop`` is set meanwhile."""
+        """Sleep ``seconds`` on the host's clock, beating; True (at once) if ``stop`` is set
+        meanwhile."""
         sleeper = asyncio.ensure_future(self.host.sleep(seconds))
         stopper = asyncio.ensure_future(stop.wait())
         both = asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -73,7 +75,9 @@ class Heartbeat:
                     self.beat()
                 elif not self._stuck_noted:
                     self._stuck_noted = True
-                    self.publish(SupervisorStuck(at=self.host.wall(), state=self.state(), overdue_s=round(overdue, 1)))
+                    self.publish(
+                        SupervisorStuck(at=self.host.wall(), state=self.state(),
+                                        overdue_s=round(overdue, 1)))
                 if on_tick is not None:
                     await on_tick()
         finally:

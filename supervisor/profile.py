@@ -50,13 +50,15 @@ class Profile:
         return v
 
     def effective(self, knob: Knob) -> float | None:
-        """The value vLLM runs with: the knob's own, else vLLM's usual default (None: the model's length)."""
+        """The value vLLM runs with: the knob's own, else vLLM's usual default (None: the model's
+        length)."""
         v = self.value(knob)
         return VLLM_DEFAULTS.get(knob) if v is None else v
 
     def reaches(self, other: Profile) -> bool:
-        """Every managed knob runs at least ``other``'s: back at a configured profile, whatever the lowering made
-        explicit on the way (``enable_chunked_prefill``, a knob vLLM defaulted). No max_model_len is the model's."""
+        """Every managed knob runs at least ``other``'s: back at a configured profile, whatever
+        the lowering made explicit on the way (``enable_chunked_prefill``, a knob vLLM
+        defaulted). No max_model_len is the model's."""
         for knob in Knob:
             a, b = self.effective(knob), other.effective(knob)
             if not (a is None or (b is not None and a >= b)):
@@ -77,10 +79,12 @@ class Profile:
         u = self.gpu_memory_utilization
         if u is not None and not 0 < u <= 1:
             out.append(("gpu_memory_utilization", f"must be in (0, 1], got {u}"))
-        if self.enable_chunked_prefill is False and self.max_model_len is not None \
-                and self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len:
-            out.append(("max_num_batched_tokens",
-                        "must be >= max_model_len when enable_chunked_prefill is false (vLLM rejects it)"))
+        chunk, length = self.max_num_batched_tokens, self.max_model_len
+        if self.enable_chunked_prefill is False and length is not None and chunk is not None \
+                and chunk < length:
+            out.append(
+                ("max_num_batched_tokens",
+                 "must be >= max_model_len when enable_chunked_prefill is false (vLLM rejects it)"))
         return out
 
     def flags(self) -> list[str]:
@@ -91,7 +95,8 @@ class Profile:
             if v is not None:
                 out += ["--" + name.replace("_", "-"), _fmt(v)]
         if self.enable_chunked_prefill is not None:
-            out.append(CHUNKED_PREFILL_ON if self.enable_chunked_prefill else "--no-enable-chunked-prefill")
+            out.append(CHUNKED_PREFILL_ON if self.
+                       enable_chunked_prefill else "--no-enable-chunked-prefill")
         return out
 
     def knobs(self) -> dict[str, int | float | None]:
@@ -102,19 +107,21 @@ class Profile:
         return asdict(self)
 
     # A rung has two identities, both here: ``key`` (every managed knob) names it where failures are
-    # remembered (state.json); ``compile_key`` (every flag but gpu_memory_utilization) is its part of
-    # vLLM's torch.compile hash, so rungs that differ only in utilization share compiled graphs.
+    # remembered (state.json); ``compile_key`` (every flag but gpu_memory_utilization) is its part
+    # of vLLM's torch.compile hash, so rungs that differ only in utilization share compiled graphs.
     def key(self) -> str:
         """The rung's identity for remembering failures: every managed knob's value."""
         k = self.knobs()
         return ",".join(f"{name}={k[name]}" for name in self.MANAGED)
 
     def compile_key(self) -> str:
-        """The rung's identity in vLLM's compile cache: every flag but gpu_memory_utilization, and chunked prefill
-        on said or left to vLLM (its V1 default, and in no compile hash: a step down says it, the configured rung
-        it climbs back to may not; the H200 compiled that rung twice when they differed)."""
+        """The rung's identity in vLLM's compile cache: every flag but gpu_memory_utilization,
+        and chunked prefill on said or left to vLLM (its V1 default, and in no compile hash: a
+        step down says it, the configured rung it climbs back to may not; the H200 compiled
+        that rung twice when they differed)."""
         chunked = None if self.enable_chunked_prefill else self.enable_chunked_prefill
-        return " ".join(self.with_(gpu_memory_utilization=None, enable_chunked_prefill=chunked).flags())
+        return " ".join(
+            self.with_(gpu_memory_utilization=None, enable_chunked_prefill=chunked).flags())
 
     def diff(self, other: Profile) -> dict[str, list[object]]:
         """Knobs that differ, as {knob: [self value, other value]}."""

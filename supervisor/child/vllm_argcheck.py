@@ -1,8 +1,9 @@
-"""Run in the engine's own interpreter by `vllm-supervisor doctor`: does the installed vLLM accept these arguments?
+"""Run in the engine's own interpreter by `vllm-supervisor doctor`: does the installed vLLM accept
+these arguments?
 
-The arguments come as a JSON list on stdin (never on a command line another user could read); vLLM's own serve
-parser reads them, then vLLM's own checks of a parsed command line. Exit 0: accepted; 2: refused, vLLM's message
-on stderr; 3: this vLLM has no parser where it is looked for.
+The arguments come as a JSON list on stdin (never on a command line another user could read); vLLM's
+own serve parser reads them, then vLLM's own checks of a parsed command line. Exit 0: accepted; 2:
+refused, vLLM's message on stderr; 3: this vLLM has no parser where it is looked for.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ def main() -> int:
         except ImportError:
             from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef,attr-defined]
         try:
-            from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+            from vllm.entrypoints.launchers.cli_args import (
+                make_arg_parser,
+                validate_parsed_serve_args,
+            )
         except ImportError:
             from vllm.entrypoints.openai.cli_args import (  # type: ignore[no-redef]
                 make_arg_parser,

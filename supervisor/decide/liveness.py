@@ -4,7 +4,8 @@
 it alone:
 1. start timeout: spawned and not healthy within ``start_timeout_s``;
 2. ``/metrics`` silence: no answer for ``hang_timeout_s``;
-3. no token progress: requests running or waiting and vLLM's token counters frozen for ``hang_timeout_s``;
+3. no token progress: requests running or waiting and vLLM's token counters frozen for
+   ``hang_timeout_s``;
 4. canary: when idle, a real one-token generation every ``canary_interval_s``, which must answer
    within ``hang_timeout_s``.
 Each rule returns the hang's evidence (a sentence for the incident) or None.
@@ -41,7 +42,8 @@ class Liveness:
         self._silent_since: float | None = None
         self._canary_at: float | None = None  # a canary in flight since
         self._last_canary = spawned_at
-        self._canary_errors: list[str] = []  # the canaries answered with an error status since the last good one
+        # the canaries answered with an error status since the last good one
+        self._canary_errors: list[str] = []
         self.pending = False
 
     def start_overdue(self, now: float) -> str | None:
@@ -59,7 +61,8 @@ class Liveness:
         if progress is None:
             self._silent_since = now if self._silent_since is None else self._silent_since
             if now - self._silent_since >= timeout:
-                return f"/metrics unanswered for {now - self._silent_since:.0f}s (hang_timeout_s={timeout:g}s)"
+                return (f"/metrics unanswered for {now - self._silent_since:.0f}s "
+                        f"(hang_timeout_s={timeout:g}s)")
             return None
         self._silent_since = None
         self.pending = progress.pending
@@ -71,14 +74,18 @@ class Liveness:
             self._stalled_since = now
         stalled = now - self._stalled_since
         if stalled >= timeout:
-            return (f"no token progress for {stalled:.0f}s with {progress.running:g} running and "
-                    f"{progress.waiting:g} waiting requests (vllm:*_tokens_total frozen at {progress.tokens:g})")
+            return (
+                f"no token progress for {stalled:.0f}s with {progress.running:g} running and "
+                f"{progress.waiting:g} waiting requests (vllm:*_tokens_total frozen at "
+                f"{progress.tokens:g})"
+            )
         return None
 
     def canary_due(self, now: float) -> bool:
-        """Rule 4: idle, none in flight, and ``canary_interval_s`` since the last one (``probe_interval_s`` after
-        one that failed: a second opinion comes soon)."""
-        every = self.health.probe_interval_s if self._canary_errors else self.health.canary_interval_s
+        """Rule 4: idle, none in flight, and ``canary_interval_s`` since the last one
+        (``probe_interval_s`` after one that failed: a second opinion comes soon)."""
+        h = self.health
+        every = h.probe_interval_s if self._canary_errors else h.canary_interval_s
         return not self.pending and self._canary_at is None and now - self._last_canary >= every
 
     def canary_sent(self, now: float) -> None:
@@ -90,20 +97,24 @@ class Liveness:
         self._canary_errors.clear()
 
     def canary_failed(self, error: str) -> None:
-        """The canary was answered with an error status (5xx): the engine answers, but does not generate."""
+        """The canary was answered with an error status (5xx): the engine answers, but does not
+        generate."""
         self._canary_at = None
         self._canary_errors.append(error)
 
     def canary_failing(self) -> str | None:
-        """Rule 5: ``unhealthy_probes`` canaries in a row answered with an error (an engine whose /health says
-        200 while it fails every generation, e.g. put to sleep behind the supervisor's back)."""
+        """Rule 5: ``unhealthy_probes`` canaries in a row answered with an error (an engine whose
+        /health says 200 while it fails every generation, e.g. put to sleep behind the
+        supervisor's back)."""
         n = len(self._canary_errors)
         if n >= self.health.unhealthy_probes:
-            return f"canary generation failed {n} times in a row while /health answered 200 ({self._canary_errors[-1]})"
+            return (f"canary generation failed {n} times in a row while /health answered 200 "
+                    f"({self._canary_errors[-1]})")
         return None
 
     def canary_overdue(self, now: float) -> str | None:
         if self._canary_at is not None and now - self._canary_at >= self.health.hang_timeout_s:
-            return (f"canary generation ({self.health.canary_max_tokens} token) gave no answer within "
-                    f"hang_timeout_s={self.health.hang_timeout_s:g}s")
+            return (
+                f"canary generation ({self.health.canary_max_tokens} token) gave no answer within "
+                f"hang_timeout_s={self.health.hang_timeout_s:g}s")
         return None

@@ -51,14 +51,16 @@ def backoff_delay(consecutive: int, cfg: RestartConfig, rand: Callable[[], float
 
 
 def after_serving(backoff: float, served_s: float) -> float:
-    """The backoff counts from the engine's READY, as runit and s6 count from a service's start: time it served
-    already spaced the restarts, so an engine that served longer than its backoff restarts at once (a start that
-    fails before READY, the crash loop the backoff is for, waits all of it)."""
+    """The backoff counts from the engine's READY, as runit and s6 count from a service's start:
+    time it served already spaced the restarts, so an engine that served longer than its
+    backoff restarts at once (a start that fails before READY, the crash loop the backoff is
+    for, waits all of it)."""
     return max(0.0, backoff - max(0.0, served_s))
 
 
 def step_down(profile: Profile, ladder: LadderConfig, first: Knob | None = None) -> Profile | None:
-    """One rung lower for a memory failure, in ``ladder.order`` (``first`` tried first); None at the floors."""
+    """One rung lower for a memory failure, in ``ladder.order`` (``first`` tried first); None at
+    the floors."""
     order = list(ladder.knob_order)
     if first is not None:
         order = [first, *(k for k in order if k is not first)]
@@ -88,7 +90,8 @@ def _lower(p: Profile, knob: Knob, ladder: LadderConfig) -> Profile | None:
         return p.with_(max_num_seqs=seqs) if seqs < cur else None
     if knob is Knob.GPU_MEMORY_UTILIZATION:
         assert cur is not None
-        util = round(max(ladder.gpu_memory_utilization_floor, cur - ladder.gpu_memory_utilization_step), 4)
+        util = round(
+            max(ladder.gpu_memory_utilization_floor, cur - ladder.gpu_memory_utilization_step), 4)
         return p.with_(gpu_memory_utilization=util) if util < cur else None
     if cur is None:  # max_model_len left to vLLM: the model's length is not known here
         return None
@@ -97,8 +100,9 @@ def _lower(p: Profile, knob: Knob, ladder: LadderConfig) -> Profile | None:
 
 
 def floor_of(profile: Profile, ladder: LadderConfig) -> Profile:
-    """``profile`` with the batch token budget at the ladder's lowest listed rung (2048 by default; the
-    ``_floor`` below it is for memory failures at that rung), where a long prompt's prefill needs least."""
+    """``profile`` with the batch token budget at the ladder's lowest listed rung (2048 by
+    default; the ``_floor`` below it is for memory failures at that rung), where a long
+    prompt's prefill needs least."""
     listed = [r for r in ladder.max_num_batched_tokens if r >= ladder.max_num_batched_tokens_floor]
     lowest = min(listed, default=ladder.max_num_batched_tokens_floor)
     while (profile.effective(Knob.MAX_NUM_BATCHED_TOKENS) or 0) > lowest:
@@ -132,15 +136,18 @@ def _raise(cur_p: Profile, conf_p: Profile, knob: Knob, ladder: LadderConfig) ->
     else:  # max_num_seqs, max_model_len: double
         nxt = cur * 2
     # Reaching what was configured restores it exactly (None = vLLM decides again).
-    if nxt is None or (conf is None and knob is Knob.MAX_MODEL_LEN) or (conf is not None and nxt >= conf):
+    if nxt is None or (conf is None and knob is Knob.MAX_MODEL_LEN) or (conf is not None
+                                                                        and nxt >= conf):
         return cur_p.with_knob(knob, conf_p.value(knob))
     return cur_p.with_knob(knob, nxt)
 
 
-def clamp_to_configured(saved: Profile, configured: Profile, saved_under: Profile | None = None) -> Profile:
-    """A remembered profile never exceeds what the operator configured now, and a knob the operator changed since
-    it was learned (``saved_under``: what was configured then) takes the new value: raising
-    gpu_memory_utilization from 0.4 to 0.5 is a decision, not a step down to remember."""
+def clamp_to_configured(saved: Profile, configured: Profile,
+                        saved_under: Profile | None = None) -> Profile:
+    """A remembered profile never exceeds what the operator configured now, and a knob the
+    operator changed since it was learned (``saved_under``: what was configured then) takes
+    the new value: raising gpu_memory_utilization from 0.4 to 0.5 is a decision, not a step
+    down to remember."""
     out = configured
     for knob in Knob:
         s, c = saved.value(knob), configured.effective(knob)
@@ -155,7 +162,8 @@ def clamp_to_configured(saved: Profile, configured: Profile, saved_under: Profil
 
 @dataclass
 class Policy:
-    """The supervisor's memory of failures; every decision is a pure function of it and the input."""
+    """The supervisor's memory of failures; every decision is a pure function of it and the
+    input."""
 
     restart: RestartConfig
     ladder: LadderConfig
@@ -170,8 +178,9 @@ class Policy:
 
     def on_failure(self, failure: Failure, profile: Profile, now: float, proven: bool = False,
                    served_s: float = 0.0) -> Decision:
-        """Decide the next step after ``failure`` of an engine running ``profile`` at time ``now``; ``proven``:
-        one request alone was proven to cause it; ``served_s``: how long the engine was READY before it failed."""
+        """Decide the next step after ``failure`` of an engine running ``profile`` at time
+        ``now``; ``proven``: one request alone was proven to cause it; ``served_s``: how long
+        the engine was READY before it failed."""
         return self.decide(self.explain(failure, profile), profile, now, proven, served_s)
 
     def decide(self, failure: Failure, profile: Profile, now: float, proven: bool = False,
@@ -181,12 +190,14 @@ class Policy:
         if not proven:
             self.in_a_row += 1
         if kind is FailureKind.CONFIG_ERROR:
-            return Decision(False, profile, failure, reason="engine configuration error: fix the config, not retried",
+            return Decision(False, profile, failure,
+                            reason="engine configuration error: fix the config, not retried",
                             exit_code=ExitCode.ENGINE_CONFIG_ERROR)
         if kind is FailureKind.DEVICE_FATAL:
             self.device_fatals += 1
             if self.device_fatals > self.restart.device_fatal_retries:
-                return Decision(False, profile, failure, reason="fatal device error repeated: the GPU needs a person",
+                return Decision(False, profile, failure,
+                                reason="fatal device error repeated: the GPU needs a person",
                                 exit_code=ExitCode.DEVICE_FATAL)
 
         nxt = profile
@@ -196,20 +207,25 @@ class Policy:
                 self.rung_failures[profile.key()] = self.rung_failures.get(profile.key(), 0) + 1
             lowered = self._lower_for(failure, profile)
             if lowered is None and proven:
-                lowered = profile  # at the floors, and one request is to blame: it is quarantined, not the host
+                # at the floors, and one request is to blame: it is quarantined, not the host
+                lowered = profile
             if lowered is None:
-                return Decision(False, profile, failure, reason="memory failure with every knob at its floor",
+                return Decision(False, profile, failure,
+                                reason="memory failure with every knob at its floor",
                                 exit_code=ExitCode.NOTHING_LEFT_TO_LOWER)
             nxt, reason = lowered, f"{kind.value}: lowered {_fmt_diff(profile.diff(lowered))}"
 
         if proven and kind.request_can_cause:
-            # BACKOFF's shortest step: the next engine is as needed as after any death, and nothing loops here.
-            return Decision(True, nxt, failure, after_serving(self.restart.backoff_initial_s, served_s),
-                            f"{reason}; caused by one request alone at the engine: no restart budget spent")
+            # BACKOFF's shortest step: the next engine is as needed as after any death, and nothing
+            # loops here.
+            return Decision(
+                True, nxt, failure, after_serving(self.restart.backoff_initial_s, served_s),
+                f"{reason}; caused by one request alone at the engine: no restart budget spent")
         if self.in_a_row >= self.restart.max_consecutive_failures:
-            return Decision(False, profile, failure, exit_code=ExitCode.RESTART_BUDGET_SPENT,
-                            reason=f"{self.in_a_row} failures in a row without the engine becoming READY "
-                                   f"(max_consecutive_failures={self.restart.max_consecutive_failures})")
+            return Decision(
+                False, profile, failure, exit_code=ExitCode.RESTART_BUDGET_SPENT,
+                reason=f"{self.in_a_row} failures in a row without the engine becoming READY "
+                f"(max_consecutive_failures={self.restart.max_consecutive_failures})")
         while self.restarts and now - self.restarts[0] > self.restart.window_s:
             self.restarts.popleft()
         if len(self.restarts) >= self.restart.max_restarts:
@@ -222,8 +238,8 @@ class Policy:
         return Decision(True, nxt, failure, delay, reason)
 
     def forgive(self, n: int) -> None:
-        """``n`` earlier failures turned out to be one request's doing (proven later): their restarts are given
-        back to the budget, and they no longer count as a crash loop."""
+        """``n`` earlier failures turned out to be one request's doing (proven later): their
+        restarts are given back to the budget, and they no longer count as a crash loop."""
         for _ in range(min(n, len(self.restarts))):
             self.restarts.pop()
         self.in_a_row = max(0, self.in_a_row - n)
@@ -232,9 +248,9 @@ class Policy:
         """An unexplained death that repeats at the same profile with the same request is memory.
 
         On real vLLM CPU an allocation with no margin left kills the worker with SIGSEGV instead of
-        raising, so the evidence says only "engine dead". The same request in the batch of two deaths
-        at one profile (the same prompt length when vLLM printed it, else the same X-Request-Id) is the
-        memory signature.
+        raising, so the evidence says only "engine dead". The same request in the batch of two
+        deaths at one profile (the same prompt length when vLLM printed it, else the same
+        X-Request-Id) is the memory signature.
         """
         if not failure.kind.unexplained or failure.suspect_request is None:
             return failure
@@ -245,9 +261,10 @@ class Policy:
             self._last_unexplained = sig
             return failure
         self._last_unexplained = None
-        return replace(failure, kind=FailureKind.RUNTIME_OOM, knob=Knob.MAX_NUM_BATCHED_TOKENS,
-                       evidence=f"{failure.evidence}; the second death at this profile with the same request "
-                                f"in the batch ({_describe(failure)}): treated as a memory failure")
+        return replace(
+            failure, kind=FailureKind.RUNTIME_OOM, knob=Knob.MAX_NUM_BATCHED_TOKENS,
+            evidence=f"{failure.evidence}; the second death at this profile with the same request "
+            f"in the batch ({_describe(failure)}): treated as a memory failure")
 
     def _lower_for(self, failure: Failure, profile: Profile) -> Profile | None:
         if failure.knob is Knob.MAX_MODEL_LEN:
@@ -257,13 +274,15 @@ class Policy:
             length = int(target)
             if profile.max_model_len is not None:
                 length = min(length, profile.max_model_len - 1)
-            return profile.with_(max_model_len=length) if length >= self.ladder.max_model_len_floor else None
+            return profile.with_(
+                max_model_len=length) if length >= self.ladder.max_model_len_floor else None
         if failure.knob is Knob.GPU_MEMORY_UTILIZATION and failure.suggested is not None:
             # vLLM's free-memory check failed because another process holds memory: no other knob
             # changes that check, so only a utilization that fits in what is free will start.
             util = round(failure.suggested, 4)
             current = profile.effective(Knob.GPU_MEMORY_UTILIZATION)
-            if util < self.ladder.gpu_memory_utilization_floor or current is None or util >= current:
+            floor = self.ladder.gpu_memory_utilization_floor
+            if util < floor or current is None or util >= current:
                 return None
             return profile.with_(gpu_memory_utilization=util)
         return self._step_down_past_failed(profile, failure.knob)
@@ -271,14 +290,16 @@ class Policy:
     def _step_down_past_failed(self, profile: Profile, knob: Knob | None) -> Profile | None:
         candidate = step_down(profile, self.ladder, knob)
         # Skip rungs already known to fail: keep lowering past them.
-        while candidate is not None and self.rung_failures.get(candidate.key(), 0) >= self.ladder.max_rung_failures:
+        while candidate is not None and self.rung_failures.get(candidate.key(),
+                                                               0) >= self.ladder.max_rung_failures:
             candidate = step_down(candidate, self.ladder, knob)
         return candidate
 
     def next_rungs(self, profile: Profile) -> list[Profile]:
-        """The rungs the next starts would most likely use: a runtime OOM's step down, then the climb back, then
-        the rungs that further runtime OOMs would walk down the batch-token ladder to its floor (each its own
-        compile; the knobs below that floor are lowered by OOMs at the floor, rare enough to compile then)."""
+        """The rungs the next starts would most likely use: a runtime OOM's step down, then the
+        climb back, then the rungs that further runtime OOMs would walk down the batch-token
+        ladder to its floor (each its own compile; the knobs below that floor are lowered by
+        OOMs at the floor, rare enough to compile then)."""
         down = self._step_down_past_failed(profile, Knob.MAX_NUM_BATCHED_TOKENS)
         rungs = [p for p in (down, self.climb_target(profile)) if p is not None]
         chunk = Knob.MAX_NUM_BATCHED_TOKENS
@@ -290,7 +311,8 @@ class Policy:
         return rungs
 
     def budget_left(self, now: float) -> int:
-        """Failures that would still be restarted: the lesser of the window's and the crash loop's allowance."""
+        """Failures that would still be restarted: the lesser of the window's and the crash
+        loop's allowance."""
         in_window = sum(1 for t in self.restarts if now - t <= self.restart.window_s)
         return max(0, min(self.restart.max_restarts - in_window,
                           self.restart.max_consecutive_failures - 1 - self.in_a_row))
@@ -303,7 +325,8 @@ class Policy:
         """The engine served for a stable period: later failures start the backoff from scratch."""
         self.consecutive = 0
 
-    def reconfigure(self, restart: RestartConfig, ladder: LadderConfig, configured: Profile) -> None:
+    def reconfigure(self, restart: RestartConfig, ladder: LadderConfig,
+                    configured: Profile) -> None:
         """A reload: these settings apply from the next decision; the memory of failures stays."""
         self.restart, self.ladder, self.configured = restart, ladder, configured
 
@@ -311,10 +334,12 @@ class Policy:
         """`reset-profile`: every rung may be tried again."""
         self.rung_failures.clear()
 
-    def judge(self, raw: Failure, profile: Profile, now: float, blame: Blame, served_s: float = 0.0) -> Decision:
-        """The decision after ``raw``, with what the gateway found (``blame``); ``served_s`` as in ``decide``."""
-        # A death one request alone was proven to cause is that request's (the gateway quarantines it), never read
-        # as the engine's memory signature.
+    def judge(self, raw: Failure, profile: Profile, now: float, blame: Blame,
+              served_s: float = 0.0) -> Decision:
+        """The decision after ``raw``, with what the gateway found (``blame``); ``served_s`` as
+        in ``decide``."""
+        # A death one request alone was proven to cause is that request's (the gateway quarantines
+        # it), never read as the engine's memory signature.
         failure = raw if blame.proven else self.explain(raw, profile)
         self.forgive(blame.explained)
         decision = self.decide(failure, profile, now, blame.proven, served_s)
@@ -323,14 +348,17 @@ class Policy:
         return decision
 
     def to_floor(self, decision: Decision) -> Decision:
-        """The restart goes to the ladder's lowest rung: a request that killed the engine twice is tried there
-        alone."""
+        """The restart goes to the ladder's lowest rung: a request that killed the engine twice
+        is tried there alone."""
         floor = floor_of(decision.profile, self.ladder)
         if floor == decision.profile:
             return decision
-        rung = f"max_num_batched_tokens {floor.chunk()}, max_num_seqs {floor.effective(Knob.MAX_NUM_SEQS)}"
-        return replace(decision, profile=floor, reason=f"{decision.reason}; then to the lowest rung ({rung}): a "
-                       "request that killed the engine twice is tried there alone before it is quarantined")
+        rung = (f"max_num_batched_tokens {floor.chunk()}, max_num_seqs "
+                f"{floor.effective(Knob.MAX_NUM_SEQS)}")
+        return replace(
+            decision, profile=floor,
+            reason=f"{decision.reason}; then to the lowest rung ({rung}): a "
+            "request that killed the engine twice is tried there alone before it is quarantined")
 
     def climb_target(self, profile: Profile) -> Profile | None:
         """The next rung up, unless it already failed ``max_rung_failures`` times."""

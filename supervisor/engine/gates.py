@@ -47,7 +47,8 @@ async def every_gate(cfg: Config, host: Host, publish: Callable[[Event], None],
 
 
 async def model_gate(cfg: Config, host: Host, publish: Callable[[Event], None]) -> Closed | None:
-    """A local model path missing at boot may be a late mount: wait for it, with backoff, for a bounded time."""
+    """A local model path missing at boot may be a late mount: wait for it, with backoff, for a
+    bounded time."""
     model, wait_s = cfg.engine.model, cfg.engine.model_wait_s
     if not is_local_path(model) or host.path_exists(model):
         return None
@@ -66,13 +67,15 @@ async def model_gate(cfg: Config, host: Host, publish: Callable[[Event], None]) 
 
 async def gpu_gate(cfg: Config, host: Host, publish: Callable[[Event], None],
                    profile: Profile) -> Closed | Adapted | None:
-    """Wait until the devices have the memory vLLM will ask for, but only while it is being released.
+    """Wait until the devices have the memory vLLM will ask for, but only while it is being
+    released.
 
-    The wait (``host.wait_gpu_free``) ends as soon as the shortfall is steady: memory another process
-    holds is not coming back by waiting. Then the engine starts now at the utilization that fits (vLLM's
-    own start check would otherwise fail a minute into loading); the climb takes it back once the card
-    frees. Only when even the ladder's floor does not fit is the start failed here, as startup_memory,
-    with NVML's numbers as evidence; another process's memory is not the rung's fault either way.
+    The wait (``host.wait_gpu_free``) ends as soon as the shortfall is steady: memory another
+    process holds is not coming back by waiting. Then the engine starts now at the utilization that
+    fits (vLLM's own start check would otherwise fail a minute into loading); the climb takes it
+    back once the card frees. Only when even the ladder's floor does not fit is the start failed
+    here, as startup_memory, with NVML's numbers as evidence; another process's memory is not the
+    rung's fault either way.
     """
     gpu = cfg.gpu
     util = profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.0
@@ -85,25 +88,34 @@ async def gpu_gate(cfg: Config, host: Host, publish: Callable[[Event], None],
     if not short:
         return None
     s = min(short, key=lambda d: d.free / d.total)
-    holders = ", ".join(f"pid {pid} ({used / GIB:.2f} GiB)" for pid, used in s.processes) or "unknown"
-    evidence = (f"GPU {s.index}: {s.free / GIB:.2f} of {s.total / GIB:.2f} GiB free after waiting "
-                f"{host.monotonic() - t0:.1f}s (free_wait_s {gpu.free_wait_s:g}), below gpu_memory_utilization "
-                f"{util:g} + {gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
+    holders = ", ".join(f"pid {pid} ({used / GIB:.2f} GiB)"
+                        for pid, used in s.processes) or "unknown"
+    evidence = (
+        f"GPU {s.index}: {s.free / GIB:.2f} of {s.total / GIB:.2f} GiB free after waiting "
+        f"{host.monotonic() - t0:.1f}s (free_wait_s {gpu.free_wait_s:g}), below "
+        "gpu_memory_utilization "
+        f"{util:g} + {gpu.start_headroom_gib:g} GiB headroom; held by {holders}")
     devices = tuple(d.as_dict() for d in short)
     fits = fraction_that_fits(max(0, s.free - headroom), s.total)
     if cfg.ladder.gpu_memory_utilization_floor <= fits < util:
-        publish(UtilizationAdapted(at=host.wall(), before=util, after=fits, devices=devices, evidence=evidence))
-        return Adapted(profile.with_(gpu_memory_utilization=fits),
-                       f"another process holds GPU memory steadily: started at gpu_memory_utilization {fits:g} "
-                       f"instead of {util:g} ({evidence})")
+        publish(
+            UtilizationAdapted(at=host.wall(), before=util, after=fits, devices=devices,
+                               evidence=evidence))
+        return Adapted(
+            profile.with_(gpu_memory_utilization=fits),
+            "another process holds GPU memory steadily: started at gpu_memory_utilization "
+            f"{fits:g} "
+            f"instead of {util:g} ({evidence})")
     publish(GpuShort(at=host.wall(), devices=devices, evidence=evidence))
     return TriggerKind.GPU_SHORT, evidence, Failure(
         FailureKind.STARTUP_MEMORY, evidence, knob=Knob.GPU_MEMORY_UTILIZATION, suggested=fits,
         rung_at_fault=False)
 
 
-async def wait_released(cfg: Config, host: Host, publish: Callable[[Event], None], pids: tuple[int, ...]) -> None:
-    """After a stop: wait (``[gpu] release_timeout_s``) until the stopped processes' GPU memory is free again."""
+async def wait_released(cfg: Config, host: Host, publish: Callable[[Event], None],
+                        pids: tuple[int, ...]) -> None:
+    """After a stop: wait (``[gpu] release_timeout_s``) until the stopped processes' GPU memory
+    is free again."""
     timeout = cfg.gpu.release_timeout_s
     try:
         held = await host.wait_gpu_released(pids, timeout)
@@ -111,4 +123,6 @@ async def wait_released(cfg: Config, host: Host, publish: Callable[[Event], None
         publish(GpuLostEvent(at=host.wall(), error=str(exc)))
         return
     if held:
-        publish(GpuNotReleased(at=host.wall(), held={str(k): v for k, v in held.items()}, timeout_s=timeout))
+        publish(
+            GpuNotReleased(at=host.wall(), held={str(k): v for k, v in held.items()},
+                           timeout_s=timeout))

@@ -31,7 +31,8 @@ HOOK_MODULE = "vllm_supervisor_hook"
 
 
 def logging_config(socket_path: str, level: str = "INFO") -> dict[str, Any]:
-    """A dictConfig for vLLM: its console output at vLLM's own level, plus our event handler at WARNING.
+    """A dictConfig for vLLM: its console output at vLLM's own level, plus our event handler at
+    WARNING.
 
     The logger itself lets WARNING through even when vLLM's level is ERROR: the events must arrive
     whatever the operator wants to see on the console.
@@ -42,18 +43,28 @@ def logging_config(socket_path: str, level: str = "INFO") -> dict[str, Any]:
         "disable_existing_loggers": False,
         "formatters": {"vllm": {"()": f"{HOOK_MODULE}.ConsoleFormatter"}},
         "handlers": {
-            "console": {"class": "logging.StreamHandler", "formatter": "vllm", "level": level,
-                        "stream": "ext://sys.stdout"},
-            "supervisor": {"()": f"{HOOK_MODULE}.SupervisorEventHandler", "path": socket_path,
-                           "level": "WARNING"},
+            "console": {
+                "class": "logging.StreamHandler", "formatter": "vllm", "level": level,
+                "stream": "ext://sys.stdout"
+            },
+            "supervisor": {
+                "()": f"{HOOK_MODULE}.SupervisorEventHandler", "path": socket_path,
+                "level": "WARNING"
+            },
         },
-        "loggers": {"vllm": {"handlers": ["console", "supervisor"], "level": logger_level, "propagate": False}},
+        "loggers": {
+            "vllm": {
+                "handlers": ["console", "supervisor"], "level": logger_level, "propagate": False
+            }
+        },
     }
 
 
-def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO", dev_mode: bool = False) -> dict[str, str]:
-    """Write the hook module and logging config under ``run_dir``; return the env vars to add. ``dev_mode``: the
-    engine serves vLLM's dev routes, which the hook then guards (``control_guard_env``)."""
+def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO",
+                      dev_mode: bool = False) -> dict[str, str]:
+    """Write the hook module and logging config under ``run_dir``; return the env vars to add.
+    ``dev_mode``: the engine serves vLLM's dev routes, which the hook then guards
+    (``control_guard_env``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(vllm_hook.__file__, run_dir / f"{HOOK_MODULE}.py")
     cfg = run_dir / "vllm-logging.json"
@@ -69,8 +80,9 @@ def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO", dev_
 
 
 def dev_mode(env: Mapping[str, str]) -> bool:
-    """vLLM serves its dev routes (/sleep, /pause, /collective_rpc, ...) when VLLM_SERVER_DEV_MODE is set: read
-    as vLLM reads it (``bool(int(value))``: "2" is on too); a value vLLM cannot read is guarded anyway."""
+    """vLLM serves its dev routes (/sleep, /pause, /collective_rpc, ...) when
+    VLLM_SERVER_DEV_MODE is set: read as vLLM reads it (``bool(int(value))``: "2" is on too);
+    a value vLLM cannot read is guarded anyway."""
     value = env.get("VLLM_SERVER_DEV_MODE", "").strip()
     try:
         return int(value) != 0
@@ -81,8 +93,12 @@ def dev_mode(env: Mapping[str, str]) -> bool:
 def control_guard_env() -> dict[str, str]:
     """A fresh token the child hook demands on every route the public port does not serve
     (child/vllm_hook.py guard_control_routes), and the list of those it does."""
-    open_paths = sorted({*routes.COUNTED, *routes.OPAQUE, *routes.INFORMATIONAL, "/health", "/metrics"})
-    return {vllm_hook.TOKEN_ENV: secrets.token_urlsafe(32), vllm_hook.OPEN_ROUTES_ENV: json.dumps(open_paths)}
+    open_paths = sorted(
+        {*routes.COUNTED, *routes.OPAQUE, *routes.INFORMATIONAL, "/health", "/metrics"})
+    return {
+        vllm_hook.TOKEN_ENV: secrets.token_urlsafe(32),
+        vllm_hook.OPEN_ROUTES_ENV: json.dumps(open_paths)
+    }
 
 
 def control_token(env: Mapping[str, str]) -> str | None:
@@ -120,7 +136,8 @@ class EventServer:
         sock.bind(str(self.path))
         os.chmod(self.path, 0o600)
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self.on_event), sock=sock)
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self.on_event),
+                                                           sock=sock)
         self._transport = transport
 
     def close(self) -> None:

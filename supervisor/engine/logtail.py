@@ -58,13 +58,15 @@ class LogTail:
     async def drain(self, stream: asyncio.StreamReader) -> None:
         """Read ``stream`` to EOF, one line at a time.
 
-        A line longer than the stream's limit (a request logged with megabytes of stop strings) is kept as its
-        first MAX_LINE characters and the rest is read and dropped: never handed on in pieces, each of which
-        would start wherever the cut fell, like a line of its own (``prog: error: ...``, argparse's words)."""
+        A line longer than the stream's limit (a request logged with megabytes of stop strings)
+        is kept as its first MAX_LINE characters and the rest is read and dropped: never handed
+        on in pieces, each of which would start wherever the cut fell, like a line of its own
+        (``prog: error: ...``, argparse's words)."""
         while True:
             try:
                 raw = await stream.readuntil(b"\n")
-            except asyncio.IncompleteReadError as exc:  # EOF, perhaps after a last line without its newline
+            # EOF, perhaps after a last line without its newline
+            except asyncio.IncompleteReadError as exc:
                 if exc.partial:
                     self.add(_line(exc.partial))
                 return
@@ -81,28 +83,32 @@ class LogTail:
 
 
 
-# vLLM's console header (ConsoleFormatter, on every line of a message): an optional "(EngineCore_DP0 pid=12) ", then
-# the level and the date. Only the header decides: a client's text never stands at the start of a line.
+# vLLM's console header (ConsoleFormatter, on every line of a message): an optional "(EngineCore_DP0
+# pid=12) ", then the level and the date. Only the header decides: a client's text never stands at
+# the start of a line.
 _HEADER_LEVEL = re.compile(r"(?:\([^()\n]{1,80}\) )?(CRITICAL|ERROR|WARNING) \d\d-\d\d ")
 JOURNAL_PRIORITY = {"CRITICAL": 2, "ERROR": 3, "WARNING": 4}  # syslog's crit, err, warning
 
 
 def journal_line(line: str) -> str:
-    """One of vLLM's console lines as journald should file it: ``<3>`` before an ERROR line (SyslogLevelPrefix=, on
-    by default, turns it into the entry's priority), ``<4>`` before a WARNING; the rest at the unit's level."""
+    """One of vLLM's console lines as journald should file it: ``<3>`` before an ERROR line
+    (SyslogLevelPrefix=, on by default, turns it into the entry's priority), ``<4>`` before a
+    WARNING; the rest at the unit's level."""
     m = _HEADER_LEVEL.match(line)
     return f"<{JOURNAL_PRIORITY[m.group(1)]}>{line}" if m else line
 
 
 class JournalEcho:
-    """The engine's console echoed to journald (the supervisor's stderr under systemd: $JOURNAL_STREAM), each line
-    with its priority, so that `journalctl -p err` shows vLLM's errors."""
+    """The engine's console echoed to journald (the supervisor's stderr under systemd:
+    $JOURNAL_STREAM), each line with its priority, so that `journalctl -p err` shows vLLM's
+    errors."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
 
     def write(self, text: str) -> int:
-        return self.stream.write("".join(journal_line(line) for line in text.splitlines(keepends=True)))
+        return self.stream.write("".join(
+            journal_line(line) for line in text.splitlines(keepends=True)))
 
     def flush(self) -> None:
         self.stream.flush()

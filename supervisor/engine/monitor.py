@@ -22,9 +22,10 @@ Fired = tuple[TriggerKind, str]
 
 
 class Monitor:
-    def __init__(self, health: HealthConfig, host: Host, client: EngineClient, publish: Callable[[Event], None],
-                 liveness: Liveness, canary_id: str) -> None:
-        self.h, self.host, self.client, self.publish, self.live = health, host, client, publish, liveness
+    def __init__(self, health: HealthConfig, host: Host, client: EngineClient,
+                 publish: Callable[[Event], None], liveness: Liveness, canary_id: str) -> None:
+        self.h, self.host, self.client = health, host, client
+        self.publish, self.live = publish, liveness
         self.canary_id = canary_id
         self._canary: asyncio.Task[None] | None = None
 
@@ -33,7 +34,8 @@ class Monitor:
         return self.h.probe_interval_s + 2 * min(self.h.hang_timeout_s, 5.0) + STEP_SLACK_S
 
     async def until_healthy(self) -> Fired | None:
-        """Ask /health until it answers 200 (None), or until the start is overdue (its liveness rule)."""
+        """Ask /health until it answers 200 (None), or until the start is overdue (its liveness
+        rule)."""
         delay = 0.05
         while True:
             if await self.client.health(timeout=2.0) == 200:
@@ -55,18 +57,21 @@ class Monitor:
                 on_round()
                 now = self.host.monotonic()
                 status = await self.client.health(timeout=probe_timeout)
-                if status is not None and status >= 500:  # vLLM's own 503 after a death, or any other error
+                # vLLM's own 503 after a death, or any other error
+                if status is not None and status >= 500:
                     bad_health += 1
                     if bad_health >= h.unhealthy_probes:
-                        return TriggerKind.DEATH, f"/health returned {status} {bad_health} times in a row"
+                        return TriggerKind.DEATH, (f"/health returned {status} {bad_health} times "
+                                                   "in a row")
                 else:
                     bad_health = 0
                 try:
                     progress = await self.client.metrics(timeout=probe_timeout)
                 except EngineError:
                     progress = None
-                hang = live.metrics(self.host.monotonic(), progress) or live.canary_overdue(self.host.monotonic()) \
-                    or live.canary_failing()
+                later = self.host.monotonic()
+                hang = (live.metrics(later, progress) or live.canary_overdue(later)
+                        or live.canary_failing())
                 if hang:
                     return TriggerKind.HANG, hang
                 if live.canary_due(now):
@@ -93,4 +98,3 @@ class Monitor:
     def stop(self) -> None:
         if self._canary is not None:
             self._canary.cancel()
-

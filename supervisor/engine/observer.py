@@ -22,29 +22,39 @@ from supervisor.engine.logtail import LogTail
 from supervisor.event_stream import CompileCacheUnusable, EngineEnvReported, Event, StartupStep
 from supervisor.host import Host, compile_cache
 
-AOT_HINT = ("vLLM compiles the model again at every start (2-3 s of each on the tiny CPU model, docs/recovery.md); "
-            "VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older compile cache, which loads")
+AOT_HINT = (
+    "vLLM compiles the model again at every start (2-3 s of each on the tiny CPU model, "
+    "docs/recovery.md); "
+    "VLLM_USE_AOT_COMPILE = \"0\" in [engine.env] makes it use its older compile cache, which loads"
+)
 
 
-def env_report(event: dict[str, Any], at: float, second_engine: bool = False) -> EngineEnvReported | None:
-    """The ``vllm_env`` IPC record (what vLLM set for an EngineCore) as an event; None for any other record."""
+def env_report(event: dict[str, Any], at: float,
+               second_engine: bool = False) -> EngineEnvReported | None:
+    """The ``vllm_env`` IPC record (what vLLM set for an EngineCore) as an event; None for any
+    other record."""
     if event.get("kind") != vllm_hook.VLLM_ENV_KIND:
         return None
     env, pid = event.get("env"), event.get("pid")
-    return EngineEnvReported(at=at, pid=pid if isinstance(pid, int) else None,
-                             env={k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
-                             if isinstance(env, dict) else {}, second_engine=second_engine)
+    return EngineEnvReported(
+        at=at, pid=pid if isinstance(pid, int) else None,
+        env={k: v for k, v in env.items()
+             if isinstance(k, str) and isinstance(v, str)} if isinstance(env, dict) else {},
+        second_engine=second_engine)
 
 
 class Observer:
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], secrets: Sequence[str],
-                 on_death: Callable[[str], None], echo: TextIO | None = None) -> None:
-        self.host, self.publish, self.secrets, self.on_death = host, publish, list(secrets), on_death
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 secrets: Sequence[str], on_death: Callable[[str], None],
+                 echo: TextIO | None = None) -> None:
+        self.host, self.publish, self.secrets, self.on_death = host, publish, list(
+            secrets), on_death
         self.events: deque[dict[str, Any]] = deque(maxlen=1000)
         self.console = ConsoleFilter()
         self.tail = LogTail(cfg.log.tail_lines, on_line=self.on_line, echo=echo,
                             redact=lambda line: redact(line, self.secrets))
-        self.steps: list[tuple[str, float]] = []  # every step vLLM went through while loading, and when it began
+        # every step vLLM went through while loading, and when it began
+        self.steps: list[tuple[str, float]] = []
         self.engine_version: str | None = None
         self.compile_cache: str | None = None  # the torch.compile cache directory vLLM said it used
         self.loading = True  # until /health 200: the console names vLLM's startup steps
@@ -90,7 +100,8 @@ class Observer:
             reason = None if self._aot_noted else startup.aot_cache_failure(line)
             if reason:
                 self._aot_noted = True
-                self.publish(CompileCacheUnusable(at=self.host.wall(), reason=reason, hint=AOT_HINT))
+                self.publish(CompileCacheUnusable(at=self.host.wall(), reason=reason,
+                                                  hint=AOT_HINT))
         text = self.console.feed(line)
         if text and not self.ending:
             found = death_evidence(text)
@@ -99,7 +110,8 @@ class Observer:
                 self.on_death(found)
 
     def startup(self, now: float, started: float) -> dict[str, Any] | None:
-        """While the engine loads (a start that began at ``started``): vLLM's current step and for how long."""
+        """While the engine loads (a start that began at ``started``): vLLM's current step and
+        for how long."""
         if not self.loading or self.ending:
             return None
         step, since = self.steps[-1] if self.steps else ("starting", started)

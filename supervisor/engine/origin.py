@@ -1,5 +1,6 @@
-"""Where a start's engine comes from: a cold spawn, the standby interpreter given the engine's argv, or a whole
-spare engine woken from sleep (recovery/ provides the last two through ``PreparedSource``)."""
+"""Where a start's engine comes from: a cold spawn, the standby interpreter given the engine's
+argv, or a whole spare engine woken from sleep (recovery/ provides the last two through
+``PreparedSource``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ SPAWN_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, err
 
 def spawn_failure_kind(exc: OSError) -> FailureKind:
     """Out of descriptors, processes or memory is the host's state now, not the command: retried."""
-    return FailureKind.ENGINE_DEAD if exc.errno in SPAWN_RESOURCE_ERRNOS else FailureKind.CONFIG_ERROR
+    if exc.errno in SPAWN_RESOURCE_ERRNOS:
+        return FailureKind.ENGINE_DEAD
+    return FailureKind.CONFIG_ERROR
 
 
 
@@ -35,8 +38,9 @@ class Prepared(Protocol):
 
 @dataclass
 class Origin:
-    """Where this start's engine comes from, and where it answers and sends its events: a spawn (cold, or the
-    standby becoming it) at the configured port and the run directory's socket, or a woken spare at its own."""
+    """Where this start's engine comes from, and where it answers and sends its events: a spawn
+    (cold, or the standby becoming it) at the configured port and the run directory's socket,
+    or a woken spare at its own."""
 
     url: str
     events: Path
@@ -45,7 +49,8 @@ class Origin:
 
 
 class Woken(Protocol):
-    """A whole engine that was kept asleep and is awake now (recovery's spare): it becomes this start's engine."""
+    """A whole engine that was kept asleep and is awake now (recovery's spare): it becomes this
+    start's engine."""
 
     profile: Profile
     url: str
@@ -57,7 +62,8 @@ class Woken(Protocol):
 
 
 class PreparedSource(Protocol):
-    """Where a start takes its standby (at the moment it spawns) or its spare (at its gates) from: recovery."""
+    """Where a start takes its standby (at the moment it spawns) or its spare (at its gates)
+    from: recovery."""
 
     def take(self) -> Prepared | None: ...
     def lost(self, standby: Any, error: str) -> None: ...
@@ -70,9 +76,10 @@ class PreparedSource(Protocol):
 async def spawn_engine(cfg: Config, host: Host, profile: Profile, run_dir: Path, origin: Origin,
                        server: ipc.EventServer, source: PreparedSource | None,
                        ) -> tuple[Child, tuple[str, ...]] | Failure:
-    """This start's engine process: the woken spare handed over, or at ``profile`` the standby given its argv
-    (``origin.standby``), else a cold spawn; the child and its argv as shown (secrets masked), or the failure when
-    neither could start. The event server is listening before the engine can connect."""
+    """This start's engine process: the woken spare handed over, or at ``profile`` the standby
+    given its argv (``origin.standby``), else a cold spawn; the child and its argv as shown
+    (secrets masked), or the failure when neither could start. The event server is listening
+    before the engine can connect."""
     if origin.spare is not None:  # its hook, logging config and socket were made when it was built
         await server.start()
         return await origin.spare.hand_over(), origin.spare.argv

@@ -56,14 +56,16 @@ from supervisor.profile import Profile
 
 R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
-# A dead engine whose verdict is settled (settled_before_exit): how long its API server gets to answer the requests
-# it had in flight (vLLM fails them the moment its engine core dies) before its tree is killed.
+# A dead engine whose verdict is settled (settled_before_exit): how long its API server gets to
+# answer the requests it had in flight (vLLM fails them the moment its engine core dies) before its
+# tree is killed.
 SETTLED_EXIT_S = 0.25
 
 
 @dataclass
 class Timeline:
-    """When this start began, spawned its engine, and first got /health 200 (the host's monotonic clock)."""
+    """When this start began, spawned its engine, and first got /health 200 (the host's monotonic
+    clock)."""
 
     started: float
     spawned: float | None = None
@@ -87,7 +89,8 @@ class Healthy:
 
 @dataclass(frozen=True)
 class Verdict:
-    """How the run ended: the trigger, for an unplanned end the classified failure, and the evidence."""
+    """How the run ended: the trigger, for an unplanned end the classified failure, and the
+    evidence."""
 
     trigger: Trigger
     failure: Failure | None
@@ -95,7 +98,8 @@ class Verdict:
     returncode: int | None
     stop: StopReport | None
     stacks: dict[int, str] = field(default_factory=dict)
-    evidence: Mapping[str, Any] = field(default_factory=dict)  # for the incident bundle (secrets masked)
+    # for the incident bundle (secrets masked)
+    evidence: Mapping[str, Any] = field(default_factory=dict)
 
 
 class EngineRun:
@@ -111,44 +115,53 @@ class EngineRun:
         self.client = client or EngineClient(cfg.engine.base_url, cfg.engine.api_key())
         self.steps = Steps(host)
         self.phase = Phase.LOADING
-        self.seen = Observer(cfg, host, publish, cfg.engine.secrets(), lambda found: self.end(TriggerKind.DEATH, found),
-                             echo)
+        self.seen = Observer(cfg, host, publish, cfg.engine.secrets(),
+                             lambda found: self.end(TriggerKind.DEATH, found), echo)
         self.origin = Origin(cfg.engine.base_url, run_dir / ipc.SOCKET_NAME)
         self.server = ipc.EventServer(self.origin.events, self.seen.on_event)
         self.child: Child | None = None
-        self.standby = standby  # asked for an interpreter that becomes the engine instead of a cold spawn
+        # asked for an interpreter that becomes the engine instead of a cold spawn
+        self.standby = standby
         self.monitor: Monitor | None = None  # from the spawn on
         self.t = Timeline(host.monotonic())
         self._tasks: list[asyncio.Task[Any]] = []
 
     def status(self, warming_since: float | None = None) -> dict[str, Any]:
-        """This start's part of /status: the engine's pid, its phase, vLLM's step while it starts."""
+        """This start's part of /status: the engine's pid, its phase, vLLM's step while it
+        starts."""
         child, now = self.child, self.host.monotonic()
-        startup = {"step": "warming", "for_s": round(now - warming_since, 1)} if warming_since is not None \
-            else self.seen.startup(now, self.t.started)
-        return {"engine_pid": child.pid if child and child.proc.returncode is None else None,
-                "phase": self.phase.value, "startup": startup, "engine_version": self.seen.engine_version}
+        startup = (self.seen.startup(now, self.t.started) if warming_since is None
+                   else {"step": "warming", "for_s": round(now - warming_since, 1)})
+        return {
+            "engine_pid": child.pid if child and child.proc.returncode is None else None,
+            "phase": self.phase.value, "startup": startup,
+            "engine_version": self.seen.engine_version
+        }
 
     def pids(self) -> set[int]:
         """Every process of this start's tree seen so far (the GPU memory holders)."""
         return set(self.child.known_pids) if self.child else set()
 
     def deadline_at(self) -> float:
-        """By when the current step must be over (the supervisor stops petting the watchdog after)."""
+        """By when the current step must be over (the supervisor stops petting the watchdog
+        after)."""
         return self.steps.deadline
 
     def end(self, kind: TriggerKind, evidence: str, failure: Failure | None = None,
             target: Profile | None = None) -> None:
-        """Ask the run to end (a stop, a climb or restart to ``target``, or a rule that fired); the first wins."""
+        """Ask the run to end (a stop, a climb or restart to ``target``, or a rule that fired);
+        the first wins."""
         self.steps.end(kind, evidence, failure, target)
 
     # ---- STARTING ------------------------------------------------------------------------------
     async def gates(self) -> Trigger | Adapted | None:
-        """The model and the GPU memory, before anything is spawned: None to go on, an adapted profile to start
-        at (this run takes it; the lifecycle records it), or the trigger that ends the start."""
+        """The model and the GPU memory, before anything is spawned: None to go on, an adapted
+        profile to start at (this run takes it; the lifecycle records it), or the trigger that
+        ends the start."""
         source = self.standby
         if source is not None:  # a spare stopped, or woken
-            spare = await self.steps.within(source.spare_for_bound_s() + STEP_SLACK_S, source.spare_for(self.profile))
+            spare = await self.steps.within(source.spare_for_bound_s() + STEP_SLACK_S,
+                                            source.spare_for(self.profile))
             if isinstance(spare, Trigger):
                 return spare
             if spare is not None:
@@ -156,14 +169,17 @@ class EngineRun:
         gated = await self._gated()
         if source is None or isinstance(gated, Trigger):
             return gated
-        first = await self.steps.within(source.build_first_bound_s() + STEP_SLACK_S, source.build_first(self.profile))
-        if first is True:  # the card has the spare asleep on it now: the engine starts beside its footprint
+        first = await self.steps.within(source.build_first_bound_s() + STEP_SLACK_S,
+                                        source.build_first(self.profile))
+        # the card has the spare asleep on it now: the engine starts beside its footprint
+        if first is True:
             return await self._gated() or gated
         return first if isinstance(first, Trigger) else gated
 
     async def _gated(self) -> Trigger | Adapted | None:
         bound = self.cfg.engine.model_wait_s + self.cfg.gpu.free_wait_s + GATE_SLACK_S
-        gated = await self.steps.within(bound, gates.every_gate(self.cfg, self.host, self.publish, self.profile))
+        gated = await self.steps.within(
+            bound, gates.every_gate(self.cfg, self.host, self.publish, self.profile))
         if isinstance(gated, tuple):
             return self.steps.trigger(*gated)
         if isinstance(gated, Adapted):
@@ -171,28 +187,32 @@ class EngineRun:
         return gated
 
     def _adopting(self, spare: Woken) -> Adapted | None:
-        """This start takes the woken spare: its profile (the utilization it started at), its port, its events."""
+        """This start takes the woken spare: its profile (the utilization it started at), its
+        port, its events."""
         self.origin = Origin(spare.url, spare.work / ipc.SOCKET_NAME, spare)
-        self.client.base_url = spare.url  # the client made before the gates: it has no request open yet
+        # the client made before the gates: it has no request open yet
+        self.client.base_url = spare.url
         self.server = ipc.EventServer(self.origin.events, self.seen.on_event)
         self.seen.engine_version = spare.version
         if spare.profile == self.profile:
             return None
         self.profile = spare.profile
-        return Adapted(spare.profile, "a spare engine built beside the last one became this engine, at the "
-                                      "gpu_memory_utilization that fitted beside it")
+        return Adapted(
+            spare.profile, "a spare engine built beside the last one became this engine, at the "
+            "gpu_memory_utilization that fitted beside it")
 
     async def start(self) -> Trigger | Healthy:
         """Spawn (or adopt the woken spare), and wait for /health 200."""
         e = self.cfg.engine
-        made = await spawn_engine(self.cfg, self.host, self.profile, self.run_dir, self.origin, self.server,
-                                  self.standby)
+        made = await spawn_engine(self.cfg, self.host, self.profile, self.run_dir, self.origin,
+                                  self.server, self.standby)
         if isinstance(made, Failure):
             return self.steps.trigger(TriggerKind.SPAWN_FAILED, made.evidence, made)
         child, shown = made
         self.child = child
-        self.publish(EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number, argv=shown,
-                                   standby=self.origin.standby, spare=self.origin.spare is not None))
+        self.publish(
+            EngineSpawned(at=self.host.wall(), pid=child.pid, start=self.number, argv=shown,
+                          standby=self.origin.standby, spare=self.origin.spare is not None))
         leftovers.record(self.cfg.state.dir, self.host, child)
         assert child.proc.stdout is not None and child.proc.stderr is not None
         self._tasks += [asyncio.create_task(self.seen.tail.drain(child.proc.stdout)),
@@ -200,8 +220,10 @@ class EngineRun:
                         asyncio.create_task(self._watch_exit(child))]
         self.t.spawned = spawned = self.host.monotonic()
         self.monitor = Monitor(self.cfg.health, self.host, self.client, self.publish,
-                               Liveness(self.cfg.health, e.start_timeout_s, spawned), f"canary-{self.number}")
-        overdue = await self.steps.within(e.start_timeout_s + STEP_SLACK_S, self.monitor.until_healthy())
+                               Liveness(self.cfg.health, e.start_timeout_s, spawned),
+                               f"canary-{self.number}")
+        overdue = await self.steps.within(e.start_timeout_s + STEP_SLACK_S,
+                                          self.monitor.until_healthy())
         if overdue is not None:
             return overdue if isinstance(overdue, Trigger) else self.steps.trigger(*overdue)
         self.phase = Phase.SERVING
@@ -223,7 +245,8 @@ class EngineRun:
         if self.origin.spare is not None:
             w = warmup.after_wake(w, sizes)
         try:
-            warmed = await self.steps.within(w.timeout_s + STEP_SLACK_S, warmup.run(self.client, sizes, w))
+            warmed = await self.steps.within(w.timeout_s + STEP_SLACK_S,
+                                             warmup.run(self.client, sizes, w))
         except warmup.WarmupFailed as exc:
             return self.steps.trigger(TriggerKind.WARMUP_FAILED, str(exc))
         if isinstance(warmed, Trigger):
@@ -254,7 +277,7 @@ class EngineRun:
 
         return self.steps.trigger(*await monitor.until_fired(each_round))
 
-    # ---- the end ------------------------------------------------------------------------------------
+    # ---- the end ---------------------------------------------------------------------------------
     async def conclude(self, trigger: Trigger) -> Verdict:
         """Gather the evidence, stop the whole tree, and classify (unplanned ends only)."""
         self.seen.ending = True
@@ -263,7 +286,8 @@ class EngineRun:
         if child is not None:
             self.host.tree_pids(child)
         rc: int | None = child.proc.returncode if child else None
-        settled = trigger.kind is TriggerKind.DEATH and settled_before_exit(verdict_of(self.seen, trigger, phase, rc))
+        settled = trigger.kind is TriggerKind.DEATH and settled_before_exit(
+            verdict_of(self.seen, trigger, phase, rc))
         if trigger.kind is TriggerKind.DEATH and child is not None and rc is None:
             grace = death_grace_s(self.cfg, settled)
             self.steps.expect(grace + SHORT_SLACK_S)
@@ -277,19 +301,22 @@ class EngineRun:
         return Verdict(trigger, failure, phase, rc, report, stacks, evidence_of(self))
 
     async def stop(self, planned: bool, at_once: bool = False) -> StopReport | None:
-        """Stop the whole tree (teardown.stop_tree) and release what the run holds. ``at_once``: a dead engine whose
-        verdict is settled (``settled_before_exit``) gets no SIGTERM grace either: its API server's graceful
-        shutdown would only wait on connections to an engine that is gone."""
+        """Stop the whole tree (teardown.stop_tree) and release what the run holds. ``at_once``:
+        a dead engine whose verdict is settled (``settled_before_exit``) gets no SIGTERM grace
+        either: its API server's graceful shutdown would only wait on connections to an engine
+        that is gone."""
         self.seen.ending = True
         self.steps.expect(stop_bound(self.cfg, planned))
         report = None
         if self.child is not None:
-            report = await stop_tree(self.cfg, self.host, self.publish, self.child, self._tasks[:2], planned, at_once)
+            report = await stop_tree(self.cfg, self.host, self.publish, self.child, self._tasks[:2],
+                                     planned, at_once)
         await self.close()
         return report
 
     async def shutdown(self) -> None:
-        """The supervisor is exiting: a planned stop of a live engine, else just release what the run holds."""
+        """The supervisor is exiting: a planned stop of a live engine, else just release what the
+        run holds."""
         if self.child is not None and self.child.proc.returncode is None:
             await self.stop(planned=True)
         else:
@@ -307,17 +334,18 @@ class EngineRun:
 
 
 def ready_record(t: Timeline, seen: Observer, origin: Origin, sizes: list[int]) -> Ready:
-    """The READY record of a start whose warm-up is over: its timings, vLLM's steps, where its engine came from."""
+    """The READY record of a start whose warm-up is over: its timings, vLLM's steps, where its
+    engine came from."""
     assert t.healthy is not None and t.ready is not None
     phases = startup.phases(t.started, t.spawned, seen.steps, t.healthy, t.ready)
-    return Ready(t.timings(), phases, tuple(sizes), seen.engine_version, origin.standby, origin.spare is not None,
-                 engine_url=origin.url, compile_cache=seen.compile_cache)
+    return Ready(t.timings(), phases, tuple(sizes), seen.engine_version, origin.standby,
+                 origin.spare is not None, engine_url=origin.url, compile_cache=seen.compile_cache)
 
 
 def death_grace_s(cfg: Config, settled: bool) -> float:
-    """How long a dead engine's API server may take to exit by itself. vLLM exits within seconds of its engine
-    dying; let it finish logging. With the verdict settled already, only long enough to answer its requests in
-    flight (500, not a reset), then it is killed."""
+    """How long a dead engine's API server may take to exit by itself. vLLM exits within seconds
+    of its engine dying; let it finish logging. With the verdict settled already, only long
+    enough to answer its requests in flight (500, not a reset), then it is killed."""
     return min(cfg.engine.dead_grace_s, SETTLED_EXIT_S) if settled else cfg.engine.dead_grace_s
 
 
@@ -333,7 +361,9 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
 
 
 def verdict_of(seen: Observer, trigger: Trigger, phase: Phase, rc: int | None) -> Failure:
-    """What the evidence in hand (vLLM's records and lines so far, the exit) says of an unplanned end."""
+    """What the evidence in hand (vLLM's records and lines so far, the exit) says of an unplanned
+    end."""
     return trigger.failure or classify(
         events=list(seen.events), lines=seen.tail.snapshot(), exit=ExitInfo(rc), phase=phase,
-        trigger=trigger.evidence, hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)
+        trigger=trigger.evidence,
+        hang=trigger.evidence if trigger.kind is TriggerKind.HANG else None)

@@ -1,8 +1,9 @@
-"""A run's steps: each races its work against the run's trigger queue, by a deadline the watchdog measures.
+"""A run's steps: each races its work against the run's trigger queue, by a deadline the watchdog
+measures.
 
-Whatever ends a run (the API server's exit, vLLM's own record that the engine died, a liveness rule, a warm-up
-failure, a stop or a climb asked by the supervisor) becomes one Trigger on the queue; the first one wins, and the
-step under way stops at once, so nothing is polled for luck.
+Whatever ends a run (the API server's exit, vLLM's own record that the engine died, a liveness rule,
+a warm-up failure, a stop or a climb asked by the supervisor) becomes one Trigger on the queue; the
+first one wins, and the step under way stops at once, so nothing is polled for luck.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Trigger:
-    """Why the run is ending: what fired, the evidence, and when (wall clock for detection latency)."""
+    """Why the run is ending: what fired, the evidence, and when (wall clock for detection
+    latency)."""
 
     kind: TriggerKind
     evidence: str
@@ -48,7 +50,8 @@ class Steps:
 
     def end(self, kind: TriggerKind, evidence: str, failure: Failure | None = None,
             target: Profile | None = None) -> None:
-        """Ask the run to end (a stop, a climb or restart to ``target``, or a rule that fired); the first wins."""
+        """Ask the run to end (a stop, a climb or restart to ``target``, or a rule that fired);
+        the first wins."""
         self.queue.put_nowait(self.trigger(kind, evidence, failure, target))
 
     def expect(self, seconds: float) -> None:

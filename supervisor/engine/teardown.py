@@ -1,4 +1,5 @@
-"""Stopping one start's engine: the whole tree killed, its pipes drained, its GPU memory seen released."""
+"""Stopping one start's engine: the whole tree killed, its pipes drained, its GPU memory seen
+released."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ async def exit_within(child: Child, seconds: float) -> int | None:
 
 
 async def stacks(host: Host, publish: Callable[[Event], None], child: Child) -> dict[int, str]:
-    """A hung engine's Python stacks, process by process (py-spy), before it is killed; an event when none could
-    be taken."""
+    """A hung engine's Python stacks, process by process (py-spy), before it is killed; an event
+    when none could be taken."""
     dumped = await host.dump_stacks(host.tree_pids(child))
     if not dumped:
         publish(NoStackDump(at=host.wall()))
@@ -41,10 +42,12 @@ def stop_bound(cfg: Config, planned: bool) -> float:
 
 
 async def stop_tree(cfg: Config, host: Host, publish: Callable[[Event], None], child: Child,
-                    drains: Sequence[asyncio.Task[Any]], planned: bool, at_once: bool) -> StopReport:
-    """Kill ``child``'s whole tree, let its pipes' ``drains`` finish, and wait for its GPU memory to be released.
-    A dead or hung engine has nothing to finish: a short grace, then SIGKILL (vLLM's API server ignores SIGTERM
-    while its start is failing, and multiprocessing's resource tracker always does); ``at_once``: none at all."""
+                    drains: Sequence[asyncio.Task[Any]], planned: bool,
+                    at_once: bool) -> StopReport:
+    """Kill ``child``'s whole tree, let its pipes' ``drains`` finish, and wait for its GPU memory
+    to be released. A dead or hung engine has nothing to finish: a short grace, then SIGKILL
+    (vLLM's API server ignores SIGTERM while its start is failing, and multiprocessing's
+    resource tracker always does); ``at_once``: none at all."""
     e = cfg.engine
     t0 = host.monotonic()
     grace = 0.0 if at_once else e.stop_timeout_s if planned else e.failed_stop_timeout_s
@@ -54,7 +57,9 @@ async def stop_tree(cfg: Config, host: Host, publish: Callable[[Event], None], c
         await asyncio.wait_for(asyncio.gather(*drains, return_exceptions=True), DRAIN_S)
     t2 = host.monotonic()
     await gates.wait_released(cfg, host, publish, report.pids)
-    publish(EngineStopped(at=host.wall(), pids=report.pids, sigkilled=report.killed, survivors=report.survivors,
-                          returncode=report.returncode, kill_s=round(t1 - t0, 3), drain_s=round(t2 - t1, 3),
-                          gpu_release_s=round(host.monotonic() - t2, 3), planned=planned))
+    publish(
+        EngineStopped(at=host.wall(), pids=report.pids, sigkilled=report.killed,
+                      survivors=report.survivors, returncode=report.returncode,
+                      kill_s=round(t1 - t0, 3), drain_s=round(t2 - t1, 3),
+                      gpu_release_s=round(host.monotonic() - t2, 3), planned=planned))
     return report

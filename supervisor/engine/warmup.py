@@ -26,7 +26,8 @@ def plan(profile: Profile, cfg: WarmupConfig) -> list[int]:
     """Prompt lengths in tokens for one warm-up."""
     if not cfg.enabled or cfg.requests == 0:
         return []
-    cap = None if profile.max_model_len is None else max(1, profile.max_model_len - cfg.max_tokens - 8)
+    cap = None if profile.max_model_len is None else max(1, profile.max_model_len - cfg.max_tokens
+                                                         - 8)
     if cfg.prompt_tokens:
         sizes = list(cfg.prompt_tokens)
     else:
@@ -38,9 +39,10 @@ def plan(profile: Profile, cfg: WarmupConfig) -> list[int]:
 
 
 def after_wake(cfg: WarmupConfig, sizes: list[int]) -> WarmupConfig:
-    """A woken spare's warm-up: its canary has just proven its decode, token for token; what is left to settle is
-    the prefill's activation memory at this rung, so the same prompts go in one round, each for one token (on
-    the H200 the full warm-up was 0.34 s of a 1.7 s recovery, most of it two rounds of 8 decode steps)."""
+    """A woken spare's warm-up: its canary has just proven its decode, token for token; what is
+    left to settle is the prefill's activation memory at this rung, so the same prompts go in
+    one round, each for one token (on the H200 the full warm-up was 0.34 s of a 1.7 s
+    recovery, most of it two rounds of 8 decode steps)."""
     return replace(cfg, concurrency=max(1, len(sizes)), max_tokens=1)
 
 
@@ -64,7 +66,8 @@ async def run(client: EngineClient, sizes: list[int], cfg: WarmupConfig) -> Warm
         unit = await client.count_tokens(FILLER * 8, timeout=cfg.timeout_s) / 8 or 1.0
     except EngineError as exc:
         # An engine without /tokenize still gets warmed up: roughly one token per word.
-        log.info("warmup.tokenize_unavailable", error=str(exc), assumed_tokens_per_sentence=FILLER_WORDS)
+        log.info("warmup.tokenize_unavailable", error=str(exc),
+                 assumed_tokens_per_sentence=FILLER_WORDS)
         unit = float(FILLER_WORDS)
     sem = asyncio.Semaphore(cfg.concurrency)
 
@@ -72,12 +75,15 @@ async def run(client: EngineClient, sizes: list[int], cfg: WarmupConfig) -> Warm
         prompt = FILLER * max(1, int(tokens / unit))
         async with sem:
             try:
-                await client.complete(prompt, cfg.max_tokens, timeout=cfg.timeout_s, request_id=f"warmup-{i}")
+                await client.complete(prompt, cfg.max_tokens, timeout=cfg.timeout_s,
+                                      request_id=f"warmup-{i}")
             except EngineError as exc:
-                raise WarmupFailed(f"warm-up request {i} (~{tokens} tokens) failed: {exc}") from None
+                raise WarmupFailed(
+                    f"warm-up request {i} (~{tokens} tokens) failed: {exc}") from None
 
     try:
-        await asyncio.wait_for(asyncio.gather(*(one(i, t) for i, t in enumerate(sizes))), cfg.timeout_s)
+        await asyncio.wait_for(asyncio.gather(*(one(i, t) for i, t in enumerate(sizes))),
+                               cfg.timeout_s)
     except TimeoutError:
         raise WarmupFailed(f"warm-up did not finish within {cfg.timeout_s:g}s") from None
     return WarmupResult(len(sizes), sizes, time.monotonic() - t0)

@@ -1,4 +1,5 @@
-"""The gateway's own answers (413, 429, 503, ...): counted, and recorded at most once per code and second."""
+"""The gateway's own answers (413, 429, 503, ...): counted, and recorded at most once per code
+and second."""
 
 from __future__ import annotations
 
@@ -17,17 +18,20 @@ HELD_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Answers:
-    def __init__(self, counters: dict[str, int], host: Host, publish: Callable[[Event], None]) -> None:
+    def __init__(self, counters: dict[str, int], host: Host,
+                 publish: Callable[[Event], None]) -> None:
         self.counters, self.host, self.publish = counters, host, publish
         self._reports = OncePerSecond(host.monotonic)  # by rejection code
-        self.held = [0] * (len(HELD_BUCKETS) + 1)  # requests held, by the first bucket their time fits (+Inf last)
+        # requests held, by the first bucket their time fits (+Inf last)
+        self.held = [0] * (len(HELD_BUCKETS) + 1)
         self.held_sum = 0.0
 
     def held_for(self, seconds: float) -> None:
         """A request waited ``seconds`` for the engine (held: not READY, or its caps full)."""
         if seconds < 0.001:
             return  # went straight through
-        self.held[next((i for i, b in enumerate(HELD_BUCKETS) if seconds <= b), len(HELD_BUCKETS))] += 1
+        self.held[next((i for i, b in enumerate(HELD_BUCKETS) if seconds <= b),
+                       len(HELD_BUCKETS))] += 1
         self.held_sum += seconds
 
     def held_histogram(self) -> tuple[list[tuple[str, float]], float]:
@@ -43,13 +47,14 @@ class Answers:
         headers = {"X-Request-Id": rid}
         if r.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(r.retry_after_s)))
-        return web.Response(status=r.status, text=json.dumps(r.body()), content_type="application/json",
-                            headers=headers)
+        return web.Response(status=r.status, text=json.dumps(r.body()),
+                            content_type="application/json", headers=headers)
 
     def forwarded(self, out: web.StreamResponse, cut_short: bool = False) -> web.StreamResponse:
-        """How a forwarded request ended, counted once: its client left first, or it was answered (a stream the
-        engine died under counts as broken too). ``cut_short``: a stream the gateway ended with an error event
-        after most of it reached the client, forwarded and broken whether or not the client read that end."""
+        """How a forwarded request ended, counted once: its client left first, or it was answered
+        (a stream the engine died under counts as broken too). ``cut_short``: a stream the
+        gateway ended with an error event after most of it reached the client, forwarded and
+        broken whether or not the client read that end."""
         if getattr(out, "client_gone", False) and not cut_short:
             self.counters["client_disconnected"] += 1
             return out
@@ -69,4 +74,6 @@ class Answers:
     def _record(self, rid: str, r: Rejection) -> None:
         n = self._reports.due(r.code)
         if n is not None:
-            self.publish(RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid, count=n))
+            self.publish(
+                RequestRejected(at=self.host.wall(), status=r.status, code=r.code, request_id=rid,
+                                count=n))

@@ -18,19 +18,21 @@ from supervisor.host.vllm_http import EngineClient, EngineError
 class PromptCounter:
     def __init__(self, client: EngineClient, generation: Callable[[], int],
                  configured_max_len: Callable[[], int | None]) -> None:
-        self.client, self.generation, self.configured_max_len = client, generation, configured_max_len
+        self.client, self.generation = client, generation
+        self.configured_max_len = configured_max_len
         self.max_len: tuple[int, int | None] = (-1, None)  # (READY period, vLLM's max_model_len)
 
     async def tokens_if_long(self, parsed: Parsed, flight: Flight, limit: int | None,
                              always: bool = False) -> int | None:
-        """The longest prompt's exact tokens when its byte bound exceeds ``limit`` (or ``always``); else the bound
-        (None: not known, the engine judges it)."""
+        """The longest prompt's exact tokens when its byte bound exceeds ``limit`` (or
+        ``always``); else the bound (None: not known, the engine judges it)."""
         if flight.tokens is None:
             if parsed.exact is not None:
                 flight.tokens = parsed.exact
             elif parsed.longest is None:
                 return None  # no prompt read here: the engine judges it
-            elif ((limit is not None and parsed.upper_bound > limit) or always) and parsed.countable:
+            elif ((limit is not None and parsed.upper_bound > limit)
+                  or always) and parsed.countable:
                 try:
                     flight.tokens = await self.client.tokenize(parsed.tokenize_body)
                 except EngineError:
@@ -40,7 +42,8 @@ class PromptCounter:
         return flight.tokens
 
     async def engine_max_len(self) -> int | None:
-        """vLLM's max_model_len as the engine of this READY period reports it (asked once per period)."""
+        """vLLM's max_model_len as the engine of this READY period reports it (asked once per
+        period)."""
         gen, value = self.max_len
         if gen != self.generation():
             try:

@@ -47,25 +47,31 @@ class Flight:
     replays: int = 0
     strikes: int = 0  # times it was the suspect of a death, with evidence
     deaths: int = 0  # engine deaths it was at the engine for
-    unexplained: set[int] = field(default_factory=set)  # which of those spent the restart budget (death numbers)
-    controlled: bool = False  # sent after its engine had served solo_after_s: a death then is evidence
+    # which of those spent the restart budget (death numbers)
+    unexplained: set[int] = field(default_factory=set)
+    # sent after its engine had served solo_after_s: a death then is evidence
+    controlled: bool = False
     quarantined: bool = False
     floor_tried: bool = False  # it went (or goes) alone to an engine at the ladder's lowest rung
     gone: bool = False  # answered, refused, or its client left: it will not come back to the gate
     arrived: float = 0.0  # the host's monotonic clock at arrival
     shape: str = ""  # the quarantine's key without the prompt (admission.engine_key)
     prompt: str = ""  # the key of its prompt alone (admission.EngineKey.prompt)
-    kin: int = 0  # it carries a quarantined request's prompt: 2 with its fields too, 1 with others (Quarantine.kinship)
+    # it carries a quarantined request's prompt: 2 with its fields too, 1 with others
+    # (Quarantine.kinship)
+    kin: int = 0
     sketch: tuple[int, ...] = ()  # its prompt's, computed only when asked (admission.body_sketch)
-    body: bytes = b""  # as the client sent it (held anyway, to be sent again): what the sketch reads
+    # as the client sent it (held anyway, to be sent again): what the sketch reads
+    body: bytes = b""
 
     @classmethod
     def of(cls, rid: str, parsed: admission.Parsed | None, body: bytes, arrived: float) -> Flight:
-        """A request as it arrives: a generation request's key and byte bound, or (any other route) its body."""
+        """A request as it arrives: a generation request's key and byte bound, or (any other
+        route) its body."""
         if parsed is None:
             return cls(rid, None, 0, arrived=arrived, body=body)
-        return cls(rid, parsed.digest, parsed.upper_bound, arrived=arrived, shape=parsed.shape, body=body,
-                   prompt=parsed.prompt_key)
+        return cls(rid, parsed.digest, parsed.upper_bound, arrived=arrived, shape=parsed.shape,
+                   body=body, prompt=parsed.prompt_key)
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,8 @@ class Blamed(Blame):
     quarantined: Flight | None = None
 
 
-STRUCK_KEPT = 4096  # quarantine keys whose strikes are remembered for a client that sends them again
+# quarantine keys whose strikes are remembered for a client that sends them again
+STRUCK_KEPT = 4096
 
 
 class Refused(Exception):
@@ -104,7 +111,8 @@ class EngineGate:
         self.at_engine: dict[int, Flight] = {}  # by id(flight): clients may share an X-Request-Id
         self.waiting = 0
         self.suspects: list[Flight] = []  # each goes alone, in turn; none goes in a batch
-        self._dead_batch: list[Flight] = []  # at the engine when it was told to stop unplanned (``stopping``)
+        # at the engine when it was told to stop unplanned (``stopping``)
+        self._dead_batch: list[Flight] = []
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -112,15 +120,17 @@ class EngineGate:
         self._changed = asyncio.Event()
 
     async def _until(self, ready: Callable[[], bool], timeout: float) -> bool:
-        """Wait until ``ready()`` holds (re-checked on every change of the gate); False on timeout."""
+        """Wait until ``ready()`` holds (re-checked on every change of the gate); False on
+        timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not ready():
             left = deadline - loop.time()
             if left <= 0:
                 return False
-            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the cancellation of a client
-            # that left (CPython gh-86296), which then stayed counted as waiting and went to the engine.
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the cancellation of
+            # a client that left (CPython gh-86296), which then stayed counted as waiting and went
+            # to the engine.
             try:
                 async with asyncio.timeout(left):
                     await self._changed.wait()
@@ -128,7 +138,7 @@ class EngineGate:
                 return ready()
         return True
 
-    # ---- what the supervisor publishes ---------------------------------------------------------------
+    # ---- what the supervisor publishes -----------------------------------------------------------
     def on_state(self, old: EngineState, new: EngineState) -> None:
         self.state = new
         if new is EngineState.READY:
@@ -136,15 +146,17 @@ class EngineGate:
             self.open = not self.closing
             self.ready_at = self.clock()
             if self.suspects and self.solo_after_s > 0:
-                asyncio.get_running_loop().call_later(self.solo_after_s, self._notify)  # the control is over
+                # the control is over
+                asyncio.get_running_loop().call_later(self.solo_after_s, self._notify)
         else:
             self.open = False
         self._notify()
 
     def stopping(self, planned: bool) -> None:
-        """Told by the lifecycle, synchronously, before it writes STOPPING: nothing more goes to this engine, and an
-        unplanned stop's dead batch is what is at the engine now (a planned one drained first: nobody's death).
-        Never learned from the event stream: its queue may deliver the edge after the verdict is asked for."""
+        """Told by the lifecycle, synchronously, before it writes STOPPING: nothing more goes to
+        this engine, and an unplanned stop's dead batch is what is at the engine now (a
+        planned one drained first: nobody's death). Never learned from the event stream: its
+        queue may deliver the edge after the verdict is asked for."""
         self.open = False
         self._dead_batch = [] if planned else list(self.at_engine.values())
         self._notify()
@@ -154,18 +166,20 @@ class EngineGate:
         """The suspect that goes alone next."""
         return self.suspects[0] if self.suspects else None
 
-    def on_failure(self, kind: FailureKind, suspect_request: str | None, at_floor: bool = True) -> Blamed:
+    def on_failure(self, kind: FailureKind, suspect_request: str | None,
+                   at_floor: bool = True) -> Blamed:
         """After a death: pick the suspect to replay alone, strike it where the evidence allows.
 
-        A memory failure's suspect with two strikes is tried once more, alone, at the ladder's lowest rung
-        (``Blame.floor``) unless the engine that died already ran there: a budget of 2048 may serve what
-        6144 could not."""
-        # A request answered between the death and its classification is nobody's suspect: made the one to go
-        # alone, it would never come back, and every other request would wait for it.
+        A memory failure's suspect with two strikes is tried once more, alone, at the ladder's
+        lowest rung (``Blame.floor``) unless the engine that died already ran there: a budget of
+        2048 may serve what 6144 could not."""
+        # A request answered between the death and its classification is nobody's suspect: made the
+        # one to go alone, it would never come back, and every other request would wait for it.
         dead, self._dead_batch = self._dead_batch, []
         if not kind.request_can_cause:
             return Blamed()
-        if not dead:  # nothing in flight: the engine dies whatever it serves, and no strike stands on that
+        # nothing in flight: the engine dies whatever it serves, and no strike stands on that
+        if not dead:
             self.struck.clear()
             for f in self.suspects:
                 f.strikes = 0
@@ -180,12 +194,14 @@ class EngineGate:
         if named is not None:
             suspect = max((f for f in batch if f.rid == named), key=lambda f: f.size)
         else:
-            suspect = max(batch, key=lambda f: (f.strikes, 0 if f.strikes else f.kin, f.deaths, f.size))
+            suspect = max(batch, key=lambda f: (f.strikes, 0
+                                                if f.strikes else f.kin, f.deaths, f.size))
         alone = len(dead) == 1 and dead[0] is suspect
         proven = alone and (kind is FailureKind.RUNTIME_OOM or suspect.controlled)
-        # A request that reuses a quarantined request's prompt with other fields (an attacker's next try) takes its
-        # first strike at a death it was at. Never an innocent's quarantine: struck, it goes alone from then on, and
-        # its second strike needs a death alone (or vLLM naming it); living alone voids the first (leave).
+        # A request that reuses a quarantined request's prompt with other fields (an attacker's next
+        # try) takes its first strike at a death it was at. Never an innocent's quarantine: struck,
+        # it goes alone from then on, and its second strike needs a death alone (or vLLM naming it);
+        # living alone voids the first (leave).
         if named is not None or proven or (suspect.kin and not suspect.strikes):
             self._strike(suspect)
         explained = self._explain(suspect, dead, proven)
@@ -194,7 +210,8 @@ class EngineGate:
             suspect.floor_tried = True
         elif suspect.strikes >= 2:
             return Blamed(proven=proven, explained=explained, quarantined=self._quarantine(suspect))
-        # A request at two deaths, or struck once, never goes in a batch again: it would take the others with it.
+        # A request at two deaths, or struck once, never goes in a batch again: it would take the
+        # others with it.
         for f in [suspect, *(f for f in batch if f.strikes or f.deaths >= 2)]:
             if f not in self.suspects:
                 self.suspects.append(f)
@@ -202,8 +219,9 @@ class EngineGate:
         return Blamed(proven=proven, floor=floor, explained=explained)
 
     def _explain(self, suspect: Flight, dead: list[Flight], proven: bool) -> int:
-        """After a death: the earlier budget-spending deaths it explains (``suspect`` proven now: every one it was
-        at). An unproven death is remembered by everyone at it, in case one of them is proven later."""
+        """After a death: the earlier budget-spending deaths it explains (``suspect`` proven now:
+        every one it was at). An unproven death is remembered by everyone at it, in case one
+        of them is proven later."""
         if not proven:
             for f in dead:
                 f.unexplained.add(self.death_no)
@@ -240,7 +258,7 @@ class EngineGate:
             self.suspects.remove(flight)
             self._notify()
 
-    # ---- requests --------------------------------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------------
     def _may_go(self, f: Flight) -> bool:
         if not self.open:
             return False
@@ -252,22 +270,27 @@ class EngineGate:
             return controlling and room  # others go while the engine serves its control period
         return room
 
-    async def admit(self, f: Flight, hold_s: float, keep_holding: Callable[[], bool] = lambda: False) -> bool:
-        """Wait (at most ``hold_s``, longer while ``keep_holding()``) until ``f`` may go to the engine; True
-        when it was held at all."""
+    async def admit(self, f: Flight, hold_s: float,
+                    keep_holding: Callable[[], bool] = lambda: False) -> bool:
+        """Wait (at most ``hold_s``, longer while ``keep_holding()``) until ``f`` may go to the
+        engine; True when it was held at all."""
         if self.closing:
-            raise Refused(503, "shutting_down", "the server is shutting down; retry on another replica or later")
+            raise Refused(503, "shutting_down",
+                          "the server is shutting down; retry on another replica or later")
         f.strikes = max(f.strikes, self.strikes_of(f.digest))
         if f.strikes and f not in self.suspects:
-            self.suspects.append(f)  # sent again after a strike (its client retried): alone, never in a batch
+            # sent again after a strike (its client retried): alone, never in a batch
+            self.suspects.append(f)
         if self._may_go(f):
             self._sent(f)
             return False
         if self.waiting >= self.max_held:
             if self.open:
-                raise Refused(429, "too_many_requests", f"{self.max_held} requests are already waiting for a slot")
-            raise Refused(503, "engine_restarting",
-                          f"the engine is restarting and {self.max_held} requests are already waiting for it")
+                raise Refused(429, "too_many_requests",
+                              f"{self.max_held} requests are already waiting for a slot")
+            raise Refused(
+                503, "engine_restarting",
+                f"the engine is restarting and {self.max_held} requests are already waiting for it")
         self.waiting += 1
         try:
             ready = lambda: self.closing or f.quarantined or self._may_go(f)  # noqa: E731
@@ -277,10 +300,12 @@ class EngineGate:
         finally:
             self.waiting -= 1
         if self.closing:
-            raise Refused(503, "shutting_down", "the server is shutting down; retry on another replica or later")
+            raise Refused(503, "shutting_down",
+                          "the server is shutting down; retry on another replica or later")
         if not ok:
-            raise Refused(503, "engine_unavailable",
-                          f"the engine did not become ready within the {hold_s:.0f}s this request may wait")
+            raise Refused(
+                503, "engine_unavailable",
+                f"the engine did not become ready within the {hold_s:.0f}s this request may wait")
         if not f.quarantined:
             self._sent(f)
         return True
@@ -292,7 +317,8 @@ class EngineGate:
         self.at_engine[id(f)] = f
 
     async def engine_left(self, f: Flight, within_s: float) -> bool:
-        """After an error from the engine: did the READY period ``f`` was sent in end (within ``within_s``)?"""
+        """After an error from the engine: did the READY period ``f`` was sent in end (within
+        ``within_s``)?"""
         return await self._until(lambda: self.generation != f.generation or not self.open, within_s)
 
     def leave(self, f: Flight) -> None:
@@ -305,13 +331,15 @@ class EngineGate:
         self._notify()
 
     def forget(self, f: Flight) -> None:
-        """The request is over for good (answered, refused, or its client left): it is nobody's suspect any more."""
+        """The request is over for good (answered, refused, or its client left): it is nobody's
+        suspect any more."""
         f.gone = True
         self.leave(f)
         self._unsuspect(f)
 
     async def drained(self, timeout: float) -> int:
-        """Stop sending to the engine and wait for what is there to finish; how many were still there."""
+        """Stop sending to the engine and wait for what is there to finish; how many were still
+        there."""
         self.open = False
         self._notify()
         await self._until(lambda: not self.at_engine, timeout)

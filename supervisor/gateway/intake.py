@@ -1,13 +1,13 @@
-"""What comes in at the public port before the gateway looks at it: the credentials, and the body, read under
-three bounds (each body's size, the time it may take, and the bytes of every body held at once) and parsed
-where it cannot starve supervision (parsing.py).
+"""What comes in at the public port before the gateway looks at it: the credentials, and the body,
+read under three bounds (each body's size, the time it may take, and the bytes of every body held
+at once) and parsed where it cannot starve supervision (parsing.py).
 
-A body is read whole before anything else is done with it (it is parsed, hashed, and kept to be sent again
-after an engine death). Each is capped (``max_body_bytes``) and timed (``body_timeout_s``), but forty clients
-each sending 16 MiB but the last byte held 640 MiB in the process that supervises, and held requests keep
-their bodies while the engine restarts (160 x 16 MiB peaked at 9.2 GB RSS). So every byte read is counted
-against ``max_body_bytes_in_flight`` until its request is over; a body that would pass it is refused with
-503 + Retry-After, and its bytes are given back at once.
+A body is read whole before anything else is done with it (it is parsed, hashed, and kept to be sent
+again after an engine death). Each is capped (``max_body_bytes``) and timed (``body_timeout_s``),
+but forty clients each sending 16 MiB but the last byte held 640 MiB in the process that supervises,
+and held requests keep their bodies while the engine restarts (160 x 16 MiB peaked at 9.2 GB RSS).
+So every byte read is counted against ``max_body_bytes_in_flight`` until its request is over; a body
+that would pass it is refused with 503 + Retry-After, and its bytes are given back at once.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from supervisor.gateway import parsing
 from supervisor.host import routes
 
 CHUNK = 1 << 16
-LINGER_S = 5.0  # after a refusal mid-body: how long the rest is read and dropped before the connection closes
-LINGER_IDLE_S = 1.0  # ... unless nothing of it comes for this long (a stalled body's connection closes at once)
+# after a refusal mid-body: how long the rest is read and dropped before the connection closes
+LINGER_S = 5.0
+# ... unless nothing of it comes for this long (a stalled body's connection closes at once)
+LINGER_IDLE_S = 1.0
 
 
 class BodyBudget:
@@ -52,32 +54,39 @@ class Body:
         self.budget = budget
         self.taken = 0
 
-    async def read(self, request: web.Request, cap: int, timeout_s: float, retry_after_s: float) -> bytes | Rejection:
-        """The body, refused (413) as soon as it is known to be over ``cap`` (a huge body is never read whole),
-        (408) when it has not all arrived within ``timeout_s``, (503) when the gateway holds too many bytes."""
+    async def read(self, request: web.Request, cap: int, timeout_s: float,
+                   retry_after_s: float) -> bytes | Rejection:
+        """The body, refused (413) as soon as it is known to be over ``cap`` (a huge body is
+        never read whole), (408) when it has not all arrived within ``timeout_s``, (503) when
+        the gateway holds too many bytes."""
         if request.content_length is not None and request.content_length > cap:
             return too_big(cap)
-        if request.content_length is not None and self.budget.cap and request.content_length > self.budget.cap:
+        length = request.content_length
+        if length is not None and self.budget.cap and length > self.budget.cap:
             return too_big_for_all(self.budget.cap)
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._read(request, cap, retry_after_s)
         except TimeoutError:
-            return Rejection(408, "body_timeout", f"the request body did not arrive within {timeout_s:g}s; "
-                                                  "send it whole, faster")
+            return Rejection(
+                408, "body_timeout", f"the request body did not arrive within {timeout_s:g}s; "
+                "send it whole, faster")
 
-    async def _read(self, request: web.Request, cap: int, retry_after_s: float) -> bytes | Rejection:
+    async def _read(self, request: web.Request, cap: int,
+                    retry_after_s: float) -> bytes | Rejection:
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.content.iter_chunked(CHUNK):
             size += len(chunk)
             if size > cap:
                 return too_big(cap)
-            if self.budget.cap and size > self.budget.cap:  # chunked: its size is known only as it comes
+            # chunked: its size is known only as it comes
+            if self.budget.cap and size > self.budget.cap:
                 return too_big_for_all(self.budget.cap)
             if not self.budget.take(len(chunk)):
-                return Rejection(503, "too_many_bodies", "the server holds as many request bodies as it may; "
-                                 f"retry after {retry_after_s:g}s", "server_error", retry_after_s)
+                return Rejection(
+                    503, "too_many_bodies", "the server holds as many request bodies as it may; "
+                    f"retry after {retry_after_s:g}s", "server_error", retry_after_s)
             self.taken += len(chunk)
             chunks.append(chunk)
         return b"".join(chunks)
@@ -88,15 +97,20 @@ class Body:
 
 
 def too_big(cap: int) -> Rejection:
-    return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server on one "
-                                            "request body ([gateway] max_body_bytes); send a smaller body")
+    return Rejection(
+        413, "body_too_large",
+        f"the request body is over the {cap}-byte limit of this server on one "
+        "request body ([gateway] max_body_bytes); send a smaller body")
 
 
 def too_big_for_all(cap: int) -> Rejection:
-    """A body larger than every body held at once may be: it could never be admitted, so not a 503 to retry."""
-    return Rejection(413, "body_too_large", f"the request body is over the {cap}-byte limit of this server on all "
-                                            "request bodies held at once ([gateway] max_body_bytes_in_flight); "
-                                            "send a smaller body")
+    """A body larger than every body held at once may be: it could never be admitted, so not a
+    503 to retry."""
+    return Rejection(
+        413, "body_too_large",
+        f"the request body is over the {cap}-byte limit of this server on all "
+        "request bodies held at once ([gateway] max_body_bytes_in_flight); "
+        "send a smaller body")
 
 
 class Intake:
@@ -117,8 +131,10 @@ class Intake:
         return Body(self.budget)
 
     async def read(self, request: web.Request, body: Body) -> bytes | Rejection:
-        """The body, or its refusal (its bytes given back at once, before close_with drops the rest of it)."""
-        got = await body.read(request, self.g.max_body_bytes, self.g.body_timeout_s, self.g.retry_after_s)
+        """The body, or its refusal (its bytes given back at once, before close_with drops the
+        rest of it)."""
+        got = await body.read(request, self.g.max_body_bytes, self.g.body_timeout_s,
+                              self.g.retry_after_s)
         if isinstance(got, Rejection):
             body.release()
         return got
@@ -134,21 +150,25 @@ class Intake:
         self.parser.close()
 
 
-async def close_with(answer: web.Response, request: web.Request, linger_s: float = LINGER_S) -> web.Response:
+async def close_with(answer: web.Response, request: web.Request,
+                     linger_s: float = LINGER_S) -> web.Response:
     """Send ``answer`` and close the connection once the client has had the time to read it.
 
-    A socket closed with bytes of the client's still unread makes the kernel send a reset, which destroys the
-    answer on its way if the client has not read it yet; most clients write their whole body before they read,
-    and saw a bare reset and no status line. So, like nginx's and Apache's lingering close, the rest of the body
-    is read and dropped (never held, never counted) for at most ``linger_s`` (LINGER_IDLE_S without a byte ends it:
-    nginx's lingering_time and lingering_timeout), then the connection is closed."""
+    A socket closed with bytes of the client's still unread makes the kernel send a reset, which
+    destroys the answer on its way if the client has not read it yet; most clients write their
+    whole body before they read, and saw a bare reset and no status line. So, like nginx's and
+    Apache's lingering close, the rest of the body is read and dropped (never held, never
+    counted) for at most ``linger_s`` (LINGER_IDLE_S without a byte ends it: nginx's
+    lingering_time and lingering_timeout), then the connection is closed."""
     answer.force_close()
     await answer.prepare(request)
     await answer.write_eof()
     deadline = asyncio.get_running_loop().time() + linger_s
-    with contextlib.suppress(Exception):  # a timeout, a reset or a malformed rest of body: close now
+    # a timeout, a reset or a malformed rest of body: close now
+    with contextlib.suppress(Exception):
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            async with asyncio.timeout(min(left, LINGER_IDLE_S)):  # a client that went quiet is not writing
+            # a client that went quiet is not writing
+            async with asyncio.timeout(min(left, LINGER_IDLE_S)):
                 if not await request.content.readany():
                     break
     if request.transport is not None:

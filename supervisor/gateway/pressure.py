@@ -23,8 +23,9 @@ log = structlog.get_logger("supervisor.gateway")
 
 
 class PressureWatch:
-    def __init__(self, cfg: GatewayConfig, host: Host, client: EngineClient, devices: Sequence[Device] | None,
-                 ours: Callable[[], set[int]], serving: Callable[[], bool], busy: Callable[[], bool],
+    def __init__(self, cfg: GatewayConfig, host: Host, client: EngineClient,
+                 devices: Sequence[Device] | None, ours: Callable[[], set[int]],
+                 serving: Callable[[], bool], busy: Callable[[], bool],
                  on_change: Callable[[admission.Pressure | None], None]) -> None:
         self.configure(cfg)
         self.host, self.client, self.devices = host, client, devices

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONTINUABLE_ROUTES = ("completions", "chat")
-REASONING = ("reasoning", "reasoning_content")  # a chat delta's reasoning text, in vLLM's newer and older names
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-          "structured_outputs", "response_format", "json_schema")
+# a chat delta's reasoning text, in vLLM's newer and older names
+REASONING = ("reasoning", "reasoning_content")
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "guided_decoding_backend", "structured_outputs", "response_format", "json_schema")
 
 
 def not_continuable(route: str | None, doc: Any) -> str | None:
@@ -36,7 +37,8 @@ def not_continuable(route: str | None, doc: Any) -> str | None:
         return "echo"
     for key in GUIDED:
         value = doc.get(key)
-        if value and not (key == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+        if value and not (key == "response_format" and isinstance(value, dict)
+                          and value.get("type") == "text"):
             return f"guided decoding ({key}): the grammar's state would be lost"
     if doc.get("tools") or doc.get("functions"):
         return "tools"
@@ -72,15 +74,17 @@ class StreamState:
     created: int | None = None
     text: list[str] = field(default_factory=list)
     tokens: int = 0  # content chunks received: vLLM sends one per generated token
-    # A chunk with text, reasoning or a tool call has reached the client (before that, the stream is "unsent"):
-    # a reasoning model streams its reasoning for minutes before its first content token, and a tool call may
-    # come with no content at all; held, neither would reach the client before it ended.
+    # A chunk with text, reasoning or a tool call has reached the client (before that, the stream is
+    # "unsent"): a reasoning model streams its reasoning for minutes before its first content token,
+    # and a tool call may come with no content at all; held, neither would reach the client before
+    # it ended.
     content: bool = False
     finished: bool = False  # a finish_reason was seen
     done: bool = False  # [DONE] was seen
     usage_wanted: bool = False  # the client asked for stream_options.include_usage
     tool_calls: bool = False
-    reasoning: bool = False  # a delta of the model's reasoning (vLLM's `reasoning`, formerly `reasoning_content`)
+    # a delta of the model's reasoning (vLLM's `reasoning`, formerly `reasoning_content`)
+    reasoning: bool = False
     resumed: int = 0  # continuations so far
     tokens_before_resume: int = 0  # tokens generated before the current continuation began
     pending: bytes = b""  # an event not yet complete
@@ -151,7 +155,8 @@ def is_done(event: bytes) -> bool:
 
 
 def _piece(choice: dict[str, Any]) -> str | None:
-    """The text a choice carries (a completion's ``text``, a chat delta's ``content``), None for a role chunk."""
+    """The text a choice carries (a completion's ``text``, a chat delta's ``content``), None for
+    a role chunk."""
     if "text" in choice and isinstance(choice["text"], str):
         return choice["text"]
     delta = choice.get("delta")
@@ -164,7 +169,8 @@ def _piece(choice: dict[str, Any]) -> str | None:
 
 @dataclass(frozen=True)
 class Continuation:
-    """What a cut stream's request allows: the body that continues it, or why it cannot be continued."""
+    """What a cut stream's request allows: the body that continues it, or why it cannot be
+    continued."""
 
     body: bytes | None
     why_not: str | None
@@ -172,15 +178,17 @@ class Continuation:
 
 
 def continue_request(body: bytes, state: StreamState) -> Continuation:
-    """From the client's original ``body``: the request that continues ``state`` on a new engine (pure; the
-    gateway runs it in its parser pool for a big body, like every parse of a client's body)."""
+    """From the client's original ``body``: the request that continues ``state`` on a new engine
+    (pure; the gateway runs it in its parser pool for a big body, like every parse of a
+    client's body)."""
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError):
         doc = None
     usage = isinstance(doc, dict) and bool((doc.get("stream_options") or {}).get("include_usage"))
-    why = not_continuable(state.route, doc) or ("tool calls" if state.tool_calls else None) \
-        or ("reasoning output: the next engine cannot be handed the reasoning so far" if state.reasoning else None)
+    why = (not_continuable(state.route, doc) or ("tool calls" if state.tool_calls else None)
+           or ("reasoning output: the next engine cannot be handed the reasoning so far"
+               if state.reasoning else None))
     if why is not None:
         return Continuation(None, why, usage)
     assert isinstance(doc, dict)
@@ -193,7 +201,8 @@ def continuation(doc: dict[str, Any], state: StreamState) -> dict[str, Any]:
     generated = state.tokens
     if state.route == "completions":
         out["prompt"] = doc["prompt"] + state.so_far()
-        out["max_tokens"] = max(1, (whole(doc.get("max_tokens")) or 16) - generated)  # vLLM's default is 16
+        # vLLM's default is 16
+        out["max_tokens"] = max(1, (whole(doc.get("max_tokens")) or 16) - generated)
     else:
         out["messages"] = [*doc["messages"], {"role": "assistant", "content": state.so_far()}]
         out["continue_final_message"] = True
@@ -208,7 +217,8 @@ def continuation(doc: dict[str, Any], state: StreamState) -> dict[str, Any]:
 
 
 def rewrite(event: bytes, state: StreamState, usage_wanted: bool) -> bytes | None:
-    """A continuation's event as part of the first stream; None to drop it (its role chunk, an unwanted usage)."""
+    """A continuation's event as part of the first stream; None to drop it (its role chunk, an
+    unwanted usage)."""
     doc = payload(event)
     if not isinstance(doc, dict) or "error" in doc:
         return event
@@ -237,8 +247,12 @@ def _is_role_only(choice: dict[str, Any]) -> bool:
 
 
 def counted_once(usage: dict[str, Any], state: StreamState) -> dict[str, Any]:
-    """The continuation's usage as the whole stream's: the original prompt, and every token generated."""
+    """The continuation's usage as the whole stream's: the original prompt, and every token
+    generated."""
     earlier = state.tokens_before_resume
     prompt = max(0, int(usage.get("prompt_tokens") or 0) - earlier)
     completion = int(usage.get("completion_tokens") or 0) + earlier
-    return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        **usage, "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion
+    }

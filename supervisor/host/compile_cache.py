@@ -1,12 +1,14 @@
-"""What vLLM's own torch.compile cache holds, as the supervisor compiled it: a note in each of its directories.
+"""What vLLM's own torch.compile cache holds, as the supervisor compiled it: a note in each of its
+directories.
 
-``compiled.json`` lives in the state directory: a new or lost one (a second supervisor on the host, a state volume
-replaced, a reboot onto a fresh disk) knew nothing, and a first start compiled again what vLLM's cache held
-(222 s on the H200). vLLM names a rung's directory by a hash of its config, which the supervisor cannot compute
-without importing vLLM, but each start says which directory it uses ("Using cache directory: ... for vLLM's
-torch.compile"). After that start reached /health, a note (``vllm-supervisor.json``: the engine and the rung) is
-put beside vLLM's files there; a supervisor reads every note whose directory still holds vLLM's files, so the
-cache is the record: a directory removed takes its note with it.
+``compiled.json`` lives in the state directory: a new or lost one (a second supervisor on the host,
+a state volume replaced, a reboot onto a fresh disk) knew nothing, and a first start compiled again
+what vLLM's cache held (222 s on the H200). vLLM names a rung's directory by a hash of its config,
+which the supervisor cannot compute without importing vLLM, but each start says which directory it
+uses ("Using cache directory: ... for vLLM's torch.compile"). After that start reached /health, a
+note (``vllm-supervisor.json``: the engine and the rung) is put beside vLLM's files there; a
+supervisor reads every note whose directory still holds vLLM's files, so the cache is the record: a
+directory removed takes its note with it.
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ from supervisor.host import files
 log = structlog.get_logger("supervisor.host.compile_cache")
 NOTE = "vllm-supervisor.json"
 SUBDIR = "torch_compile_cache"
-AOT = "torch_aot_compile"  # vLLM's AOT compile (VLLM_USE_AOT_COMPILE): <root>/torch_compile_cache/<AOT>/<hash>
-# The directory a start uses, in vLLM's words: its compile cache, or its AOT compile's (vLLM 0.32: saved after a
-# compile, or loaded; decorators.py).
-USING = re.compile(r"Using cache directory: (\S+) for vLLM's torch\.compile|saved AOT compiled function to (\S+)"
-                   r"|Directly load AOT compilation from path (\S+)")
+# vLLM's AOT compile (VLLM_USE_AOT_COMPILE): <root>/torch_compile_cache/<AOT>/<hash>
+AOT = "torch_aot_compile"
+# The directory a start uses, in vLLM's words: its compile cache, or its AOT compile's (vLLM 0.32:
+# saved after a compile, or loaded; decorators.py).
+USING = re.compile(
+    r"Using cache directory: (\S+) for vLLM's torch\.compile|saved AOT compiled function to (\S+)"
+    r"|Directly load AOT compilation from path (\S+)")
 
 
 def root(env: Mapping[str, str]) -> Path:
-    """vLLM's cache root in the engine's environment (vllm/envs.py: VLLM_CACHE_ROOT, else XDG_CACHE_HOME/vllm, else
-    ~/.cache/vllm)."""
+    """vLLM's cache root in the engine's environment (vllm/envs.py: VLLM_CACHE_ROOT, else
+    XDG_CACHE_HOME/vllm, else ~/.cache/vllm)."""
     if env.get("VLLM_CACHE_ROOT"):
         return Path(os.path.expanduser(env["VLLM_CACHE_ROOT"]))
     home = env.get("HOME") or os.path.expanduser("~")
@@ -47,8 +51,9 @@ def directory_of(line: str) -> str | None:
 
 
 def rung_dir(used: str, cache_root: Path) -> Path | None:
-    """The rung's own directory (``<root>/torch_compile_cache/<hash>``, or ``.../torch_aot_compile/<hash>``) of what
-    vLLM said it used (``.../<hash>/rank_0_0/backbone``); None for anything outside the cache root."""
+    """The rung's own directory (``<root>/torch_compile_cache/<hash>``, or
+    ``.../torch_aot_compile/<hash>``) of what vLLM said it used
+    (``.../<hash>/rank_0_0/backbone``); None for anything outside the cache root."""
     base = (cache_root / SUBDIR).resolve()
     try:
         rel = Path(os.path.realpath(used)).relative_to(base)
@@ -59,11 +64,14 @@ def rung_dir(used: str, cache_root: Path) -> Path | None:
 
 
 def note(used: str, cache_root: Path, engine_id: str, key: str) -> bool:
-    """Put (or extend) the note beside vLLM's files of one rung; False where it cannot (a warning)."""
+    """Put (or extend) the note beside vLLM's files of one rung; False where it cannot (a
+    warning)."""
     where = rung_dir(used, cache_root)
     if where is None or not where.is_dir():
-        log.warning("compile_cache.not_noted", used=used, root=str(cache_root),
-                    hint="the directory vLLM named is not inside the cache root of the engine's environment")
+        log.warning(
+            "compile_cache.not_noted", used=used, root=str(cache_root),
+            hint="the directory vLLM named is not inside the cache root of the engine's environment"
+        )
         return False
     held = _read(where / NOTE)
     keys = held.setdefault(engine_id, [])
@@ -79,7 +87,8 @@ def note(used: str, cache_root: Path, engine_id: str, key: str) -> bool:
 
 
 def read(cache_root: Path) -> dict[str, list[str]]:
-    """Every note under ``cache_root`` whose directory still holds vLLM's files, merged: {engine id: [rung keys]}."""
+    """Every note under ``cache_root`` whose directory still holds vLLM's files, merged: {engine
+    id: [rung keys]}."""
     out: dict[str, list[str]] = {}
     dirs: list[Path] = []
     for where in (cache_root / SUBDIR, cache_root / SUBDIR / AOT):

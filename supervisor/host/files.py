@@ -26,9 +26,10 @@ def write_private(path: Path, text: str) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """A state file's JSON. Raises FileNotFoundError when it is absent, and OSError or ValueError for any other
-    damage (unreadable, a directory in its place, not UTF-8, not JSON, nested too deep to parse): every caller
-    treats those alike, as a warning, never as a reason not to start."""
+    """A state file's JSON. Raises FileNotFoundError when it is absent, and OSError or ValueError
+    for any other damage (unreadable, a directory in its place, not UTF-8, not JSON, nested
+    too deep to parse): every caller treats those alike, as a warning, never as a reason not
+    to start."""
     try:
         return json.loads(path.read_text())
     except RecursionError:
@@ -36,8 +37,8 @@ def read_json(path: Path) -> Any:
 
 
 def weights_on_disk(model: str) -> int | None:
-    """Bytes of the weights vLLM would load from a local model directory (safetensors when there are any,
-    else .bin / .pt); None when the model is not a local directory with weights."""
+    """Bytes of the weights vLLM would load from a local model directory (safetensors when there
+    are any, else .bin / .pt); None when the model is not a local directory with weights."""
     path = Path(model).expanduser()
     if not is_local_path(model) or not path.is_dir():
         return None

@@ -49,7 +49,8 @@ class Nvml:
     def __init__(self, module: Any = None) -> None:
         self._nvml: Any = None
         self._warned = False
-        self.seen: dict[int, tuple[float, int]] = {}  # device index -> (monotonic time, free bytes) last read
+        # device index -> (monotonic time, free bytes) last read
+        self.seen: dict[int, tuple[float, int]] = {}
         try:
             nv: Any = module
             if nv is None:
@@ -75,7 +76,8 @@ class Nvml:
             raise
         except Exception as exc:  # noqa: BLE001 - NVMLError and anything a broken driver raises
             if getattr(exc, "value", None) == GPU_IS_LOST:
-                raise GpuLost(f"NVML: {exc} (the GPU has fallen off the bus or the driver lost it)") from None
+                raise GpuLost(
+                    f"NVML: {exc} (the GPU has fallen off the bus or the driver lost it)") from None
             if not self._warned:
                 self._warned = True
                 log.warning("gpu.nvml_error", error=f"{type(exc).__name__}: {exc}",
@@ -99,7 +101,8 @@ class Nvml:
                 continue
             mem = nv.nvmlDeviceGetMemoryInfo(h)
             procs: list[tuple[int, int]] = []
-            for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            for getter in ("nvmlDeviceGetComputeRunningProcesses",
+                           "nvmlDeviceGetGraphicsRunningProcesses"):
                 try:
                     for p in getattr(nv, getter)(h):
                         procs.append((int(p.pid), int(p.usedGpuMemory or 0)))
@@ -107,7 +110,8 @@ class Nvml:
                     if getattr(exc, "value", None) == GPU_IS_LOST:
                         raise
                     continue
-            out.append(DeviceSnapshot(index, int(mem.total), int(mem.free), int(mem.used), tuple(procs)))
+            out.append(
+                DeviceSnapshot(index, int(mem.total), int(mem.free), int(mem.used), tuple(procs)))
         return out
 
     def driver_version(self) -> str | None:
@@ -149,8 +153,8 @@ def free_with(s: DeviceSnapshot, ours: Collection[int] = ()) -> int:
 
 def short_of(snaps: Sequence[DeviceSnapshot], fraction: float, headroom: int = 0,
              ours: Collection[int] = ()) -> list[DeviceSnapshot]:
-    """Devices whose free memory (counting ``ours`` as free) is below ``fraction`` of their total plus
-    ``headroom`` bytes.
+    """Devices whose free memory (counting ``ours`` as free) is below ``fraction`` of their total
+    plus ``headroom`` bytes.
 
     vLLM checks free >= fraction x total after its own CUDA context exists, which takes some
     hundreds of MiB that NVML still counts as free now: hence the headroom.
@@ -159,13 +163,15 @@ def short_of(snaps: Sequence[DeviceSnapshot], fraction: float, headroom: int = 0
 
 
 def free_fraction(snaps: Sequence[DeviceSnapshot], ours: Collection[int] = ()) -> float | None:
-    """The smallest free share of any device (counting ``ours`` as free); None without a GPU view."""
+    """The smallest free share of any device (counting ``ours`` as free); None without a GPU
+    view."""
     return min((free_with(s, ours) / s.total for s in snaps if s.total), default=None)
 
 
-async def _poll(nvml: Nvml, devices: Sequence[Device] | None, still: Callable[[list[DeviceSnapshot]], T],
-                timeout_s: float, poll_s: float) -> T:
-    """Snapshot (in a thread) until ``still(snapshot)`` is falsy or ``timeout_s`` passed; its last value."""
+async def _poll(nvml: Nvml, devices: Sequence[Device] | None,
+                still: Callable[[list[DeviceSnapshot]], T], timeout_s: float, poll_s: float) -> T:
+    """Snapshot (in a thread) until ``still(snapshot)`` is falsy or ``timeout_s`` passed; its
+    last value."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     result = still(await asyncio.to_thread(nvml.snapshot, devices))
@@ -175,15 +181,18 @@ async def _poll(nvml: Nvml, devices: Sequence[Device] | None, still: Callable[[l
     return result
 
 
-async def wait_released(nvml: Nvml, pids: Collection[int], timeout_s: float, poll_s: float = 0.25) -> dict[int, int]:
-    """Wait until no PID of ``pids`` holds GPU memory; returns what is still held at the deadline."""
+async def wait_released(nvml: Nvml, pids: Collection[int], timeout_s: float,
+                        poll_s: float = 0.25) -> dict[int, int]:
+    """Wait until no PID of ``pids`` holds GPU memory; returns what is still held at the
+    deadline."""
     if not nvml.available or not pids:
         return {}
     return await _poll(nvml, None, lambda snaps: holders(snaps, pids), timeout_s, poll_s)
 
 
-# Memory "visibly being released": some short device's free memory grew at least this much within the last
-# STEADY_S. A foreign process that holds its memory steady is not waited for: the start adapts instead.
+# Memory "visibly being released": some short device's free memory grew at least this much within
+# the last STEADY_S. A foreign process that holds its memory steady is not waited for: the start
+# adapts instead.
 RELEASE_STEP = 256 * 2**20
 STEADY_S = 1.0
 
@@ -191,9 +200,10 @@ STEADY_S = 1.0
 class Release:
     """Whether the free memory of the short devices still grows (an exiting process letting go).
 
-    ``earlier`` is what the supervisor last read of each device (``Nvml.seen``): the stop's release wait
-    reads the card as the old engine goes, so by the time the restart's backoff is over, a card that has not
-    grown since is known steady, and the start need not watch it for another STEADY_S."""
+    ``earlier`` is what the supervisor last read of each device (``Nvml.seen``): the stop's
+    release wait reads the card as the old engine goes, so by the time the restart's backoff is
+    over, a card that has not grown since is known steady, and the start need not watch it for
+    another STEADY_S."""
 
     def __init__(self, now: float, earlier: Mapping[int, tuple[float, int]] | None = None) -> None:
         self.since = {i: t for i, (t, _) in (earlier or {}).items()}
@@ -216,10 +226,12 @@ class Release:
 
 async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: float, headroom: int,
                     timeout_s: float, poll_s: float = 0.25) -> list[DeviceSnapshot]:
-    """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still short.
+    """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still
+    short.
 
-    Returns early, short, once the shortfall is steady (nothing grew for STEADY_S): memory another process
-    holds is not coming back by waiting, and ``timeout_s`` bounds only a release that is under way."""
+    Returns early, short, once the shortfall is steady (nothing grew for STEADY_S): memory
+    another process holds is not coming back by waiting, and ``timeout_s`` bounds only a release
+    that is under way."""
     if not nvml.available:
         return []
     loop = asyncio.get_running_loop()

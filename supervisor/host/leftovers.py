@@ -21,12 +21,14 @@ from supervisor.host.proctree import Birth, Child
 log = structlog.get_logger("supervisor.state")
 FILENAME = "engine.json"
 PRECOMPILE = "precompile.json"
-SPARE = "spare.json"  # recovery/spare.py: a throwaway kept asleep, apart from the precompile that may follow it
+# recovery/spare.py: a throwaway kept asleep, apart from the precompile that may follow it
+SPARE = "spare.json"
 WHAT = {FILENAME: "engine", PRECOMPILE: "precompile", SPARE: "spare"}
 
 
 def precompile_record(slot: int) -> str:
-    """The record of the ``slot``-th throwaway compiling at once (a start's compile-first runs several)."""
+    """The record of the ``slot``-th throwaway compiling at once (a start's compile-first runs
+    several)."""
     return PRECOMPILE if slot == 0 else f"precompile-{slot}.json"
 
 
@@ -44,7 +46,8 @@ class EngineRecord:
 
 
 def write(state_dir: str | Path, rec: EngineRecord, name: str = FILENAME) -> None:
-    """Record a session; a state directory that cannot be written costs only this record (a warning)."""
+    """Record a session; a state directory that cannot be written costs only this record (a
+    warning)."""
     d = Path(state_dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -57,8 +60,8 @@ def write(state_dir: str | Path, rec: EngineRecord, name: str = FILENAME) -> Non
 
 
 def record(state_dir: str | Path, host: Host, child: Child, name: str = FILENAME) -> None:
-    """Record ``child``'s session under ``name`` (the engine's, a throwaway's, a spare's); a leader already gone
-    costs only this record (a warning)."""
+    """Record ``child``'s session under ``name`` (the engine's, a throwaway's, a spare's); a
+    leader already gone costs only this record (a warning)."""
     try:
         write(state_dir, EngineRecord(child.sid, host.birth(child.pid), os.getpid()), name)
     except psutil.Error as exc:
@@ -66,7 +69,8 @@ def record(state_dir: str | Path, host: Host, child: Child, name: str = FILENAME
 
 
 def read(state_dir: str | Path, name: str = FILENAME) -> EngineRecord | None:
-    """The record, or None when absent or damaged in any way (a warning: nothing is signalled on its word)."""
+    """The record, or None when absent or damaged in any way (a warning: nothing is signalled on
+    its word)."""
     path = Path(state_dir) / name
     try:
         raw = read_json(path)
@@ -78,13 +82,15 @@ def read(state_dir: str | Path, name: str = FILENAME) -> EngineRecord | None:
             born = Birth("", float(raw["create_time"]) - psutil.boot_time())
         rec = EngineRecord(_int(raw["sid"]), born, _int(raw["supervisor_pid"]))
         if rec.sid <= 1 or rec.sid == os.getsid(0) or rec.supervisor_pid <= 0:
-            raise ValueError(f"session {rec.sid} / supervisor {rec.supervisor_pid} cannot be an engine's")
+            raise ValueError(
+                f"session {rec.sid} / supervisor {rec.supervisor_pid} cannot be an engine's")
         return rec
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, OverflowError) as exc:
-        log.warning("state.record_ignored", path=str(path), error=str(exc),
-                    hint="nothing it names is stopped; check for a leftover vLLM by hand (ps -eo pid,sid,cmd)")
+        log.warning(
+            "state.record_ignored", path=str(path), error=str(exc), hint=
+            "nothing it names is stopped; check for a leftover vLLM by hand (ps -eo pid,sid,cmd)")
         return None
 
 

@@ -1,4 +1,5 @@
-"""The public port's connections: how many may be open, and how long one may take to send a request head.
+"""The public port's connections: how many may be open, and how long one may take to send a request
+head.
 
 aiohttp times out neither a connection that never finishes its request head (slowloris) nor caps how
 many are open, so each accepted connection is wrapped: beyond ``max_connections`` it is answered 503
@@ -6,8 +7,8 @@ at once and closed; a connection that has not sent a whole request head within `
 of its first byte (or of its accept) is answered 408 and closed. Idle keep-alive connections are
 aiohttp's own ``keepalive_timeout`` (``idle_timeout_s``); a trickled body is the handler's
 ``body_timeout_s``. Running out of file descriptors at accept is counted, reported at most once a
-second and retried after ``ACCEPT_RETRY_S`` (the accept loop is ours: asyncio's floods the log); nothing
-here raises.
+second and retried after ``ACCEPT_RETRY_S`` (the accept loop is ours: asyncio's floods the log);
+nothing here raises.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from supervisor.config import GatewayConfig
 
 
 def _raw(status: str, code: str, message: str, extra: str = "") -> bytes:
-    """A whole HTTP/1.1 answer written straight to the socket, for a connection aiohttp never sees."""
-    body = json.dumps({"error": {"message": message, "type": "server_error", "code": code}}).encode()
+    """A whole HTTP/1.1 answer written straight to the socket, for a connection aiohttp never
+    sees."""
+    body = json.dumps({"error": {"message": message, "type": "server_error",
+                                 "code": code}}).encode()
     head = (f"HTTP/1.1 {status}\r\n{extra}Connection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n")
     return head.encode() + body
@@ -37,13 +40,15 @@ def _raw(status: str, code: str, message: str, extra: str = "") -> bytes:
 REFUSED = _raw("503 Service Unavailable", "too_many_connections",
                "too many open connections to this server; retry later", "Retry-After: 1\r\n")
 ACCEPT_RETRY_S = 0.5  # after an accept failed for want of descriptors or memory
-HEAD_LATE = _raw("408 Request Timeout", "header_timeout", "the request head did not arrive in time; send it whole")
+HEAD_LATE = _raw("408 Request Timeout", "header_timeout",
+                 "the request head did not arrive in time; send it whole")
 
 
 
 class OncePerSecond:
-    """At most one report per key and second: a storm (429s, failed accepts) must not flood the log or the stream.
-    ``due(key)`` is how many happened since the last report when one is due now, else None."""
+    """At most one report per key and second: a storm (429s, failed accepts) must not flood the
+    log or the stream. ``due(key)`` is how many happened since the last report when one is due
+    now, else None."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -67,7 +72,8 @@ class Limits:
 
     @classmethod
     def of(cls, g: GatewayConfig) -> Limits:
-        return cls(g.max_connections, g.header_timeout_s, g.idle_timeout_s, g.max_connections_per_client)
+        return cls(g.max_connections, g.header_timeout_s, g.idle_timeout_s,
+                   g.max_connections_per_client)
 
 
 @dataclass
@@ -83,7 +89,8 @@ class ConnectionCounts:
 
 
 class GuardedConnection(asyncio.Protocol):
-    """One accepted connection: aiohttp's request handler inside, with the head deadline and the cap outside."""
+    """One accepted connection: aiohttp's request handler inside, with the head deadline and the
+    cap outside."""
 
     def __init__(self, guard: ConnectionGuard) -> None:
         self.guard = guard
@@ -93,7 +100,7 @@ class GuardedConnection(asyncio.Protocol):
         self.peer = ""
         self._deadline: asyncio.TimerHandle | None = None
 
-    # ---- asyncio's protocol, delegated ----------------------------------------------------------------
+    # ---- asyncio's protocol, delegated -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
@@ -144,9 +151,10 @@ class GuardedConnection(asyncio.Protocol):
         if self.inner is not None:
             self.inner.resume_writing()
 
-    # ---- the request head's deadline ------------------------------------------------------------------
+    # ---- the request head's deadline -------------------------------------------------------------
     def head_received(self) -> None:
-        """The handler has a whole request head: the deadline is over until the next request begins."""
+        """The handler has a whole request head: the deadline is over until the next request
+        begins."""
         self.in_request = True
         self._disarm()
 
@@ -174,9 +182,11 @@ class GuardedConnection(asyncio.Protocol):
 
 
 class ConnectionGuard:
-    """Makes a ``GuardedConnection`` per accept, around the handler aiohttp's server would have made."""
+    """Makes a ``GuardedConnection`` per accept, around the handler aiohttp's server would have
+    made."""
 
-    def __init__(self, factory: Callable[[], Any], limits: Limits, refused: Callable[[int, str], None]) -> None:
+    def __init__(self, factory: Callable[[], Any], limits: Limits,
+                 refused: Callable[[int, str], None]) -> None:
         self.factory, self.limits, self.refused = factory, limits, refused
         self.counts = ConnectionCounts()
 
@@ -185,7 +195,8 @@ class ConnectionGuard:
 
 
 def of(request: web.BaseRequest) -> GuardedConnection | None:
-    """The guarded connection a request came on (None outside a guarded site, e.g. in unit tests)."""
+    """The guarded connection a request came on (None outside a guarded site, e.g. in unit
+    tests)."""
     transport = request.transport
     proto = transport.get_protocol() if transport is not None else None
     return proto if isinstance(proto, GuardedConnection) else None
@@ -213,7 +224,8 @@ class GuardedSite(BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
         try:
@@ -259,18 +271,22 @@ class Acceptor:
 
 
 class PublicPort:
-    """The listening side of the gateway: aiohttp's runner, the connection guard and the accept loop.
+    """The listening side of the gateway: aiohttp's runner, the connection guard and the accept
+    loop.
 
-    ``accept_failed(error, count)`` is told at most once a second while accepts fail, with how many failed.
+    ``accept_failed(error, count)`` is told at most once a second while accepts fail, with how many
+    failed.
     """
 
     def __init__(self, app: web.Application, limits: Limits, close_s: float,
                  refused: Callable[[int, str], None], accept_failed: Callable[[str, int], None],
                  clock: Callable[[], float]) -> None:
-        # handler_cancellation: a client that disconnects cancels its handler, which closes the engine request.
-        # shutdown_timeout: a client with a half-sent body holds the exit a few seconds, not aiohttp's 60.
-        # keepalive_timeout: an idle kept-alive connection is closed (aiohttp's default is an hour).
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=close_s,
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the
+        # engine request. shutdown_timeout: a client with a half-sent body holds the exit a few
+        # seconds, not aiohttp's 60. keepalive_timeout: an idle kept-alive connection is closed
+        # (aiohttp's default is an hour).
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                    shutdown_timeout=close_s,
                                     keepalive_timeout=limits.idle_timeout_s)
         self.limits = limits
         self.guard = ConnectionGuard(self._handler, self.limits, refused)
@@ -291,8 +307,10 @@ class PublicPort:
         await self.runner.cleanup()
 
     def configure(self, g: GatewayConfig) -> None:
-        """A reload: the cap and the head deadline apply to the next connection (idle_timeout_s at the next start)."""
-        self.limits.max_connections, self.limits.header_timeout_s = g.max_connections, g.header_timeout_s
+        """A reload: the cap and the head deadline apply to the next connection (idle_timeout_s
+        at the next start)."""
+        self.limits.max_connections = g.max_connections
+        self.limits.header_timeout_s = g.header_timeout_s
         self.limits.per_client = g.max_connections_per_client
 
     def status(self) -> dict[str, int]:
@@ -301,7 +319,8 @@ class PublicPort:
                 "accept_failures": self.accept_failures}
 
     def _failed(self, exc: OSError) -> None:
-        """Out of descriptors (or memory) at accept: the loop waits and tries again; reported once a second."""
+        """Out of descriptors (or memory) at accept: the loop waits and tries again; reported
+        once a second."""
         self.accept_failures += 1
         n = self._reports.due("accept")
         if n is not None:

@@ -27,17 +27,18 @@ STREAM_LIMIT = 4 * 1024 * 1024
 
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
-# Two reads of one process's birth agree to the clock tick; a recycled PID cannot be born within a second
-# of the process it replaces (that one was alive then), and a record of an older supervisor (a wall-clock
-# create time, which moves with the clock) is off by at most about that.
+# Two reads of one process's birth agree to the clock tick; a recycled PID cannot be born within a
+# second of the process it replaces (that one was alive then), and a record of an older supervisor
+# (a wall-clock create time, which moves with the clock) is off by at most about that.
 BIRTH_SLACK_S = 1.0
 
 
 @dataclass(frozen=True)
 class Birth:
-    """When a process was born, as seconds since this boot: unlike psutil's wall-clock create time
-    (boot time read from /proc/stat each call, which moves with clock steps), two supervisors read the same
-    value, so a record written by one identifies the session for the next."""
+    """When a process was born, as seconds since this boot: unlike psutil's wall-clock create
+    time (boot time read from /proc/stat each call, which moves with clock steps), two
+    supervisors read the same value, so a record written by one identifies the session for the
+    next."""
 
     boot_id: str
     since_boot_s: float
@@ -52,7 +53,8 @@ def boot_id() -> str:
 
 
 def since_boot_s(pid: int) -> float:
-    """/proc/PID/stat's start time (field 22, clock ticks since boot); psutil offers it only as wall time."""
+    """/proc/PID/stat's start time (field 22, clock ticks since boot); psutil offers it only as
+    wall time."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
     return int(stat[stat.rindex(b")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
@@ -110,7 +112,8 @@ class Child:
 
 
 async def spawn(argv: Sequence[str], env: Mapping[str, str], stdin: bool = False) -> Child:
-    """Start ``argv`` in a new session with piped output; stdin a pipe only when asked (a standby's order)."""
+    """Start ``argv`` in a new session with piped output; stdin a pipe only when asked (a
+    standby's order)."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
         env=dict(env),
@@ -158,7 +161,8 @@ def _ours(pgid: int) -> bool:
 
 def _signal_group(pgid: int, sig: signal.Signals) -> bool:
     if _ours(pgid):
-        log.error("engine.signal_refused", pgid=pgid, signal=sig.name, hint="never the supervisor's own or init's")
+        log.error("engine.signal_refused", pgid=pgid, signal=sig.name,
+                  hint="never the supervisor's own or init's")
         return False
     try:
         os.killpg(pgid, sig)
@@ -181,7 +185,8 @@ def _alive(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-async def _wait_gone(procs: list[psutil.Process], timeout: float, poll: float = 0.02) -> list[psutil.Process]:
+async def _wait_gone(procs: list[psutil.Process], timeout: float,
+                     poll: float = 0.02) -> list[psutil.Process]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     alive = _alive(procs)
@@ -205,13 +210,14 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
                        born: Birth | None = None) -> tuple[list[int], list[int], list[int]]:
     """SIGTERM every process of session ``sid``, wait ``grace_s``, SIGKILL the rest, sweep again.
 
-    Returns (pids seen, pids that needed SIGKILL, survivors). ``born`` (the session leader's birth, when the
-    session is known only from a record) keeps a recycled session id from taking down processes that are not
-    ours: after a reboot nothing of it is left; a live leader born at another time leads another session;
-    no member can be older than its leader.
+    Returns (pids seen, pids that needed SIGKILL, survivors). ``born`` (the session leader's birth,
+    when the session is known only from a record) keeps a recycled session id from taking down
+    processes that are not ours: after a reboot nothing of it is left; a live leader born at another
+    time leads another session; no member can be older than its leader.
     """
     if _ours(sid):
-        log.error("engine.stop_refused", sid=sid, hint="session 0, 1 or the supervisor's own is never an engine's")
+        log.error("engine.stop_refused", sid=sid,
+                  hint="session 0, 1 or the supervisor's own is never an engine's")
         return [], [], []
     this_boot = boot_id()
     if born is not None and born.boot_id and this_boot and born.boot_id != this_boot:
@@ -238,9 +244,10 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
         seen |= {p.pid for p in left}
         if left:
             killed = [p.pid for p in left]
-            # With no grace asked for (a dead engine's settled verdict), SIGKILL is the plan, not an escalation.
-            (log.warning if grace_s > 0 else log.info)("engine.stop_escalated", signal="SIGKILL", pids=killed,
-                                                       grace_s=grace_s)
+            # With no grace asked for (a dead engine's settled verdict), SIGKILL is the plan, not an
+            # escalation.
+            (log.warning if grace_s > 0 else log.info)("engine.stop_escalated", signal="SIGKILL",
+                                                       pids=killed, grace_s=grace_s)
             _signal_group(sid, signal.SIGKILL)
             for p in left:
                 with contextlib.suppress(psutil.Error):
@@ -266,4 +273,5 @@ async def terminate_tree(child: Child, grace_s: float, kill_wait_s: float) -> St
     child.known_pids.update(seen)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(child.wait_exit(), timeout=max(kill_wait_s, 1.0))
-    return StopReport(tuple(sorted(child.known_pids)), tuple(killed), tuple(survivors), child.proc.returncode)
+    return StopReport(tuple(sorted(child.known_pids)), tuple(killed), tuple(survivors),
+                      child.proc.returncode)

@@ -36,7 +36,8 @@ class RealHost:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
-    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], stdin: bool = False) -> Child:
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
+                    stdin: bool = False) -> Child:
         return await proctree.spawn(argv, env, stdin)
 
     async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
@@ -45,12 +46,14 @@ class RealHost:
     def birth(self, pid: int) -> Birth:
         return proctree.birth(pid)
 
-    async def stop_leftover(self, sid: int, born: Birth, grace_s: float, kill_wait_s: float) -> list[int]:
+    async def stop_leftover(self, sid: int, born: Birth, grace_s: float,
+                            kill_wait_s: float) -> list[int]:
         seen, _, _ = await proctree.stop_session(sid, grace_s, kill_wait_s, born=born)
         return seen
 
     def session_pids(self, sid: int) -> list[int]:
-        """The live members of session ``sid`` (an engine's whole tree: its API server, EngineCore, workers)."""
+        """The live members of session ``sid`` (an engine's whole tree: its API server,
+        EngineCore, workers)."""
         return sorted(p.pid for p in proctree.session_members(sid))
 
     def tree_pids(self, child: Child) -> set[int]:

@@ -1,11 +1,11 @@
 """Reaping what the engine leaves behind when the supervisor is PID 1 (a container's main process).
 
-An orphan of the engine's session (its EngineCore, a worker, whatever they started) is re-parented to
-PID 1, and there it stays a zombie unless PID 1 reaps it: a container whose main process never reaps
-fills its PID table. The supervisor reaps only such orphans: zombie children that are members, not
-leaders, of a session other than its own. Its own children (the engine's session leader, standbys,
-command hooks, the parser pool, py-spy) are reaped by whatever started them (asyncio, multiprocessing),
-which a blanket ``waitpid(-1)`` would break by stealing their exit statuses.
+An orphan of the engine's session (its EngineCore, a worker, whatever they started) is re-parented
+to PID 1, and there it stays a zombie unless PID 1 reaps it: a container whose main process never
+reaps fills its PID table. The supervisor reaps only such orphans: zombie children that are members,
+not leaders, of a session other than its own. Its own children (the engine's session leader,
+standbys, command hooks, the parser pool, py-spy) are reaped by whatever started them (asyncio,
+multiprocessing), which a blanket ``waitpid(-1)`` would break by stealing their exit statuses.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ REAP_S = 1.0
 
 
 async def keep_reaping() -> None:
-    """As PID 1: reap the engine's orphans every second (a container's PID table never fills with them)."""
+    """As PID 1: reap the engine's orphans every second (a container's PID table never fills with
+    them)."""
     while True:
         reap_orphans()
         await asyncio.sleep(REAP_S)

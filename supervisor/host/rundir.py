@@ -1,4 +1,5 @@
-"""The per-supervisor run directory (event sockets, logging configs, standby files), and its leftovers.
+"""The per-supervisor run directory (event sockets, logging configs, standby files), and its
+leftovers.
 
 It lives in systemd's ``RuntimeDirectory=`` when there is one (private, removed with the unit), else
 in the temporary directory. Its name carries the supervisor's PID, so that the next supervisor can
@@ -20,23 +21,28 @@ log = structlog.get_logger("supervisor.state")
 PREFIX = "vllm-supervisor-"
 NAME = re.compile(rf"{PREFIX}(\d+)-\w+")
 SOCKET_PATH_MAX = 107  # AF_UNIX's sun_path: 108 bytes, its NUL included
-# The longest path inside a run directory: a second engine's events socket (recovery/throwaway.work_name).
+# The longest path inside a run directory: a second engine's events socket
+# (recovery/throwaway.work_name).
 LONGEST_INSIDE = len("/precompile-0123456789ab/events.sock")
-MADE_NAME = len(f"{PREFIX}4194304-abcdefgh")  # the largest PID Linux hands out, mkdtemp's 8 characters
+# the largest PID Linux hands out, mkdtemp's 8 characters
+MADE_NAME = len(f"{PREFIX}4194304-abcdefgh")
 
 
 def parent() -> Path:
-    """systemd's RuntimeDirectory= when there is one, else the temporary directory; a RuntimeDirectory too deep for
-    the event sockets inside it is passed over (a warning), for an engine whose socket cannot be bound goes
-    unheard."""
+    """systemd's RuntimeDirectory= when there is one, else the temporary directory; a
+    RuntimeDirectory too deep for the event sockets inside it is passed over (a warning), for
+    an engine whose socket cannot be bound goes unheard."""
     runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
     if runtime and fits(Path(runtime)):
         return Path(runtime)
     if runtime:
-        log.warning("state.runtime_directory_too_deep", path=runtime, max_bytes=SOCKET_PATH_MAX - MADE_NAME
-                    - LONGEST_INSIDE - 1, using=tempfile.gettempdir(),
-                    hint="the engines' event sockets must fit AF_UNIX's 108 bytes: give RuntimeDirectory= a shorter "
-                         "name")
+        log.warning(
+            "state.runtime_directory_too_deep", path=runtime,
+            max_bytes=SOCKET_PATH_MAX - MADE_NAME - LONGEST_INSIDE - 1, using=tempfile.gettempdir(),
+            hint=
+            "the engines' event sockets must fit AF_UNIX's 108 bytes: give RuntimeDirectory= a "
+            "shorter "
+            "name")
     return Path(tempfile.gettempdir())
 
 

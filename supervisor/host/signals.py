@@ -1,5 +1,5 @@
-"""The signals the supervisor answers: SIGTERM and SIGINT stop it, SIGHUP reloads its config. The handlers only
-enqueue; the loop acts."""
+"""The signals the supervisor answers: SIGTERM and SIGINT stop it, SIGHUP reloads its config. The
+handlers only enqueue; the loop acts."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """One supervisor per state directory.
 
-Two supervisors on one state directory (two ``@`` instances left at the default ``[state] dir``) would
-each read the other's engine record as a dead supervisor's leftover, stop the other's serving engine
-and take its control socket. So ``run`` takes an exclusive ``flock`` on the directory itself before it
-reads or touches anything there, and holds it for its life: the kernel drops it when the process ends,
-SIGKILL included, so there is no stale lock to clean up. A lock on the directory (not a file in it)
-works on a read-only state directory too.
+Two supervisors on one state directory (two ``@`` instances left at the default ``[state] dir``)
+would each read the other's engine record as a dead supervisor's leftover, stop the other's serving
+engine and take its control socket. So ``run`` takes an exclusive ``flock`` on the directory itself
+before it reads or touches anything there, and holds it for its life: the kernel drops it when the
+process ends, SIGKILL included, so there is no stale lock to clean up. A lock on the directory (not
+a file in it) works on a read-only state directory too.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ class StateDirBusy(Exception):
 
 
 def acquire(state_dir: str | Path) -> int | None:
-    """Lock ``state_dir`` for this process (the returned descriptor must stay open); None when the directory
-    cannot be made or opened (the supervisor reports that where it first writes there). Raises StateDirBusy."""
+    """Lock ``state_dir`` for this process (the returned descriptor must stay open); None when
+    the directory cannot be made or opened (the supervisor reports that where it first writes
+    there). Raises StateDirBusy."""
     path = Path(state_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -36,9 +37,11 @@ def acquire(state_dir: str | Path) -> int | None:
     except BlockingIOError:
         os.close(fd)
         holder = _holder(path)
-        raise StateDirBusy(f"another vllm-supervisor{holder} runs with the state directory {path}: each supervisor "
-                           "needs its own [state] dir (e.g. /var/lib/vllm-supervisor/<instance>); nothing was "
-                           "touched") from None
+        raise StateDirBusy(
+            f"another vllm-supervisor{holder} runs with the state directory {path}: each "
+            "supervisor "
+            "needs its own [state] dir (e.g. /var/lib/vllm-supervisor/<instance>); nothing was "
+            "touched") from None
     with contextlib.suppress(OSError):
         (path / PID_FILE).write_text(f"{os.getpid()}\n")
     return fd

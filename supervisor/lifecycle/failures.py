@@ -1,6 +1,6 @@
-"""A failure, from its detection to the policy's decision: the outage it opens, who caused it (the gateway), the
-policy's judgement, the incident bundle, and what is remembered of it. The state and the profile it changes are
-the lifecycle's to write."""
+"""A failure, from its detection to the policy's decision: the outage it opens, who caused it
+(the gateway), the policy's judgement, the incident bundle, and what is remembered of it. The
+state and the profile it changes are the lifecycle's to write."""
 
 from __future__ import annotations
 
@@ -24,21 +24,26 @@ from supervisor.profile import Profile
 class Failures:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], policy: Policy,
                  tally: Tally, front: Front | None) -> None:
-        self.cfg, self.host, self.publish, self.policy, self.front = cfg, host, publish, policy, front
+        self.cfg, self.host, self.publish = cfg, host, publish
+        self.policy, self.front = policy, front
         self.tally, self.remembered = tally, tally.remembered
 
     def detected(self, trigger: Trigger, state: EngineState) -> None:
-        """An unplanned end was detected: an outage is under way from it (or from the start it interrupted)."""
-        self.publish(FailureDetected(at=self.host.wall(), trigger=trigger.kind, evidence=trigger.evidence,
-                                     state=state))
+        """An unplanned end was detected: an outage is under way from it (or from the start it
+        interrupted)."""
+        self.publish(
+            FailureDetected(at=self.host.wall(), trigger=trigger.kind, evidence=trigger.evidence,
+                            state=state))
         if self.tally.outage is None:
             self.tally.outage = Outage(trigger.at_mono)
         if self.tally.outage.first_failure is None:
             self.tally.outage.first_failure = trigger.at_mono
 
-    async def judge(self, verdict: Verdict, before: Profile, served_s: float, detected_after: float) -> Decision:
-        """The stopped run's verdict judged at profile ``before`` (READY ``served_s``): the gateway's blame, the
-        policy's decision, the incident bundle, the failure remembered and published."""
+    async def judge(self, verdict: Verdict, before: Profile, served_s: float,
+                    detected_after: float) -> Decision:
+        """The stopped run's verdict judged at profile ``before`` (READY ``served_s``): the
+        gateway's blame, the policy's decision, the incident bundle, the failure remembered
+        and published."""
         trigger, found = verdict.trigger, verdict.failure
         assert found is not None
         at_floor = floor_of(before, self.cfg.ladder) == before
@@ -46,22 +51,28 @@ class Failures:
             await self.front.blame(found.kind, found.suspect_request, at_floor, before.chunk())
         decision = self.policy.judge(found, before, self.host.monotonic(), blame, served_s)
         failure = decision.failure
-        path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before, decision.profile,
-                                    decision.reason, detected_after)
-        self.remembered.last_failure = {**failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
-                                        "phase": verdict.phase.value, "profile": before.knobs(),
-                                        **({"incident": path} if path else {})}
-        self.publish(FailureClassified(at=self.host.wall(), kind=failure.kind, evidence=failure.evidence,
-                                       trigger=trigger.kind, phase=verdict.phase, returncode=verdict.returncode,
-                                       suspect_request=failure.suspect_request, failure=failure, incident=path,
-                                       named_by_vllm=failure.suspect_request is not None,
-                                       at_floor=at_floor, chunk=before.chunk(), caused_by_request=blame.proven))
+        path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before,
+                                    decision.profile, decision.reason, detected_after)
+        self.remembered.last_failure = {
+            **failure.as_dict(), "detected_at": trigger.at, "trigger": trigger.kind.value,
+            "phase": verdict.phase.value, "profile": before.knobs(),
+            **({"incident": path} if path else {})
+        }
+        self.publish(
+            FailureClassified(at=self.host.wall(), kind=failure.kind, evidence=failure.evidence,
+                              trigger=trigger.kind, phase=verdict.phase,
+                              returncode=verdict.returncode,
+                              suspect_request=failure.suspect_request, failure=failure,
+                              incident=path, named_by_vllm=failure.suspect_request is not None,
+                              at_floor=at_floor, chunk=before.chunk(),
+                              caused_by_request=blame.proven))
         return decision
 
     def gave_up(self, decision: Decision) -> None:
         """The policy's FATAL: published, and remembered until a later supervisor is READY."""
-        self.publish(Fatal(at=self.host.wall(), reason=decision.reason, exit_code=int(decision.exit_code),
-                           failure=decision.failure))
+        self.publish(
+            Fatal(at=self.host.wall(), reason=decision.reason, exit_code=int(decision.exit_code),
+                  failure=decision.failure))
         self.remembered.gave_up(decision, self.host.wall())
 
     def restarting(self) -> None:
@@ -69,13 +80,15 @@ class Failures:
         self.remembered.restarts_total += 1
 
 
-async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], None], verdict: Verdict,
-                         failure: Failure, before: Profile, after: Profile, decision: str,
-                         detected_after: float) -> str | None:
-    """The incident bundle in the state directory; its path, or None (and an event) when it cannot be written."""
+async def write_incident(cfg: Config, host: Host, publish: Callable[[Event], None],
+                         verdict: Verdict, failure: Failure, before: Profile, after: Profile,
+                         decision: str, detected_after: float) -> str | None:
+    """The incident bundle in the state directory; its path, or None (and an event) when it
+    cannot be written."""
     try:
         gpu: Any = [s.as_dict() for s in await host.gpu_snapshot()]
     except GpuLost as exc:
         gpu = {"error": str(exc)}
     bundle = incident.bundle(verdict, failure, before, after, decision, detected_after, gpu)
-    return incident.keep(cfg.state.dir, failure.kind.value, bundle, cfg.engine.secrets(), publish, host.wall)
+    return incident.keep(cfg.state.dir, failure.kind.value, bundle, cfg.engine.secrets(), publish,
+                         host.wall)

@@ -8,8 +8,9 @@ from supervisor.engine_states import Blame, FailureKind
 
 
 class Front(Protocol):
-    """What the lifecycle asks of the gateway: drain before a planned stop, take what is at the engine as it stops
-    (told synchronously, before the state is written), who caused a death, whether clients are at the engine."""
+    """What the lifecycle asks of the gateway: drain before a planned stop, take what is at the
+    engine as it stops (told synchronously, before the state is written), who caused a death,
+    whether clients are at the engine."""
 
     async def drain(self, why: str) -> None: ...
     def stopping(self, planned: bool) -> None: ...

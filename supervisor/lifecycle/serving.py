@@ -1,5 +1,6 @@
-"""The READY period: what its beginning records (the start's time, the outage it ends), then while READY the stable
-period noted, idleness published, and the climb back one rung when it is due."""
+"""The READY period: what its beginning records (the start's time, the outage it ends), then
+while READY the stable period noted, idleness published, and the climb back one rung when it
+is due."""
 
 from __future__ import annotations
 
@@ -16,17 +17,20 @@ from supervisor.lifecycle.ports import Front
 from supervisor.lifecycle.records import Serving, Tally
 from supervisor.profile import Knob, Profile
 
-News = tuple[tuple[FailureKind | None, float] | None, bool]  # the outage it ends (kind, seconds), a slower start
+# the outage it ends (kind, seconds), a slower start
+News = tuple[tuple[FailureKind | None, float] | None, bool]
 
 
 class ReadyPeriod:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], policy: Policy,
                  tally: Tally, front: Front | None) -> None:
-        self.cfg, self.host, self.publish, self.policy, self.front = cfg, host, publish, policy, front
+        self.cfg, self.host, self.publish = cfg, host, publish
+        self.policy, self.front = policy, front
         self.tally, self.remembered = tally, tally.remembered
 
     def begin(self, ready: Ready) -> News:
-        """Before WARMING -> READY is written: the start's time noted, the period begun, the outage ended."""
+        """Before WARMING -> READY is written: the start's time noted, the period begun, the
+        outage ended."""
         now, tally = self.host.monotonic(), self.tally
         slower = self.remembered.note_start(float(ready.timings.get("start_to_ready_s") or 0.0))
         tally.last_ready, tally.serving = ready, Serving(now)
@@ -36,20 +40,21 @@ class ReadyPeriod:
         return recovered, slower
 
     def began(self, news: News, profile: Profile) -> bool:
-        """After READY is published: the recovery it ends; True when what is remembered changed (a slower start, a
-        recovery, or an earlier supervisor's FATAL that is over now)."""
+        """After READY is published: the recovery it ends; True when what is remembered changed
+        (a slower start, a recovery, or an earlier supervisor's FATAL that is over now)."""
         recovered, slower = news
         if recovered is not None:
-            self.publish(Recovered(at=self.host.wall(), kind=recovered[0], recovered_after_s=recovered[1],
-                                   profile=profile))
+            self.publish(
+                Recovered(at=self.host.wall(), kind=recovered[0], recovered_after_s=recovered[1],
+                          profile=profile))
         if recovered is None and not slower and self.remembered.fatal is None:
             return False
         self.remembered.fatal = None
         return True
 
     async def tick(self, run: EngineRun, profile: Profile) -> None:
-        """Level-triggered checks while READY: a stable period, idleness, and the climb back one rung (the run is
-        asked to end with the climb's target)."""
+        """Level-triggered checks while READY: a stable period, idleness, and the climb back one
+        rung (the run is asked to end with the climb's target)."""
         serving = self.tally.serving
         assert serving is not None
         ready_for = self.host.monotonic() - serving.since
@@ -70,7 +75,8 @@ class ReadyPeriod:
         run.end(TriggerKind.CLIMB, f"stable for {ready_for:.0f}s", target=target)
 
     async def _room_for(self, target: Profile, profile: Profile, ours: set[int]) -> bool:
-        """A utilization lowered for another process's memory climbs back only once that memory is free."""
+        """A utilization lowered for another process's memory climbs back only once that memory
+        is free."""
         util = target.effective(Knob.GPU_MEMORY_UTILIZATION)
         if util is None or util <= (profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0):
             return True

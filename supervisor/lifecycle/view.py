@@ -1,4 +1,5 @@
-"""The lifecycle's part of /status: the state, the profile, the counts, the engine's pid and startup step."""
+"""The lifecycle's part of /status: the state, the profile, the counts, the engine's pid and
+startup step."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ def status(lc: Lifecycle) -> dict[str, Any]:
     now, cfg = lc.host.monotonic(), lc.cfg
     run, last = lc.run, lc.tally.last_ready
     warming = lc.state_since if lc.state is S.WARMING else None
-    run_status = run.status(warming) if run else {"engine_pid": None, "phase": None, "startup": None,
-                                                   "engine_version": None}
+    run_status = run.status(warming) if run else {
+        "engine_pid": None, "phase": None, "startup": None, "engine_version": None
+    }
     if lc.state not in (S.STARTING, S.WARMING):
         run_status["startup"] = None
     return {

@@ -1,4 +1,5 @@
-"""The control channel: `vllm-supervisor restart|reset-profile|reload` talk to the running supervisor.
+"""The control channel: `vllm-supervisor restart|reset-profile|reload` talk to the running
+supervisor.
 
 A Unix stream socket in the state directory, mode 0600, and every peer's credentials checked
 (SO_PEERCRED): only the supervisor's own user (or root) may use it. One JSON line in
@@ -41,7 +42,8 @@ class ControlServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        """Listen on the socket; a state directory that cannot hold it costs the commands, never the service."""
+        """Listen on the socket; a state directory that cannot hold it costs the commands, never
+        the service."""
         old = os.umask(0o177)  # created 0600: no window in which another user could connect
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,9 +51,10 @@ class ControlServer:
             self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
             os.chmod(self.path, 0o600)
         except OSError as exc:
-            log.error("control.unavailable", path=str(self.path), error=str(exc),
-                      hint="reload, restart and quarantine clear need it: make the state directory writable; "
-                           "SIGHUP still reloads")
+            log.error(
+                "control.unavailable", path=str(self.path), error=str(exc), hint=
+                "reload, restart and quarantine clear need it: make the state directory writable; "
+                "SIGHUP still reloads")
         finally:
             os.umask(old)
 
@@ -61,7 +64,8 @@ class ControlServer:
             uid = peer_uid(sock)
             if uid not in (os.getuid(), 0):
                 log.warning("control.refused", peer_uid=uid)
-                await self._answer(writer, False, "refused: only the supervisor's own user may control it")
+                await self._answer(writer, False,
+                                   "refused: only the supervisor's own user may control it")
                 return
             try:
                 line = await asyncio.wait_for(reader.readline(), 5.0)
@@ -70,10 +74,13 @@ class ControlServer:
                 arg = doc.get("arg")
                 arg = str(arg) if arg is not None else None
             except (TimeoutError, ValueError, KeyError, TypeError):
-                await self._answer(writer, False, 'send one JSON line: {"command": "restart|reset-profile|reload"}')
+                await self._answer(
+                    writer, False,
+                    'send one JSON line: {"command": "restart|reset-profile|reload"}')
                 return
             if command not in COMMANDS:
-                await self._answer(writer, False, f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
+                await self._answer(writer, False,
+                                   f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
                 return
             log.info("control.command", command=command, peer_uid=uid)
             ok, message = await self.handler(command, arg)
@@ -94,7 +101,8 @@ class ControlServer:
                 self.path.unlink(missing_ok=True)
 
 
-def send(path: Path, command: str, timeout: float = 30.0, arg: str | None = None) -> dict[str, object]:
+def send(path: Path, command: str, timeout: float = 30.0,
+         arg: str | None = None) -> dict[str, object]:
     """Send one command to a running supervisor (blocking; for the CLI)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)

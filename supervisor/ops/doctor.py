@@ -1,9 +1,10 @@
-"""`vllm-supervisor doctor`: what on this host would stop, slow or blind a supervised engine, found before it does.
+"""`vllm-supervisor doctor`: what on this host would stop, slow or blind a supervised engine, found
+before it does.
 
-Each check gives findings (check, level, message): ``ok``, ``warn`` (works, worse), ``fail`` (a start or a
-recovery would fail, or on-call would be blind), ``skip`` (not applicable here). The command exits 1 when any
-check fails, so CI and provisioning can gate on it. No finding carries a secret (the engine's arguments are
-masked, alert secrets are named by their variable only).
+Each check gives findings (check, level, message): ``ok``, ``warn`` (works, worse), ``fail`` (a
+start or a recovery would fail, or on-call would be blind), ``skip`` (not applicable here). The
+command exits 1 when any check fails, so CI and provisioning can gate on it. No finding carries a
+secret (the engine's arguments are masked, alert secrets are named by their variable only).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from supervisor.host.real import py_spy
 from supervisor.ops.alerts import paging
 from supervisor.profile import Knob
 
-SHM_WANTED = 1 * GIB  # vLLM's processes share tensors through /dev/shm; a container's default is 64 MiB
+# vLLM's processes share tensors through /dev/shm; a container's default is 64 MiB
+SHM_WANTED = 1 * GIB
 ARGCHECK = Path(__file__).resolve().parents[1] / "child" / "vllm_argcheck.py"
 ARGCHECK_TIMEOUT_S = 180.0  # the probe imports vLLM (seconds to a minute on a small host)
 
@@ -49,7 +51,8 @@ def diagnose(cfg: Config, *, cpu: bool = False, nvml: Callable[[], Nvml] = Nvml,
     """Every check, in the order an operator fixes things."""
     running = supervisor_running(cfg)
     out = list(_preflight(cfg))
-    out += list(_gpu(cfg, nvml, running)) if not cpu else [Finding("gpu", "skip", "--cpu: a CPU engine")]
+    out += list(_gpu(cfg, nvml,
+                     running)) if not cpu else [Finding("gpu", "skip", "--cpu: a CPU engine")]
     out += list(_ports(cfg, running))
     out += list(_state_dir(cfg.state.dir))
     out += list(_stack_dumps())
@@ -59,7 +62,8 @@ def diagnose(cfg: Config, *, cpu: bool = False, nvml: Callable[[], Nvml] = Nvml,
 
 
 def supervisor_running(cfg: Config) -> bool:
-    """A supervisor answers on this config's admin port (its engine then holds the card and the ports)."""
+    """A supervisor answers on this config's admin port (its engine then holds the card and the
+    ports)."""
     host, port = cfg.admin.host_port
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=1.0):
@@ -76,48 +80,63 @@ def _preflight(cfg: Config) -> Iterator[Finding]:
     for name, msg in warnings:
         yield Finding("config", "warn", f"{name}: {msg}")
     if not errors and not warnings:
-        yield Finding("config", "ok", "the engine command, its vLLM, the model path and the alert secrets are there")
+        yield Finding(
+            "config", "ok",
+            "the engine command, its vLLM, the model path and the alert secrets are there")
 
 
 def _gpu(cfg: Config, nvml: Callable[[], Nvml], running: bool) -> Iterator[Finding]:
     nv = nvml()
     try:
         if not nv.available:
-            yield Finding("gpu", "fail", "NVML cannot be loaded (no NVIDIA driver, or nvidia-ml-py missing): the "
-                                         "supervisor cannot see GPU memory; `doctor --cpu` for a CPU engine")
+            yield Finding(
+                "gpu", "fail",
+                "NVML cannot be loaded (no NVIDIA driver, or nvidia-ml-py missing): the "
+                "supervisor cannot see GPU memory; `doctor --cpu` for a CPU engine")
             return
         devices = cfg.engine.devices()
         snaps = nv.snapshot(devices)
         driver = nv.driver_version() or "unknown"
         if not snaps:
-            yield Finding("gpu", "fail", f"driver {driver}: no device matches CUDA_VISIBLE_DEVICES={devices}")
+            yield Finding("gpu", "fail",
+                          f"driver {driver}: no device matches CUDA_VISIBLE_DEVICES={devices}")
             return
-        yield Finding("gpu", "ok", f"driver {driver}; devices {', '.join(str(s.index) for s in snaps)} "
-                                   f"({', '.join(f'{s.total / GIB:.1f} GiB' for s in snaps)})")
-        order = cfg.engine.environment().get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # the engine's, unless set
+        yield Finding(
+            "gpu", "ok", f"driver {driver}; devices {', '.join(str(s.index) for s in snaps)} "
+            f"({', '.join(f'{s.total / GIB:.1f} GiB' for s in snaps)})")
+        # the engine's, unless set
+        order = cfg.engine.environment().get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         if order != "PCI_BUS_ID":
-            yield Finding("gpu", "warn", f"CUDA_DEVICE_ORDER={order}: CUDA may number the cards differently from "
-                                         "nvidia-smi and NVML, whose numbers the supervisor watches")
+            yield Finding(
+                "gpu", "warn",
+                f"CUDA_DEVICE_ORDER={order}: CUDA may number the cards differently from "
+                "nvidia-smi and NVML, whose numbers the supervisor watches")
         if running:
-            yield Finding("gpu", "skip", "a supervisor runs with this config: its engine holds the card")
+            yield Finding("gpu", "skip",
+                          "a supervisor runs with this config: its engine holds the card")
             return
         util = cfg.profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
         for s in snaps:
             need = s.total * util
             if s.free < need:
-                holders = ", ".join(f"pid {p} ({b / GIB:.1f} GiB)" for p, b in s.processes) or "unknown holders"
-                yield Finding("gpu", "fail", f"device {s.index}: {s.free / GIB:.1f} GiB free, the engine needs "
-                                             f"{need / GIB:.1f} GiB at gpu_memory_utilization {util:g} "
-                                             f"(held by {holders}); lower it, or free the card")
+                holders = ", ".join(f"pid {p} ({b / GIB:.1f} GiB)"
+                                    for p, b in s.processes) or "unknown holders"
+                yield Finding(
+                    "gpu", "fail",
+                    f"device {s.index}: {s.free / GIB:.1f} GiB free, the engine needs "
+                    f"{need / GIB:.1f} GiB at gpu_memory_utilization {util:g} "
+                    f"(held by {holders}); lower it, or free the card")
             else:
-                yield Finding("gpu", "ok", f"device {s.index}: {s.free / GIB:.1f} GiB free, the engine needs "
-                                           f"{need / GIB:.1f} GiB at gpu_memory_utilization {util:g}")
+                yield Finding(
+                    "gpu", "ok", f"device {s.index}: {s.free / GIB:.1f} GiB free, the engine needs "
+                    f"{need / GIB:.1f} GiB at gpu_memory_utilization {util:g}")
     finally:
         nv.close()
 
 
 def _listeners(cfg: Config) -> list[tuple[str, str, int]]:
-    out = [("engine.port", cfg.engine.host, cfg.engine.port), ("admin.listen", *cfg.admin.host_port)]
+    out = [("engine.port", cfg.engine.host, cfg.engine.port),
+           ("admin.listen", *cfg.admin.host_port)]
     if cfg.admin.metrics_listen:
         out.append(("admin.metrics_listen", *cfg.admin.metrics_host_port))
     if cfg.gateway is not None:
@@ -162,25 +181,31 @@ def _state_dir(path: str) -> Iterator[Finding]:
     if not p.exists():
         parent = next((q for q in p.absolute().parents if q.exists()), Path("/"))
         level = "ok" if os.access(parent, os.W_OK | os.X_OK) else "fail"
-        yield Finding("state_dir", level, f"{p} does not exist yet; {parent} is "
-                                          f"{'writable: it will be made' if level == 'ok' else 'not writable'}")
+        yield Finding(
+            "state_dir", level, f"{p} does not exist yet; {parent} is "
+            f"{'writable: it will be made' if level == 'ok' else 'not writable'}")
         return
     st = p.stat()
     if not os.access(p, os.W_OK | os.X_OK):
-        yield Finding("state_dir", "fail", f"{p} is not writable by uid {os.geteuid()} (owner uid {st.st_uid}): "
-                                           "learned profiles, incidents and the control socket live there")
+        yield Finding(
+            "state_dir", "fail",
+            f"{p} is not writable by uid {os.geteuid()} (owner uid {st.st_uid}): "
+            "learned profiles, incidents and the control socket live there")
     elif st.st_uid != os.geteuid():
-        yield Finding("state_dir", "warn", f"{p} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
+        yield Finding("state_dir", "warn",
+                      f"{p} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
     elif st.st_mode & stat.S_IWOTH:
-        yield Finding("state_dir", "warn", f"{p} is writable by every user: make it 0750 (it holds incidents)")
+        yield Finding("state_dir", "warn",
+                      f"{p} is writable by every user: make it 0750 (it holds incidents)")
     else:
         yield Finding("state_dir", "ok", f"{p} is this user's and writable")
 
 
 def _stack_dumps() -> Iterator[Finding]:
     if py_spy() is None:
-        yield Finding("py_spy", "warn", "py-spy not found: a hang's incident carries no Python stacks "
-                                        "(pip install py-spy beside the supervisor)")
+        yield Finding(
+            "py_spy", "warn", "py-spy not found: a hang's incident carries no Python stacks "
+            "(pip install py-spy beside the supervisor)")
     else:
         yield Finding("py_spy", "ok", f"py-spy at {py_spy()}")
     try:
@@ -188,11 +213,13 @@ def _stack_dumps() -> Iterator[Finding]:
     except (OSError, ValueError):
         return  # no Yama: ptrace follows the classic rules (same uid)
     if scope <= 1:
-        yield Finding("ptrace", "ok", f"kernel.yama.ptrace_scope = {scope}: py-spy may read the engine (a child)")
+        yield Finding("ptrace", "ok",
+                      f"kernel.yama.ptrace_scope = {scope}: py-spy may read the engine (a child)")
     else:
-        yield Finding("ptrace", "warn", f"kernel.yama.ptrace_scope = {scope}: py-spy "
-                                        f"{'needs CAP_SYS_PTRACE' if scope == 2 else 'cannot attach at all'}; "
-                                        "a hang's incident will have no stacks")
+        yield Finding(
+            "ptrace", "warn", f"kernel.yama.ptrace_scope = {scope}: py-spy "
+            f"{'needs CAP_SYS_PTRACE' if scope == 2 else 'cannot attach at all'}; "
+            "a hang's incident will have no stacks")
 
 
 def _shm() -> Iterator[Finding]:
@@ -203,8 +230,9 @@ def _shm() -> Iterator[Finding]:
         return
     size = vfs.f_frsize * vfs.f_blocks
     if size < SHM_WANTED:
-        yield Finding("shm", "warn", f"/dev/shm is {size / MIB:.0f} MiB: vLLM shares tensors between its "
-                                     "processes there (in a container: --ipc=host or --shm-size=8g)")
+        yield Finding(
+            "shm", "warn", f"/dev/shm is {size / MIB:.0f} MiB: vLLM shares tensors between its "
+            "processes there (in a container: --ipc=host or --shm-size=8g)")
     else:
         yield Finding("shm", "ok", f"/dev/shm is {size / GIB:.1f} GiB")
 
@@ -214,8 +242,9 @@ def _engine_args(cfg: Config) -> Iterator[Finding]:
     prefix = cfg.engine.argv_prefix
     python = engine_python(cfg.engine)
     if python is None:
-        yield Finding("engine_args", "skip", f"engine.command {' '.join(prefix[:3])!r} is neither `PYTHON -m "
-                                             "vllm...` nor `vllm serve`: its arguments are not checked")
+        yield Finding(
+            "engine_args", "skip", f"engine.command {' '.join(prefix[:3])!r} is neither `PYTHON -m "
+            "vllm...` nor `vllm serve`: its arguments are not checked")
         return
     argv = launch.build_argv(cfg.engine, cfg.profile, cfg.health.hang_timeout_s)[len(prefix):]
     if launch.takes_model_positionally(prefix):
@@ -224,8 +253,8 @@ def _engine_args(cfg: Config) -> Iterator[Finding]:
     try:
         # The engine's own environment, the alert hooks' secrets withheld as from the engine itself.
         env = launch.build_env(cfg.engine, {}, "", withheld=cfg.withheld_env())
-        r = subprocess.run([python, str(ARGCHECK)], input=json.dumps(argv), capture_output=True, text=True,
-                           timeout=ARGCHECK_TIMEOUT_S, env=env)
+        r = subprocess.run([python, str(ARGCHECK)], input=json.dumps(argv), capture_output=True,
+                           text=True, timeout=ARGCHECK_TIMEOUT_S, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         yield Finding("engine_args", "fail", f"could not run {python!r}: {exc}")
         return
@@ -235,11 +264,13 @@ def _engine_args(cfg: Config) -> Iterator[Finding]:
     elif r.returncode == 3:
         yield Finding("engine_args", "warn", f"not checked: {said}")
     else:
-        yield Finding("engine_args", "fail", f"the installed vLLM refuses the engine's command line: {said}")
+        yield Finding("engine_args", "fail",
+                      f"the installed vLLM refuses the engine's command line: {said}")
 
 
 def engine_python(engine: EngineConfig) -> str | None:
-    """The interpreter vLLM runs in: ``PYTHON -m vllm...``, or the `vllm` script's own (its shebang)."""
+    """The interpreter vLLM runs in: ``PYTHON -m vllm...``, or the `vllm` script's own (its
+    shebang)."""
     prefix = engine.argv_prefix
     if engine.module_python is not None:
         return engine.module_python
@@ -251,7 +282,8 @@ def engine_python(engine: EngineConfig) -> str | None:
             first = f.readline(4096).decode(errors="replace")
     except OSError:
         return None
-    interpreter = first[2:].strip().split()[0] if first.startswith("#!") and first[2:].strip() else ""
+    interpreter = first[2:].strip().split(
+    )[0] if first.startswith("#!") and first[2:].strip() else ""
     return interpreter if "python" in os.path.basename(interpreter) else None
 
 
@@ -265,4 +297,5 @@ def exit_code(findings: list[Finding]) -> int:
 
 
 def as_json(findings: list[Finding]) -> str:
-    return json.dumps({"ok": exit_code(findings) == 0, "findings": [f.as_dict() for f in findings]}, indent=1)
+    return json.dumps({"ok": exit_code(findings) == 0, "findings": [f.as_dict() for f in findings]},
+                      indent=1)

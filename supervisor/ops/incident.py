@@ -19,7 +19,8 @@ MAX_KEPT = 50
 
 def write(state_dir: str | Path, kind: str, bundle: dict[str, Any],
           redact: Callable[[str], str] | None = None) -> Path:
-    """Write one bundle (mode 0600, ``redact`` applied to its whole text); keep the newest MAX_KEPT."""
+    """Write one bundle (mode 0600, ``redact`` applied to its whole text); keep the newest
+    MAX_KEPT."""
     d = Path(state_dir) / "incidents"
     d.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -33,7 +34,8 @@ def write(state_dir: str | Path, kind: str, bundle: dict[str, Any],
 
 def keep(state_dir: str | Path, kind: str, doc: dict[str, Any], secrets: Sequence[str],
          publish: Callable[[Event], None], wall: Callable[[], float]) -> str | None:
-    """Write ``doc`` with the engine's secrets masked; its path, or None and an ``incident.write_failed`` event."""
+    """Write ``doc`` with the engine's secrets masked; its path, or None and an
+    ``incident.write_failed`` event."""
     try:
         return str(write(state_dir, kind, doc, redact=lambda text: mask_secrets(text, secrets)))
     except OSError as exc:
@@ -43,15 +45,21 @@ def keep(state_dir: str | Path, kind: str, doc: dict[str, Any], secrets: Sequenc
 
 def bundle(verdict: Any, failure: Failure, before: Profile, after: Profile, decision: str,
            detected_after_s: float, gpu: Any) -> dict[str, Any]:
-    """The bundle of one failure: the verdict (an engine run's ``Verdict``), the decision, the GPU's state."""
+    """The bundle of one failure: the verdict (an engine run's ``Verdict``), the decision, the
+    GPU's state."""
     t = verdict.trigger
     evidence: Mapping[str, Any] = verdict.evidence
     return {
-        "failure": failure.as_dict(), "decision": decision,
+        "failure": failure.as_dict(),
+        "decision": decision,
         "trigger": {"kind": t.kind.value, "evidence": t.evidence, "at": t.at},
-        "phase": verdict.phase.value, "returncode": verdict.returncode,
-        "profile_before": before.knobs(), "profile_after": after.knobs(),
-        "stop": verdict.stop.__dict__ if verdict.stop else None, "gpu": gpu, "stacks": verdict.stacks,
+        "phase": verdict.phase.value,
+        "returncode": verdict.returncode,
+        "profile_before": before.knobs(),
+        "profile_after": after.knobs(),
+        "stop": verdict.stop.__dict__ if verdict.stop else None,
+        "gpu": gpu,
+        "stacks": verdict.stacks,
         "detected_after_state_s": detected_after_s,
         **evidence,
     }

@@ -31,9 +31,8 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     if fmt == "auto":
         under_systemd = bool(os.environ.get("INVOCATION_ID") or journald)
         fmt = "json" if under_systemd or not sys.stdout.isatty() else "console"
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    renderer: structlog.typing.Processor = (structlog.processors.JSONRenderer() if fmt == "json"
+                                            else structlog.dev.ConsoleRenderer(colors=False))
     if journald:
         renderer = with_priority(renderer)
     structlog.configure(

@@ -48,8 +48,10 @@ class Notifier:
         self.watchdog_interval_s = int(usec) / 1e6 / 2 if usec.isdigit() and int(usec) > 0 else None
         self.start_budget_s = start_budget_s  # what one start may take: load + warm-up
         self.ready_sent = False
-        self.reloading = False  # RELOADING=1 sent: READY=1 is owed when the file is applied or refused
-        self.last: tuple[str, Mapping[str, Any], int] | None = None  # the last state change, for step lines
+        # RELOADING=1 sent: READY=1 is owed when the file is applied or refused
+        self.reloading = False
+        # the last state change, for step lines
+        self.last: tuple[str, Mapping[str, Any], int] | None = None
 
     def send(self, *fields: str) -> None:
         if self._n is not None:
@@ -57,8 +59,8 @@ class Notifier:
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, StartupStep | BuildingFirst) and self.last is not None:
-            # A long start says which step it is in, not only STARTING (building first n of m, loading weights,
-            # compiling, ...).
+            # A long start says which step it is in, not only STARTING (building first n of m,
+            # loading weights, compiling, ...).
             state, knobs, restarts = self.last
             step = event.step if isinstance(event, StartupStep) else event.line()
             self.send(f"STATUS={status_line(f'{state} ({step})', knobs, restarts)}")
@@ -69,7 +71,8 @@ class Notifier:
                 self.ready_sent = True
                 self.send("READY=1", line)
             elif event.new is EngineState.STARTING and not self.ready_sent and self.start_budget_s:
-                # Until the first READY systemd's start timeout runs: extend it by one start's budget.
+                # Until the first READY systemd's start timeout runs: extend it by one start's
+                # budget.
                 self.send(f"EXTEND_TIMEOUT_USEC={int(self.start_budget_s * 1e6)}", line)
             else:
                 self.send(line)
@@ -79,10 +82,12 @@ class Notifier:
             # Before the first READY systemd is still starting the unit: no reload state to open.
             self.reloading = True
             # MONOTONIC_USEC: what Type=notify-reload units need with RELOADING=1.
-            self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+            self.send("RELOADING=1",
+                      f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
         elif isinstance(event, ReloadFailed | Reloaded) and self.reloading:
-            # The reload is over when the file is applied or refused: a restart it asks for is the engine's
-            # business (STATUS= says it), never a unit stuck in "reloading" while the engine starts or fails.
+            # The reload is over when the file is applied or refused: a restart it asks for is the
+            # engine's business (STATUS= says it), never a unit stuck in "reloading" while the
+            # engine starts or fails.
             self.reloading = False
             outcome = ("failed: kept the old config" if isinstance(event, ReloadFailed)
                        else "applied; engine restarting" if event.engine_restart else "applied")

@@ -32,18 +32,24 @@ class Learned:
     restarts_total: int = 0
     slowest_start_s: float | None = None
     fatal: dict[str, Any] | None = None  # the supervisor gave up: exit_code, reason, at, kind
-    configured: Profile | None = None  # what the operator had configured when it was learned (None: an older file)
+    # what the operator had configured when it was learned (None: an older file)
+    configured: Profile | None = None
 
     def remembered(self) -> dict[str, Any]:
         """What the lifecycle remembers of it (its Remembered's fields)."""
-        return {"restarts_total": self.restarts_total, "slowest_start_s": self.slowest_start_s, "fatal": self.fatal,
-                "last_failure": self.last_failure}
+        return {
+            "restarts_total": self.restarts_total, "slowest_start_s": self.slowest_start_s,
+            "fatal": self.fatal, "last_failure": self.last_failure
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": VERSION, "profile": self.profile.as_dict(), "rung_failures": self.rung_failures,
-                "last_failure": self.last_failure, "restarts_total": self.restarts_total,
-                "slowest_start_s": self.slowest_start_s, "fatal": self.fatal,
-                "configured": self.configured.as_dict() if self.configured is not None else None}
+        return {
+            "version": VERSION, "profile": self.profile.as_dict(),
+            "rung_failures": self.rung_failures, "last_failure": self.last_failure,
+            "restarts_total": self.restarts_total, "slowest_start_s": self.slowest_start_s,
+            "fatal": self.fatal,
+            "configured": self.configured.as_dict() if self.configured is not None else None
+        }
 
 
 def path_in(state_dir: str | Path) -> Path:
@@ -56,23 +62,28 @@ def load(state_dir: str | Path) -> Learned | None:
     try:
         raw = read_json(p)
         if not isinstance(raw, dict) or raw.get("version") != VERSION:
-            raise ValueError(f"unsupported state version {raw.get('version') if isinstance(raw, dict) else raw!r}")
+            raise ValueError(
+                "unsupported state version "
+                f"{raw.get('version') if isinstance(raw, dict) else raw!r}"
+            )
         failures = raw.get("rung_failures") or {}
         if not isinstance(failures, dict) or not all(isinstance(v, int) for v in failures.values()):
             raise ValueError("rung_failures must map profile keys to integers")
         last = raw.get("last_failure")
-        return Learned(profile=Profile.from_dict(raw["profile"]), rung_failures=dict(failures),
-                       last_failure=last if isinstance(last, dict) else None,
-                       restarts_total=int(raw.get("restarts_total") or 0),
-                       slowest_start_s=_seconds(raw.get("slowest_start_s")),
-                       fatal=raw["fatal"] if isinstance(raw.get("fatal"), dict) else None,
-                       configured=Profile.from_dict(raw["configured"]) if isinstance(raw.get("configured"), dict)
-                       else None)
+        return Learned(
+            profile=Profile.from_dict(raw["profile"]), rung_failures=dict(failures),
+            last_failure=last if isinstance(last, dict) else None,
+            restarts_total=int(raw.get("restarts_total")
+                               or 0), slowest_start_s=_seconds(raw.get("slowest_start_s")),
+            fatal=raw["fatal"] if isinstance(raw.get("fatal"), dict) else None,
+            configured=Profile.from_dict(raw["configured"]) if isinstance(
+                raw.get("configured"), dict) else None)
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, KeyError, OSError, AttributeError, OverflowError) as exc:
-        log.warning("state.corrupt_ignored", path=str(p), error=str(exc),
-                    hint="starting from the configured profile; the file is overwritten at the next change")
+        log.warning(
+            "state.corrupt_ignored", path=str(p), error=str(exc),
+            hint="starting from the configured profile; the file is overwritten at the next change")
         return None
 
 
@@ -116,9 +127,11 @@ class StateFileWriter:
         if not isinstance(event, LearnedChanged):
             return
         try:
-            save(self.state_dir, Learned(event.profile, dict(event.rung_failures),
-                                         dict(event.last_failure) if event.last_failure else None,
-                                         event.restarts_total, event.slowest_start_s,
-                                         dict(event.fatal) if event.fatal else None, self.configured))
+            save(
+                self.state_dir,
+                Learned(event.profile, dict(event.rung_failures),
+                        dict(event.last_failure) if event.last_failure else None,
+                        event.restarts_total, event.slowest_start_s,
+                        dict(event.fatal) if event.fatal else None, self.configured))
         except OSError as exc:
             log.error("state.save_failed", dir=str(self.state_dir), error=str(exc))

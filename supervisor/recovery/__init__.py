@@ -23,7 +23,13 @@ from typing import Any
 from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
 from supervisor.engine_states import EngineState, FailureKind
-from supervisor.event_stream import EngineEnvReported, EngineIdle, Event, FailureClassified, StateChanged
+from supervisor.event_stream import (
+    EngineEnvReported,
+    EngineIdle,
+    Event,
+    FailureClassified,
+    StateChanged,
+)
 from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
@@ -39,7 +45,8 @@ class Recovery:
         self.host = host
         self.pool = StandbyPool(cfg, host, publish)
         self.ahead = Ahead(cfg, host, publish, next_rungs)
-        self._serving: tuple[Profile, str | None] | None = None  # the READY engine's profile and vLLM version
+        # the READY engine's profile and vLLM version
+        self._serving: tuple[Profile, str | None] | None = None
         self._idle_since: float | None = None
         self._ready_since: float | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -62,8 +69,9 @@ class Recovery:
                 if self._early_standby():
                     self.pool.want()
             elif self.ahead.building_first and not self._engine_reported:
-                # No engine has said it yet: a second engine built before the first one says it for the same
-                # install, and the standby it lets start now is what that engine spawns from.
+                # No engine has said it yet: a second engine built before the first one says it for
+                # the same install, and the standby it lets start now is what that engine spawns
+                # from.
                 self.pool.engine_env(vllm_env_of(dict(event.env)))
                 self.pool.want()
         elif isinstance(event, StateChanged):
@@ -73,9 +81,10 @@ class Recovery:
                 self.ahead.planned, self.ahead.version = True, version
                 self._ready_since = self.host.monotonic()
                 self.ahead.precompiler.learnt_version(version)
-                if not (event.ready and event.ready.from_spare):  # a spare's graphs are a sleep-mode engine's
-                    self.ahead.precompiler.note_compiled(event.profile, version,
-                                                         event.ready.compile_cache if event.ready else None)
+                # a spare's graphs are a sleep-mode engine's
+                if not (event.ready and event.ready.from_spare):
+                    self.ahead.precompiler.note_compiled(
+                        event.profile, version, event.ready.compile_cache if event.ready else None)
                     if event.ready:  # what a restart without a spare costs, for /status
                         self.ahead.last_start_s = event.ready.timings.get("start_to_ready_s")
                 self.pool.want()
@@ -83,12 +92,13 @@ class Recovery:
                 self._serving, self._idle_since, self._ready_since = None, None, None
                 self.ahead.stop()  # the host is the next start's now
         elif isinstance(event, FailureClassified):
-            self.ahead.planned = False  # until the next READY: the restarts of an outage build no spare first
+            # until the next READY: the restarts of an outage build no spare first
+            self.ahead.planned = False
             self.ahead.device_fault = event.kind is FailureKind.DEVICE_FATAL
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 
-    # ---- the calls of the lifecycle and its runs -----------------------------------------------------
+    # ---- the calls of the lifecycle and its runs -------------------------------------------------
     def take(self) -> Standby | None:
         standby = self.pool.take()
         if standby is not None and self._early_standby():
@@ -96,20 +106,23 @@ class Recovery:
         return standby
 
     def _early_standby(self) -> bool:
-        """On a GPU host the next start's standby imports during a start, not after its READY: a failure in the
-        first seconds of serving then finds vLLM imported (the H200 imports for 15-24 s; a second death 10 s after
-        a recovery waited 11 s for it). There an engine's start is GPU work with cores to spare (16 on the H200),
-        and the import takes one of them. On a CPU host a start is CPU work on every core, and the next standby
-        waits for READY."""
+        """On a GPU host the next start's standby imports during a start, not after its READY: a
+        failure in the first seconds of serving then finds vLLM imported (the H200 imports for
+        15-24 s; a second death 10 s after a recovery waited 11 s for it). There an engine's
+        start is GPU work with cores to spare (16 on the H200), and the import takes one of
+        them. On a CPU host a start is CPU work on every core, and the next standby waits for
+        READY."""
         return self.ahead.gpu_host
 
     async def spare_for(self, profile: Profile) -> Spare | None:
-        """The spare, woken for a start at ``profile``; None when there is none that can serve it."""
+        """The spare, woken for a start at ``profile``; None when there is none that can serve
+        it."""
         return await self.ahead.spare_for(profile)
 
     async def build_first(self, profile: Profile) -> bool:
-        """Before a planned start's spawn: the rungs within reach compiled and a spare built and asleep, each when
-        it would not fit beside the engine; True when a spare sleeps on the card now."""
+        """Before a planned start's spawn: the rungs within reach compiled and a spare built and
+        asleep, each when it would not fit beside the engine; True when a spare sleeps on the
+        card now."""
         return await self.ahead.build_first(profile)
 
     def build_first_bound_s(self) -> float:
@@ -125,7 +138,7 @@ class Recovery:
         """No throwaway engine left (its processes may hold memory the next start needs)."""
         await self.ahead.settled()
 
-    # ---- precompiling while idle ----------------------------------------------------------------------
+    # ---- precompiling while idle -----------------------------------------------------------------
     def start(self) -> None:
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick(), name="recovery:idle")
@@ -144,7 +157,8 @@ class Recovery:
         return self.ahead.pids()
 
     def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
-        """What runs besides the engine, for /status: (role, its session's leader, its URL, its rung)."""
+        """What runs besides the engine, for /status: (role, its session's leader, its URL, its
+        rung)."""
         standby = self.pool.standby
         out: list[tuple[str, Child, str | None, Profile | None]] = \
             [("standby", standby.child, None, None)] if standby is not None else []

@@ -1,12 +1,13 @@
 """What the next start finds ready, built while the engine serves: one second engine at a time.
 
-What to build is decided by recovery/next_build.py's ``next_step``, from the facts gathered here: a spare for the
-rung the next runtime OOM would pick (recovery/spare.py), else a precompile of the next rung not yet compiled
-(recovery/precompile.py), each where it fits beside the engine (recovery/sizing.py). This class carries the step
-out. Both are launched by recovery/throwaway.py; a rung whose second engine failed is remembered once
-(``FailedRungs``). The work is killed, never waited for, the moment the engine leaves READY. Where neither fits
-beside the engine, a planned start builds them first (``build_first``): the rungs not yet compiled, several at
-once, then the spare, on the card its gates found free.
+What to build is decided by recovery/next_build.py's ``next_step``, from the facts gathered here: a
+spare for the rung the next runtime OOM would pick (recovery/spare.py), else a precompile of the
+next rung not yet compiled (recovery/precompile.py), each where it fits beside the engine
+(recovery/sizing.py). This class carries the step out. Both are launched by recovery/throwaway.py; a
+rung whose second engine failed is remembered once (``FailedRungs``). The work is killed, never
+waited for, the moment the engine leaves READY. Where neither fits beside the engine, a planned
+start builds them first (``build_first``): the rungs not yet compiled, several at once, then the
+spare, on the card its gates found free.
 """
 
 from __future__ import annotations
@@ -46,14 +47,22 @@ class Ahead:
         self.builder = Builder(cfg, host, publish, self.failed, self.precompiler, self.keeper)
         self._task: asyncio.Task[None] | None = None
         self._gpu_host: bool | None = None  # NVML sees a device (asked once)
-        self.planned = True  # the next start is not a failure's: the supervisor's first, a climb, a reload
-        self._asked_in_s: float | None = None  # how long until the engine has been READY long enough to build
-        self.version: str | None = None  # the vLLM of the last READY engine (the spare's is the same install)
-        self.building_first = False  # a planned start's second engines are being built before its engine
-        self.device_fault = False  # the last failure was the GPU's own (Xid, ECC): nothing on it is kept
-        self._at_ready: Profile | None = None  # a rung compiled beside the engine at READY, not precompile_idle_s on
-        self.first = FirstBuilds(cfg.state.dir, host, publish)  # a build-first's step, while one runs
-        self.step: Step | None = None  # the last decision (recovery/next_build.py), its reason shown in /status
+        # the next start is not a failure's: the supervisor's first, a climb, a reload
+        self.planned = True
+        # how long until the engine has been READY long enough to build
+        self._asked_in_s: float | None = None
+        # the vLLM of the last READY engine (the spare's is the same install)
+        self.version: str | None = None
+        # a planned start's second engines are being built before its engine
+        self.building_first = False
+        # the last failure was the GPU's own (Xid, ECC): nothing on it is kept
+        self.device_fault = False
+        # a rung compiled beside the engine at READY, not precompile_idle_s on
+        self._at_ready: Profile | None = None
+        # a build-first's step, while one runs
+        self.first = FirstBuilds(cfg.state.dir, host, publish)
+        # the last decision (recovery/next_build.py), its reason shown in /status
+        self.step: Step | None = None
         self.last_start_s: float | None = None  # the last start that woke no spare, to READY
 
     def configure(self, cfg: Config) -> None:
@@ -61,46 +70,57 @@ class Ahead:
         for part in (self.builder, self.precompiler, self.keeper):
             part.configure(cfg)
 
-    async def tick(self, profile: Profile, version: str | None, idle_for_s: float, ready_for_s: float) -> None:
-        """Once the engine was idle long enough (on a GPU host: READY long enough), build the next second engine.
-        On a GPU host its compile is CPU work on many cores, niced, and its GPU memory is bounded by what the
-        serving engine left, so it does not wait for a lull that busy servers never have: the seed's crash came
-        under steady traffic. A spare whose rung is no longer the first target (or that died asleep) goes first."""
+    async def tick(self, profile: Profile, version: str | None, idle_for_s: float,
+                   ready_for_s: float) -> None:
+        """Once the engine was idle long enough (on a GPU host: READY long enough), build the
+        next second engine. On a GPU host its compile is CPU work on many cores, niced, and
+        its GPU memory is bounded by what the serving engine left, so it does not wait for a
+        lull that busy servers never have: the seed's crash came under steady traffic. A spare
+        whose rung is no longer the first target (or that died asleep) goes first."""
         targets = self._below(profile)
         await self.keeper.check(targets[0] if targets else None)
         if self.running():  # nothing to read: a second engine at a time
-            self.step = next_step(Facts(Moment.READY, self.cfg.recovery, profile, tuple(targets), building=True))
+            self.step = next_step(
+                Facts(Moment.READY, self.cfg.recovery, profile, tuple(targets), building=True))
             return
         await self._on_gpu()
-        facts = await self._facts(Moment.READY, profile, version, ready_for_s if self.gpu_host else idle_for_s)
+        facts = await self._facts(Moment.READY, profile, version,
+                                  ready_for_s if self.gpu_host else idle_for_s)
         self._at_ready = None
         step = self._take(next_step(facts))
         self._asked_in_s = step.wait_s
         if step.rung is not None and step.action in (Action.SPARE, Action.COMPILE):
             spare = step.action is Action.SPARE
-            self._task = asyncio.create_task(self.builder.build(step.rung, version, spare),
-                                             name="recovery:spare" if spare else "recovery:precompile")
+            self._task = asyncio.create_task(
+                self.builder.build(step.rung, version, spare),
+                name="recovery:spare" if spare else "recovery:precompile")
 
-    async def _facts(self, moment: Moment, profile: Profile, version: str | None, waited_s: float = 0.0) -> Facts:
-        """What ``next_step`` reads, gathered here: the card once, the compile record, the rungs' sizes."""
+    async def _facts(self, moment: Moment, profile: Profile, version: str | None,
+                     waited_s: float = 0.0) -> Facts:
+        """What ``next_step`` reads, gathered here: the card once, the compile record, the rungs'
+        sizes."""
         e, targets = self.cfg.engine, tuple(self._below(profile))
         within = (profile, *targets)
         try:
-            card: tuple[DeviceSnapshot, ...] | None = tuple(await self.host.gpu_snapshot(e.devices()))
+            card: tuple[DeviceSnapshot, ...] | None = tuple(await
+                                                            self.host.gpu_snapshot(e.devices()))
         except GpuLost:
             card = None
-        on_card = within if card else ()  # sizes are weighed against a card only (the model's files read)
+        # sizes are weighed against a card only (the model's files read)
+        on_card = within if card else ()
         return Facts(
-            moment, self.cfg.recovery, profile, targets,
-            compiled=frozenset(p.compile_key() for p in within if self.precompiler.is_compiled(p, version)),
-            failed=self.failed.kinds(), card=card,
-            sizes={p.compile_key(): second_engine_bytes(e.model, p, e.ranks()) for p in on_card},
-            kv={p.compile_key(): one_sequence_kv(e.model, p, e.ranks()) for p in on_card},
-            ram_available=psutil.virtual_memory().available, cpus=os.cpu_count() or 1, ranks=e.ranks(),
-            headroom=self.cfg.gpu.start_headroom_bytes, floor=self.cfg.ladder.gpu_memory_utilization_floor,
-            gateway=self.cfg.gateway is not None, breaks_on_wake=canary.breaks_on_wake(dict(e.args)),
-            spare_kept=self.keeper.spare is not None, building=self.running(), at_ready=self._at_ready,
-            waited_s=waited_s, first_start=self.version is None and self.gpu_host, last_start_s=self.last_start_s)
+            moment, self.cfg.recovery, profile, targets, compiled=frozenset(
+                p.compile_key() for p in within
+                if self.precompiler.is_compiled(p, version)), failed=self.failed.kinds(), card=card,
+            sizes={p.compile_key(): second_engine_bytes(e.model, p, e.ranks()) for p in on_card
+                   }, kv={p.compile_key(): one_sequence_kv(e.model, p, e.ranks())
+                          for p in on_card}, ram_available=psutil.virtual_memory().available,
+            cpus=os.cpu_count() or 1, ranks=e.ranks(), headroom=self.cfg.gpu.start_headroom_bytes,
+            floor=self.cfg.ladder.gpu_memory_utilization_floor, gateway=self.cfg.gateway
+            is not None, breaks_on_wake=canary.breaks_on_wake(dict(e.args)),
+            spare_kept=self.keeper.spare is not None, building=self.running(),
+            at_ready=self._at_ready, waited_s=waited_s, first_start=self.version is None
+            and self.gpu_host, last_start_s=self.last_start_s)
 
     def _take(self, step: Step) -> Step:
         """The step decided: /status's reasons (the spare's, the rungs') are the step's."""
@@ -116,31 +136,36 @@ class Ahead:
         return step
 
     async def spare_for(self, profile: Profile) -> Spare | None:
-        """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's restart at the
-        same rung (a death that was not memory's, nor the GPU's) leaves a spare of the rung below asleep for the
-        next one."""
+        """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's
+        restart at the same rung (a death that was not memory's, nor the GPU's) leaves a spare
+        of the rung below asleep for the next one."""
         targets = self._below(profile)
         keep_for = targets[0] if targets and not self.planned and not self.device_fault else None
         return await self.keeper.take(profile, keep_for)
 
     def _below(self, profile: Profile) -> list[Profile]:
-        """The rungs a failure at ``profile`` may go to, other than ``profile``'s own; the first is the spare's."""
+        """The rungs a failure at ``profile`` may go to, other than ``profile``'s own; the first
+        is the spare's."""
         return [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
 
     @staticmethod
     def build_first_bound_s(cfg: Config) -> float:
-        """The longest ``build_first`` takes, its steps' own bounds summed (the start's watchdog deadline):
-        the rungs (``_compile_first``: every throwaway within precompile_timeout_s, then each stopped, the ones the
-        timeout cancelled too, then the card's memory released), then the spare (``_spare_first``: to /health
-        within precompile_timeout_s, its canary and its sleep, or stopped when they fail)."""
-        p, stopped = cfg.recovery.precompile_timeout_s, 2 * THROWAWAY_STOP_S  # Throwaway.stop: SIGTERM, SIGKILL
-        return (p + stopped + cfg.gpu.release_timeout_s) + (p + SPARE_CANARY_S + SPARE_SLEEP_S + stopped)
+        """The longest ``build_first`` takes, its steps' own bounds summed (the start's watchdog
+        deadline): the rungs (``_compile_first``: every throwaway within precompile_timeout_s,
+        then each stopped, the ones the timeout cancelled too, then the card's memory
+        released), then the spare (``_spare_first``: to /health within precompile_timeout_s,
+        its canary and its sleep, or stopped when they fail)."""
+        # Throwaway.stop: SIGTERM, SIGKILL
+        p, stopped = cfg.recovery.precompile_timeout_s, 2 * THROWAWAY_STOP_S
+        return (p + stopped + cfg.gpu.release_timeout_s) + (p + SPARE_CANARY_S + SPARE_SLEEP_S
+                                                            + stopped)
 
     async def build_first(self, profile: Profile) -> bool:
-        """Before a planned start at ``profile``, on the card its gates found free: the rungs within reach not yet
-        compiled, its own among them (``precompile_order``), then the spare (``spare_order``), each where it would
-        not fit beside the engine. True when a spare is kept asleep now. A failure's restart never waits for them:
-        that start is the outage."""
+        """Before a planned start at ``profile``, on the card its gates found free: the rungs
+        within reach not yet compiled, its own among them (``precompile_order``), then the
+        spare (``spare_order``), each where it would not fit beside the engine. True when a
+        spare is kept asleep now. A failure's restart never waits for them: that start is the
+        outage."""
         if not self.planned:
             return False
         await self._on_gpu()
@@ -151,7 +176,8 @@ class Ahead:
             self._at_ready = step.at_ready
             if step.action is Action.COMPILE_FIRST and step.plan is not None:
                 await self._compile_first(step.plan)
-                step = self._take(next_step(await self._facts(Moment.BEFORE_START_COMPILED, profile, version)))
+                step = self._take(
+                    next_step(await self._facts(Moment.BEFORE_START_COMPILED, profile, version)))
             if step.action is Action.SPARE and step.rung is not None:
                 return await self._spare_first(step.rung)
             return False
@@ -179,14 +205,16 @@ class Ahead:
         try:
             await asyncio.wait_for(asyncio.gather(*map(one, plan.rungs)), timeout)
         except TimeoutError:
-            self.precompiler.why = f"first: not all compiled within precompile_timeout_s ({timeout:g}s): {plan.why}"
+            self.precompiler.why = ("first: not all compiled within precompile_timeout_s "
+                                    f"({timeout:g}s): {plan.why}")
         finally:
             stopped, self.builder.stopped = self.builder.stopped, None
         # The spare and the engine come next, on what the throwaways held.
         await gates.wait_released(self.cfg, self.host, self.publish, tuple(stopped or ()))
 
     async def _spare_first(self, rung: Profile) -> bool:
-        """A spare at ``rung`` (its utilization set) built before the engine; True when it sleeps now."""
+        """A spare at ``rung`` (its utilization set) built before the engine; True when it sleeps
+        now."""
         self.first.step("spare", 0, 1)
         await self.builder.build(rung, self.version, True)
         if self.keeper.spare is not None:
@@ -208,8 +236,9 @@ class Ahead:
         return self._gpu_host
 
     def stop(self) -> None:
-        """The engine ended (it failed or stops): the work under way is killed, not waited for. The kill runs
-        beside the engine's own stop; ``settled`` waits for it before the next start."""
+        """The engine ended (it failed or stops): the work under way is killed, not waited for.
+        The kill runs beside the engine's own stop; ``settled`` waits for it before the next
+        start."""
         if self._task is not None:
             _cancel_once(self._task)
 
@@ -233,16 +262,21 @@ class Ahead:
 
     def status(self) -> dict[str, Any]:
         step = self.step
-        return {"precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
-                "step": None if step is None else {"action": step.action.value, "why": step.why},
-                "building_first": self.first.status(),
-                "spare": {**self.keeper.status(), "due": self._due(), "window": self.keeper.window(self.last_start_s)}}
+        return {
+            "precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
+            "step": None if step is None else {"action": step.action.value, "why": step.why},
+            "building_first": self.first.status(), "spare": {
+                **self.keeper.status(), "due": self._due(),
+                "window": self.keeper.window(self.last_start_s)
+            }
+        }
 
     def _due(self) -> dict[str, Any]:
         k, since = self.keeper, self.builder.spare_since
-        return spare_due(k.spare is not None, k.last_build_s, None if since is None else self.host.monotonic() - since,
-                         k.order is not None and k.order.order == "first", self.cfg.recovery.spare, self._asked_in_s,
-                         k.why)
+        return spare_due(k.spare is not None, k.last_build_s,
+                         None if since is None else self.host.monotonic() - since,
+                         k.order is not None and k.order.order == "first", self.cfg.recovery.spare,
+                         self._asked_in_s, k.why)
 
     async def close(self) -> None:
         await self.settled()
@@ -250,7 +284,8 @@ class Ahead:
 
 
 def _cancel_once(task: asyncio.Task[None]) -> None:
-    """Cancel ``task`` unless it is done or already being cancelled: a second cancel would land in its cleanup
-    (stopping the throwaway's processes) and leave a throwaway slow to stop running into the next start."""
+    """Cancel ``task`` unless it is done or already being cancelled: a second cancel would land
+    in its cleanup (stopping the throwaway's processes) and leave a throwaway slow to stop
+    running into the next start."""
     if not task.done() and not task.cancelling():
         task.cancel()

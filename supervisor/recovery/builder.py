@@ -1,6 +1,7 @@
-"""How every second engine ahead is built: launched (recovery/throwaway.py), waited for until it answers /health,
-then kept asleep (a spare, recovery/spare.py) or stopped (a precompile's throwaway, its rung noted compiled).
-A second engine's own fault never stops the supervision: it is remembered (``FailedRungs``) and published."""
+"""How every second engine ahead is built: launched (recovery/throwaway.py), waited for until it
+answers /health, then kept asleep (a spare, recovery/spare.py) or stopped (a precompile's
+throwaway, its rung noted compiled). A second engine's own fault never stops the supervision:
+it is remembered (``FailedRungs``) and published."""
 
 from __future__ import annotations
 
@@ -16,36 +17,42 @@ from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
 
 
 class Builder:
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], failed: FailedRungs,
-                 precompiler: Precompiler, keeper: SpareKeeper) -> None:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 failed: FailedRungs, precompiler: Precompiler, keeper: SpareKeeper) -> None:
         self.cfg, self.host, self.publish, self.failed = cfg, host, publish, failed
         self.precompiler, self.keeper = precompiler, keeper
         self.launcher = Launcher(cfg, host, publish)
         self.spare_since: float | None = None  # a spare being built since (monotonic)
-        self.stopped: set[int] | None = None  # while compiling first: the processes of the throwaways stopped
+        # while compiling first: the processes of the throwaways stopped
+        self.stopped: set[int] | None = None
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
         self.launcher.configure(cfg)
 
-    async def build(self, rung: Profile, version: str | None, spare: bool, kv_bytes: int | None = None) -> None:
-        """A second engine at ``rung``: a spare kept asleep, or a throwaway stopped once its graphs are compiled."""
+    async def build(self, rung: Profile, version: str | None, spare: bool,
+                    kv_bytes: int | None = None) -> None:
+        """A second engine at ``rung``: a spare kept asleep, or a throwaway stopped once its
+        graphs are compiled."""
         self.spare_since = self.host.monotonic() if spare else None
         try:
             await self._launch(rung, version, spare, kv_bytes)
-        except Exception as exc:  # noqa: BLE001 - a second engine's own fault never stops the supervision
+        # a second engine's own fault never stops the supervision
+        except Exception as exc:  # noqa: BLE001
             self.failed.add(rung, "spare" if spare else "precompile")
             self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
         finally:
             self.spare_since = None
 
-    async def _launch(self, rung: Profile, version: str | None, spare: bool, kv_bytes: int | None) -> None:
-        """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep mode, not
-        niced: it may become the engine) is then kept asleep, a precompile's throwaway stopped."""
+    async def _launch(self, rung: Profile, version: str | None, spare: bool,
+                      kv_bytes: int | None) -> None:
+        """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep
+        mode, not niced: it may become the engine) is then kept asleep, a precompile's
+        throwaway stopped."""
         t0 = self.host.monotonic()
         try:
-            t = await self.launcher.launch(rung, "real" if spare else "dummy", sleep_mode=spare, niced=not spare,
-                                           version=version, kv_bytes=kv_bytes)
+            t = await self.launcher.launch(rung, "real" if spare else "dummy", sleep_mode=spare,
+                                           niced=not spare, version=version, kv_bytes=kv_bytes)
         except OSError as exc:
             self.failed.add(rung, "precompile")
             self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
@@ -54,25 +61,31 @@ class Builder:
         why, lines = await self._until_kept(t, version, spare, t0)
         if why is not None:
             self.failed.add(rung, "spare" if spare else "precompile")
-        self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=why is None,
-                                     took_s=round(self.host.monotonic() - t0, 3),
-                                     error=None if why is None else f"{why}; last lines: {' | '.join(lines)}"))
+        self.publish(
+            RungPrecompiled(
+                at=self.host.wall(), profile=rung, ok=why is None,
+                took_s=round(self.host.monotonic() - t0, 3),
+                error=None if why is None else f"{why}; last lines: {' | '.join(lines)}"))
 
     async def _until_kept(self, t: Throwaway, version: str | None, spare: bool,
                           t0: float) -> tuple[str | None, list[str]]:
-        """Wait for ``t``'s /health; then keep it (a spare) or stop it. Why it failed, and its last lines."""
+        """Wait for ``t``'s /health; then keep it (a spare) or stop it. Why it failed, and its
+        last lines."""
         kept = False
         try:
             why = await t.until_healthy(self.cfg.recovery.precompile_timeout_s)
-            t.deaf()  # a spare kept is adopted by an engine's run, which binds its events socket anew
+            # a spare kept is adopted by an engine's run, which binds its events socket anew
+            t.deaf()
             lines = t.last_lines()  # what it printed while failing, not its shutdown
             if why is None and spare:
                 kept = await self.keeper.keep(t, t0)
             elif why is None:
-                # Its graphs are in the cache, whatever comes. Not a spare's: on the H200 a start at a rung only a
-                # spare had compiled compiled it again (24 s): it runs with --enable-sleep-mode and dev mode, and
-                # vLLM's compile hash took them in; the rung is then precompiled plainly as any.
-                self.precompiler.note_compiled(t.profile, version, t.cache_used[0] if t.cache_used else None)
+                # Its graphs are in the cache, whatever comes. Not a spare's: on the H200 a start at
+                # a rung only a spare had compiled compiled it again (24 s): it runs with
+                # --enable-sleep-mode and dev mode, and vLLM's compile hash took them in; the rung
+                # is then precompiled plainly as any.
+                self.precompiler.note_compiled(t.profile, version,
+                                               t.cache_used[0] if t.cache_used else None)
         finally:
             if not kept:
                 if self.stopped is not None:
@@ -82,9 +95,11 @@ class Builder:
         return why, lines
 
     def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
-        """The spare asleep and every second engine being started (a precompile's, or a spare being built)."""
+        """The spare asleep and every second engine being started (a precompile's, or a spare
+        being built)."""
         spare = self.keeper.spare
         out: list[tuple[str, Child, str | None, Profile | None]] = \
             [("spare", spare.child, spare.url, spare.profile)] if spare is not None else []
-        return out + [("spare (being built)" if t.work.name.startswith("spare-") else "precompile", t.child, t.url,
-                       t.profile) for t in sorted(self.launcher.current, key=lambda t: t.pid) if t is not spare]
+        return out + [("spare (being built)" if t.work.name.startswith("spare-") else "precompile",
+                       t.child, t.url, t.profile)
+                      for t in sorted(self.launcher.current, key=lambda t: t.pid) if t is not spare]

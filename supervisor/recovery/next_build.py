@@ -1,12 +1,14 @@
-"""What to build ahead next: one pure decision, from the facts ``Ahead`` gathers, to one step with its reason.
+"""What to build ahead next: one pure decision, from the facts ``Ahead`` gathers, to one step with
+its reason.
 
-Three moments ask it. While the engine serves (``READY``, once a tick): a spare for the rung the next memory failure
-picks, else a precompile of the next rung not compiled, each only where it fits beside the engine. Before a planned
-start (``BEFORE_START``): by default only what the start would not wait for (the first start's own rung and the next
-failure's, side by side, when the engine would compile its own anyway); every rung within reach with
-``precompile_order = "first"``; then (``BEFORE_START_COMPILED``, with the card read again) the spare first, only
-where the operator asked for that order (``spare_order`` "first" or "auto") and it would not fit beside. A planned
-start the user waits for is never held for a second engine by default (issue 38, item 1). Every card rule it
+Three moments ask it. While the engine serves (``READY``, once a tick): a spare for the rung the
+next memory failure picks, else a precompile of the next rung not compiled, each only where it fits
+beside the engine. Before a planned start (``BEFORE_START``): by default only what the start would
+not wait for (the first start's own rung and the next failure's, side by side, when the engine would
+compile its own anyway); every rung within reach with ``precompile_order = "first"``; then
+(``BEFORE_START_COMPILED``, with the card read again) the spare first, only where the operator asked
+for that order (``spare_order`` "first" or "auto") and it would not fit beside. A planned start the
+user waits for is never held for a second engine by default (issue 38, item 1). Every card rule it
 applies is recovery/sizing.py's; the classes around it only carry the step out.
 """
 
@@ -35,7 +37,8 @@ from supervisor.recovery.sizing import (
 class Moment(Enum):
     READY = "ready"  # the engine serves
     BEFORE_START = "before_start"  # a planned start, before its engine: nothing compiled first yet
-    BEFORE_START_COMPILED = "before_start_compiled"  # ... the rungs compiled first (or none to): the spare's turn
+    # ... the rungs compiled first (or none to): the spare's turn
+    BEFORE_START_COMPILED = "before_start_compiled"
 
 
 class Action(Enum):
@@ -54,12 +57,17 @@ class Facts:
     moment: Moment
     recovery: RecoveryConfig
     engine: Profile  # the serving engine's rung, or the one a planned start is about to start at
-    targets: tuple[Profile, ...]  # where a failure at ``engine`` goes, other than its own rung; the first: the spare's
-    compiled: frozenset[str] = frozenset()  # compile keys vLLM's cache holds for this vLLM and these arguments
-    failed: Mapping[str, str] = field(default_factory=dict)  # compile key -> "spare" | "precompile" (FailedRungs)
+    # where a failure at ``engine`` goes, other than its own rung; the first: the spare's
+    targets: tuple[Profile, ...]
+    # compile keys vLLM's cache holds for this vLLM and these arguments
+    compiled: frozenset[str] = frozenset()
+    # compile key -> "spare" | "precompile" (FailedRungs)
+    failed: Mapping[str, str] = field(default_factory=dict)
     card: tuple[DeviceSnapshot, ...] | None = ()  # () no GPU seen; None the GPU is lost
-    sizes: Mapping[str, SecondEngine | None] = field(default_factory=dict)  # compile key -> a second engine's size
-    kv: Mapping[str, int | None] = field(default_factory=dict)  # compile key -> one sequence's KV cache per rank
+    # compile key -> a second engine's size
+    sizes: Mapping[str, SecondEngine | None] = field(default_factory=dict)
+    # compile key -> one sequence's KV cache per rank
+    kv: Mapping[str, int | None] = field(default_factory=dict)
     ram_available: int = 0
     cpus: int = 1
     ranks: int = 1
@@ -69,10 +77,12 @@ class Facts:
     breaks_on_wake: str | None = None  # what in [engine.args] breaks an engine woken from sleep
     spare_kept: bool = False
     building: bool = False
-    at_ready: Profile | None = None  # asked by the first start: compile it the moment the engine is READY
+    # asked by the first start: compile it the moment the engine is READY
+    at_ready: Profile | None = None
     waited_s: float = 0.0  # READY for (a GPU host) or idle for (none): against precompile_idle_s
     first_start: bool = False  # the supervisor's first start on a GPU host (no READY yet)
-    last_start_s: float | None = None  # the last start that woke no spare, to READY (what a restart costs)
+    # the last start that woke no spare, to READY (what a restart costs)
+    last_start_s: float | None = None
 
     def to_compile(self, rung: Profile) -> bool:
         """Not compiled for this vLLM, and no throwaway failed at it."""
@@ -89,8 +99,10 @@ class Step:
     order: Order | None = None  # where the spare was weighed to be built (a planned start)
     wait_s: float = 0.0  # WAIT: how long until it asks again
     spare_why: str | None = None  # /status: why a spare is (not) built; None leaves the last one
-    compile_why: str | None = None  # /status: why the rungs are (not) compiled; None leaves the last one
-    at_ready: Profile | None = None  # BEFORE_START: the rung to compile beside the engine the moment it is READY
+    # /status: why the rungs are (not) compiled; None leaves the last one
+    compile_why: str | None = None
+    # BEFORE_START: the rung to compile beside the engine the moment it is READY
+    at_ready: Profile | None = None
 
 
 def next_step(f: Facts) -> Step:
@@ -101,7 +113,7 @@ def next_step(f: Facts) -> Step:
     return _spare_first(f, Step(Action.NOTHING, "nothing to build before the engine"))
 
 
-# ---- while the engine serves ------------------------------------------------------------------------
+# ---- while the engine serves ---------------------------------------------------------------------
 def _while_serving(f: Facts) -> Step:
     if f.building:
         return Step(Action.BUSY, "a second engine is being built")
@@ -109,35 +121,42 @@ def _while_serving(f: Facts) -> Step:
     if f.at_ready is not None and f.to_compile(f.at_ready):
         ok, compile_why = _throwaway_fits(f, f.at_ready)
         if ok:
-            why = (f"{compile_why}; the next memory failure's rung (max_num_batched_tokens "
-                   f"{f.at_ready.effective(Knob.MAX_NUM_BATCHED_TOKENS)}) at READY, not after precompile_idle_s: "
-                   "the first start found only its own rung compiled")
+            why = (
+                f"{compile_why}; the next memory failure's rung (max_num_batched_tokens "
+                f"{f.at_ready.effective(Knob.MAX_NUM_BATCHED_TOKENS)}) at READY, not after "
+                "precompile_idle_s: "
+                "the first start found only its own rung compiled")
             return Step(Action.COMPILE, why, rung=_beside(f, f.at_ready), compile_why=why)
     wait = f.recovery.precompile_idle_s - f.waited_s
     if wait > 0:
-        return Step(Action.WAIT, f"asked in {wait:.0f}s (precompile_idle_s)", wait_s=wait, compile_why=compile_why)
+        return Step(Action.WAIT, f"asked in {wait:.0f}s (precompile_idle_s)", wait_s=wait,
+                    compile_why=compile_why)
     spare_why = None
     if f.targets and not f.spare_kept:
         util, spare_why = _spare_beside(f, f.targets[0])
         if util is not None:  # a spare compiles its rung too, compiled already or not
-            return Step(Action.SPARE, spare_why, rung=f.targets[0].with_(gpu_memory_utilization=util),
-                        spare_why=spare_why)
+            return Step(Action.SPARE, spare_why,
+                        rung=f.targets[0].with_(gpu_memory_utilization=util), spare_why=spare_why)
     todo = [p for p in f.targets if f.to_compile(p)]
     if todo:
         ok, compile_why = _throwaway_fits(f, todo[0])
         if ok:
             return Step(Action.COMPILE, compile_why, rung=_beside(f, todo[0]), spare_why=spare_why,
                         compile_why=compile_why)
-    why = "; ".join(w for w in (spare_why, compile_why) if w) or "every rung within reach is compiled"
+    why = "; ".join(w
+                    for w in (spare_why, compile_why) if w) or "every rung within reach is compiled"
     return Step(Action.NOTHING, why, spare_why=spare_why, compile_why=compile_why)
 
 
 def _spare_refusal(f: Facts, rung: Profile) -> str | None:
-    """Why no spare at all for ``rung`` (its mode, its arguments, its history), whatever the card holds."""
+    """Why no spare at all for ``rung`` (its mode, its arguments, its history), whatever the card
+    holds."""
     mode = f.recovery.spare
     if rung.compile_key() in f.failed:
-        return ("a second engine at this rung failed to start, to sleep, or its canary after a wake in this run: "
-                "no spare for it")
+        return (
+            "a second engine at this rung failed to start, to sleep, or its canary after a wake in "
+            "this run: "
+            "no spare for it")
     if mode == "off":
         return '[recovery] spare = "off"'
     if f.breaks_on_wake:
@@ -148,21 +167,24 @@ def _spare_refusal(f: Facts, rung: Profile) -> str | None:
 
 
 def _spare_beside(f: Facts, rung: Profile) -> tuple[float | None, str]:
-    """Whether a spare for ``rung`` is built beside the serving engine: the utilization it starts at (the rung's
-    when no GPU is seen), or None; and why."""
+    """Whether a spare for ``rung`` is built beside the serving engine: the utilization it starts
+    at (the rung's when no GPU is seen), or None; and why."""
     refused = _spare_refusal(f, rung)
     if refused:
         return None, refused
     if f.recovery.spare_order == "first":
-        return None, '[recovery] spare_order = "first": a spare is built before the engine, at planned starts'
+        return None, ('[recovery] spare_order = "first": a spare is built before the engine, at '
+                      'planned starts')
     if f.card is None:
         return None, "the GPU is lost"
     util = rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
     if f.recovery.spare == "on":
-        return (fits_beside(f.card, util, f.headroom) if f.card else util), '[recovery] spare = "on"'
+        return (fits_beside(f.card, util, f.headroom)
+                if f.card else util), '[recovery] spare = "on"'
     if not f.card:
         return None, "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
-    room, why = room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor, f.ram_available)
+    room, why = room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor,
+                               f.ram_available)
     return room, why if room is not None else f"{why}; {_window(f)}"
 
 
@@ -174,26 +196,30 @@ def _throwaway_fits(f: Facts, rung: Profile) -> tuple[bool, str]:
     if f.card is None:
         return False, "the GPU is lost"
     if not f.card:
-        return True, "auto: no GPU, so a throwaway competes only for CPU, niced and while the engine is idle"
+        return True, ("auto: no GPU, so a throwaway competes only for CPU, niced and while the "
+                      "engine is idle")
     return room_for_throwaway(f.card, f.sizes.get(rung.compile_key()), f.ranks)
 
 
 def _beside(f: Facts, rung: Profile) -> Profile:
-    """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start check wants
-    utilization x total free). The utilization is not part of the compile hash."""
+    """On a GPU the throwaway must fit in what the serving engine left: half of it (vLLM's start
+    check wants utilization x total free). The utilization is not part of the compile hash."""
     free = free_fraction(list(f.card)) if f.card else None
-    return rung if free is None else rung.with_(gpu_memory_utilization=round(max(0.01, free / 2), 3))
+    return rung if free is None else rung.with_(
+        gpu_memory_utilization=round(max(0.01, free / 2), 3))
 
 
-# ---- before a planned start -------------------------------------------------------------------------
+# ---- before a planned start ----------------------------------------------------------------------
 def _before_start(f: Facts) -> Step:
-    """The rungs within reach not yet compiled, first only where the start would not wait for them (``"auto"``):
-    at the supervisor's first start, when the engine would compile its own rung in its start anyway, that one and
-    the next memory failure's side by side on the free card (a failure in its first minutes would compile on its
-    critical path: 70 s on the H200), in about the time the engine takes to compile its own. With its own rung
-    compiled (a reboot, a restart, a climb), compiling another first would hold READY for a whole compile (77 s on
-    the H200), so the next one is compiled beside the engine the moment it is READY, where it fits. ``"first"``
-    compiles every rung within reach first, as the operator asked."""
+    """The rungs within reach not yet compiled, first only where the start would not wait for
+    them (``"auto"``): at the supervisor's first start, when the engine would compile its own
+    rung in its start anyway, that one and the next memory failure's side by side on the free
+    card (a failure in its first minutes would compile on its critical path: 70 s on the
+    H200), in about the time the engine takes to compile its own. With its own rung compiled
+    (a reboot, a restart, a climb), compiling another first would hold READY for a whole
+    compile (77 s on the H200), so the next one is compiled beside the engine the moment it is
+    READY, where it fits. ``"first"`` compiles every rung within reach first, as the operator
+    asked."""
     within_reach = [f.engine, *f.targets]
     todo = [p for p in within_reach if f.to_compile(p)]
     own_missing = f.to_compile(f.engine)
@@ -204,53 +230,68 @@ def _before_start(f: Facts) -> Step:
         return Step(Action.COMPILE_FIRST, plan.why, plan=plan, compile_why=compile_why)
     if plan is not None and f.first_start and not own_missing:
         at_ready = next((p for p in f.targets[:1] if f.to_compile(p)), None)
-    nothing = Step(Action.NOTHING, compile_why or "no rung to compile first", plan=plan, compile_why=compile_why,
-                   at_ready=at_ready)
+    nothing = Step(Action.NOTHING, compile_why or "no rung to compile first", plan=plan,
+                   compile_why=compile_why, at_ready=at_ready)
     return _spare_first(f, nothing)
 
 
-def _compile_plan(f: Facts, todo: Sequence[Profile], soon: Sequence[Profile]) -> tuple[CompileFirst | None, str | None]:
-    """How the rungs in ``todo`` are compiled before the engine (``plan.at_once`` 0: not first), or None when not
-    weighed at all; and why. ``"auto"`` compiles first only the ones in ``soon`` (the first start's own rung and
-    the next memory failure's, when its own is not compiled) and only as many as compile at once."""
+def _compile_plan(f: Facts, todo: Sequence[Profile],
+                  soon: Sequence[Profile]) -> tuple[CompileFirst | None, str | None]:
+    """How the rungs in ``todo`` are compiled before the engine (``plan.at_once`` 0: not first),
+    or None when not weighed at all; and why. ``"auto"`` compiles first only the ones in
+    ``soon`` (the first start's own rung and the next memory failure's, when its own is not
+    compiled) and only as many as compile at once."""
     rc = f.recovery
     if rc.precompile == "off" or rc.precompile_order == "beside" or not todo or not f.card:
         return None, None  # without a GPU a throwaway always fits beside the engine
     sizes = [f.sizes.get(r.compile_key()) for r in todo]
     kv = f.kv.get(todo[0].compile_key())
     if kv is None or any(size is None for size in sizes):
-        return None, "first: the model is not a local directory with weights and a config.json: its size is unknown"
+        return None, ("first: the model is not a local directory with weights and a config.json: "
+                      "its size is unknown")
     need = max(size.need for size in sizes if size is not None)
     util = f.engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
     args = (list(f.card), need, kv, util, f.headroom)
     if rc.precompile_order == "first":
         plan = replace(plan_first(*args, "first", f.cpus), rungs=tuple(todo))
         return plan, plan.why
-    weighed = plan_first(*args, "auto", f.cpus)  # beside when it fits: then nothing waits for a compile
+    # beside when it fits: then nothing waits for a compile
+    weighed = plan_first(*args, "auto", f.cpus)
     first = plan_first(*args, "first", f.cpus)
     if soon and first.at_once:
         rungs = tuple(soon[:first.at_once])
-        what = "the start's own rung and the next memory failure's" if len(rungs) > 1 else "the start's own rung"
-        rest = "; the rest beside it" + (f": {weighed.why}" if weighed.order == "beside" else " where it fits")
-        plan = replace(first, rungs=rungs, why=(
-            f"auto: {what} before the engine, side by side, in about the time the engine would compile its own (a "
-            f"failure in the minutes after READY would compile on its critical path): {first.why}{rest}"))
+        what = "the start's own rung and the next memory failure's" if len(
+            rungs) > 1 else "the start's own rung"
+        rest = "; the rest beside it" + (f": {weighed.why}"
+                                         if weighed.order == "beside" else " where it fits")
+        plan = replace(
+            first, rungs=rungs, why=
+            (f"auto: {what} before the engine, side by side, in about the time the engine would "
+             "compile its own (a "
+             "failure in the minutes after READY would compile on its critical path): "
+             f"{first.why}{rest}"
+             ))
         return plan, plan.why
     if weighed.order == "beside":
         return replace(weighed, rungs=tuple(todo)), weighed.why
-    why = (f"auto: none first: the start would wait for them (precompile_order = \"first\" compiles them before "
-           f"planned starts), and none fits beside the engine: {weighed.why}; a memory failure into a rung not "
-           "compiled compiles it in its restart")
+    why = (
+        "auto: none first: the start would wait for them (precompile_order = \"first\" compiles "
+        "them before "
+        f"planned starts), and none fits beside the engine: {weighed.why}; a memory failure into a "
+        "rung not "
+        "compiled compiles it in its restart")
     return replace(weighed, order=None, at_once=0, rungs=tuple(todo), why=why), why
 
 
 def _spare_first(f: Facts, otherwise: Step) -> Step:
-    """A spare for the first target built now, on the card the engine is about to start on, where it would not fit
-    beside the engine and the operator asked for that order (``"first"``, ``"auto"``); else ``otherwise``, with how
-    the spare was weighed. The default, ``"beside"``, never holds a planned start's READY for it: /status says what
-    the window without one costs instead."""
+    """A spare for the first target built now, on the card the engine is about to start on, where
+    it would not fit beside the engine and the operator asked for that order (``"first"``,
+    ``"auto"``); else ``otherwise``, with how the spare was weighed. The default,
+    ``"beside"``, never holds a planned start's READY for it: /status says what the window
+    without one costs instead."""
     if f.spare_kept or not f.targets or not f.card:
-        return otherwise  # the order is the card's numbers: without them a spare is only ever built beside
+        # the order is the card's numbers: without them a spare is only ever built beside
+        return otherwise
     rung, rc = f.targets[0], f.recovery
     if _spare_refusal(f, rung):
         return otherwise
@@ -263,15 +304,19 @@ def _spare_first(f: Facts, otherwise: Step) -> Step:
                          size.need if size is not None else 0, f.floor, f.headroom,
                          "auto" if beside_only else rc.spare_order)
     if beside_only and order.order == "first":
-        why = (f'spare_order = "beside": none fits beside the engine, and one built first would hold this start\'s '
-               f'READY for about another start (spare_order = "first" or "auto" builds it so: {order.why}); '
-               f"{_window(f)}")
+        why = (
+            'spare_order = "beside": none fits beside the engine, and one built first would hold '
+            'this start\'s '
+            'READY for about another start (spare_order = "first" or "auto" builds it so: '
+            f'{order.why}); '
+            f"{_window(f)}")
         return replace(otherwise, order=Order(None, None, why), spare_why=why)
     if beside_only or order.order != "first" or order.spare_util is None:
         return replace(otherwise, order=order)
     why = f"building it first: {order.why}"
-    return Step(Action.SPARE, why, rung=rung.with_(gpu_memory_utilization=order.spare_util), order=order,
-                spare_why=why, plan=otherwise.plan, compile_why=otherwise.compile_why, at_ready=otherwise.at_ready)
+    return Step(Action.SPARE, why, rung=rung.with_(gpu_memory_utilization=order.spare_util),
+                order=order, spare_why=why, plan=otherwise.plan, compile_why=otherwise.compile_why,
+                at_ready=otherwise.at_ready)
 
 
 def _window(f: Facts) -> str:

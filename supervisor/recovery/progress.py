@@ -1,5 +1,5 @@
-"""What a planned start's build-first is doing (a step, n of m, the time left), and how long the last builds took
-on this host (``<state dir>/builds.json``), from which the time left is told."""
+"""What a planned start's build-first is doing (a step, n of m, the time left), and how long the
+last builds took on this host (``<state dir>/builds.json``), from which the time left is told."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ STEPS = ("rungs", "spare")
 
 
 class BuildTimes:
-    """The seconds the last build of each step took here: a rung's compile side by side, a spare to asleep."""
+    """The seconds the last build of each step took here: a rung's compile side by side, a spare
+    to asleep."""
 
     def __init__(self, state_dir: str) -> None:
         self.path = Path(state_dir) / RECORD
@@ -34,7 +35,10 @@ class BuildTimes:
             return {}
         if not isinstance(doc, dict):
             return {}
-        return {k: float(v) for k, v in doc.items() if k in STEPS and isinstance(v, int | float) and v > 0}
+        return {
+            k: float(v) for k, v in doc.items()
+            if k in STEPS and isinstance(v, int | float) and v > 0
+        }
 
     def note(self, step: str, took_s: float | None) -> None:
         if took_s is None or took_s <= 0:
@@ -48,8 +52,9 @@ class BuildTimes:
 
 @dataclass
 class Progress:
-    """One step of a build-first: ``done`` of ``of``, ``at_once`` side by side, each taking ``each_s`` (the last
-    build's; None before any), the last step's end at ``step_at`` (monotonic)."""
+    """One step of a build-first: ``done`` of ``of``, ``at_once`` side by side, each taking
+    ``each_s`` (the last build's; None before any), the last step's end at ``step_at``
+    (monotonic)."""
 
     step: str
     done: int
@@ -71,8 +76,8 @@ class Progress:
 
 
 class FirstBuilds:
-    """A planned start's build-first as it goes: each step kept for /status and published (the journal's line,
-    systemd's STATUS=), its time left told from the last build's on this host."""
+    """A planned start's build-first as it goes: each step kept for /status and published (the
+    journal's line, systemd's STATUS=), its time left told from the last build's on this host."""
 
     def __init__(self, state_dir: str, host: Host, publish: Callable[[Event], None]) -> None:
         self.times, self.host, self.publish = BuildTimes(state_dir), host, publish
@@ -81,7 +86,9 @@ class FirstBuilds:
     def step(self, step: str, done: int, of: int, at_once: int = 1) -> None:
         t = self.host.monotonic()
         self.now = Progress(step, done, of, at_once, self.times.took_s.get(step), t)
-        self.publish(BuildingFirst(at=self.host.wall(), step=step, done=done, of=of, left_s=self.now.left_s(t)))
+        self.publish(
+            BuildingFirst(at=self.host.wall(), step=step, done=done, of=of,
+                          left_s=self.now.left_s(t)))
 
     def over(self) -> None:
         self.now = None
@@ -90,18 +97,25 @@ class FirstBuilds:
         return self.now.as_dict(self.host.monotonic()) if self.now else None
 
 
-def spare_due(asleep: bool, last_s: float | None, building_for_s: float | None, built_first: bool, mode: str,
-              asked_in_s: float | None, why: str) -> dict[str, Any]:
-    """When the next spare will be ready, as far as the supervisor can tell (``in_s`` None: it cannot), for /status:
-    from whether one sleeps, how long one has been built for, how long the last took, and why none is built."""
+def spare_due(asleep: bool, last_s: float | None, building_for_s: float | None, built_first: bool,
+              mode: str, asked_in_s: float | None, why: str) -> dict[str, Any]:
+    """When the next spare will be ready, as far as the supervisor can tell (``in_s`` None: it
+    cannot), for /status: from whether one sleeps, how long one has been built for, how long
+    the last took, and why none is built."""
     if asleep:
         return {"in_s": 0.0, "when": "now: one is asleep"}
     if building_for_s is not None:
-        return {"in_s": round(max(0.0, last_s - building_for_s), 1) if last_s else None,
-                "when": f"being built for {building_for_s:.0f}s" + (f"; the last took {last_s:.0f}s" if last_s else "")}
+        return {
+            "in_s": round(max(0.0, last_s - building_for_s), 1) if last_s else None,
+            "when": f"being built for {building_for_s:.0f}s" +
+            (f"; the last took {last_s:.0f}s" if last_s else "")
+        }
     if built_first:
-        return {"in_s": None, "when": "at the next planned start (a climb, a reload, restart): none fits beside "
-                                      "the engine, so it is built before the engine"}
+        return {
+            "in_s": None,
+            "when": "at the next planned start (a climb, a reload, restart): none fits beside "
+            "the engine, so it is built before the engine"
+        }
     if mode == "off":
         return {"in_s": None, "when": 'never: [recovery] spare = "off"'}
     if asked_in_s is not None and asked_in_s > 0:

@@ -2,16 +2,17 @@
 
 What is left of a recovery once the imports and the compile are done ahead (the standby, the
 precompile) is vLLM building an engine: at the seed's scale 18 of a 20 s restart (docs/recovery.md
-§5). A spare skips it. A second engine (recovery/throwaway.py) at the rung the next runtime OOM would
-pick is started with the real weights, ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (the routes
-``/sleep`` and ``/wake_up``, which the gateway never forwards), and once it answers /health it is put
-to sleep at level 1: its weights are copied to host memory and its KV cache dropped, its CUDA graphs,
-compiled code and processes kept; ~2 GiB stays on the card. When the engine fails into that rung the
-next start wakes the spare (about half a second on the H200) and adopts it as the engine.
+§5). A spare skips it. A second engine (recovery/throwaway.py) at the rung the next runtime OOM
+would pick is started with the real weights, ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``
+(the routes ``/sleep`` and ``/wake_up``, which the gateway never forwards), and once it answers
+/health it is put to sleep at level 1: its weights are copied to host memory and its KV cache
+dropped, its CUDA graphs, compiled code and processes kept; ~2 GiB stays on the card. When the
+engine fails into that rung the next start wakes the spare (about half a second on the H200) and
+adopts it as the engine.
 
-A spare listens on a port of its own: only the gateway follows it. It is stopped, never kept
-"just in case", when the engine's next rung moves elsewhere, when a start wants another rung, when
-the card has not the memory it needs to wake, or when it dies; the start is then cold, as without it.
+A spare listens on a port of its own: only the gateway follows it. It is stopped, never kept "just
+in case", when the engine's next rung moves elsewhere, when a start wants another rung, when the
+card has not the memory it needs to wake, or when it dies; the start is then cold, as without it.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ class SpareFailed(Exception):
 
 @dataclass(eq=False)
 class Spare(Throwaway):
-    """A whole engine asleep at ``profile`` (the utilization it could start at beside the engine)."""
+    """A whole engine asleep at ``profile`` (the utilization it could start at beside the
+    engine)."""
 
-    awake: dict[int, int] = field(default_factory=dict)  # device -> bytes its processes held awake (NVML)
+    # device -> bytes its processes held awake (NVML)
+    awake: dict[int, int] = field(default_factory=dict)
     asleep: dict[int, int] = field(default_factory=dict)  # ... and asleep
     canary: Canary | None = None  # its answer to the canary prompt before it slept
     footprint_at: float = 0.0  # when its sleeping footprint was last read (monotonic)
@@ -71,18 +74,23 @@ class Spare(Throwaway):
         return self.profile.compile_key() == profile.compile_key() and mine <= theirs
 
     def short_to_wake(self, snaps: Sequence[DeviceSnapshot], headroom: int) -> str | None:
-        """Why the card cannot take the spare back now (what it gave up asleep, plus the headroom), or None."""
+        """Why the card cannot take the spare back now (what it gave up asleep, plus the
+        headroom), or None."""
         for s in snaps:
             need = max(0, self.awake.get(s.index, 0) - self.asleep.get(s.index, 0))
             if s.free < need + headroom:
-                return (f"GPU {s.index}: {s.free / GIB:.2f} GiB free, the spare needs {need / GIB:.2f} GiB "
-                        f"back to wake (+ {headroom / GIB:.2f} GiB headroom)")
+                return (
+                    f"GPU {s.index}: {s.free / GIB:.2f} GiB free, the spare needs {need / GIB:.2f} "
+                    "GiB "
+                    f"back to wake (+ {headroom / GIB:.2f} GiB headroom)")
         return None
 
     def status(self) -> dict[str, Any]:
-        return {"state": "asleep", "pid": self.pid, "port": self.port, "profile": self.profile.knobs(),
-                "held_asleep_mib": sum(self.asleep.values()) // MIB,
-                "canary": self.canary.as_dict() if self.canary else None, "wakes": self.wakes}
+        return {
+            "state": "asleep", "pid": self.pid, "port": self.port, "profile": self.profile.knobs(),
+            "held_asleep_mib": sum(self.asleep.values()) // MIB,
+            "canary": self.canary.as_dict() if self.canary else None, "wakes": self.wakes
+        }
 
     async def fall_asleep(self) -> None:
         try:
@@ -105,23 +113,28 @@ def held_by(snaps: Iterable[DeviceSnapshot], pids: set[int]) -> dict[int, int]:
 
 
 class SpareKeeper:
-    """Holds at most one spare: decides whether one is wanted, keeps it asleep, hands it to a start, or stops it."""
+    """Holds at most one spare: decides whether one is wanted, keeps it asleep, hands it to a
+    start, or stops it."""
 
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], failed: FailedRungs) -> None:
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 failed: FailedRungs) -> None:
         self.cfg, self.host, self.publish, self.failed = cfg, host, publish, failed
         self.spare: Spare | None = None
-        self.order: Order | None = None  # where the last spare was decided to be built (first, or beside)
-        self.last_build_s: float | None = None  # how long the last spare took from its spawn to asleep
+        # where the last spare was decided to be built (first, or beside)
+        self.order: Order | None = None
+        # how long the last spare took from its spawn to asleep
+        self.last_build_s: float | None = None
         self.why = "not asked yet: no rung has been precompiled"
-        self.last_check: dict[str, Any] | None = None  # the last wake check's result (spare_check_every_s)
+        # the last wake check's result (spare_check_every_s)
+        self.last_check: dict[str, Any] | None = None
         self._waking = asyncio.Lock()  # a check's wake and a start's never overlap
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
 
     async def keep(self, started: Throwaway, spawned_at: float) -> bool:
-        """Put a throwaway that answers /health to sleep and keep it; False (and an event) when that fails, and
-        the caller stops it as any throwaway."""
+        """Put a throwaway that answers /health to sleep and keep it; False (and an event) when
+        that fails, and the caller stops it as any throwaway."""
         spare = Spare(**fields_of(started))
         pids = self.host.tree_pids(spare.child)
         t0 = self.host.monotonic()
@@ -129,7 +142,8 @@ class SpareKeeper:
             try:
                 spare.canary = await canary.ask(spare.client)
             except EngineError as exc:
-                raise SpareFailed(f"no answer to the canary prompt before sleeping: {exc}") from None
+                raise SpareFailed(
+                    f"no answer to the canary prompt before sleeping: {exc}") from None
             spare.awake = held_by(await self._snapshot(), pids)
             await spare.fall_asleep()
             spare.asleep = held_by(await self._snapshot(), pids)
@@ -143,26 +157,30 @@ class SpareKeeper:
         spare.record_as(leftovers.SPARE)  # a spare kept is no precompile's throwaway
         self.spare, self.last_build_s = spare, round(now - spawned_at, 3)
         self.why = "asleep"
-        self.publish(SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
-                                 took_s=round(now - spawned_at, 3), sleep_s=round(now - t0, 3),
-                                 held_awake_mib=sum(spare.awake.values()) // MIB,
-                                 held_asleep_mib=sum(spare.asleep.values()) // MIB))
+        self.publish(
+            SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
+                        took_s=round(now - spawned_at, 3), sleep_s=round(now - t0, 3),
+                        held_awake_mib=sum(spare.awake.values()) // MIB,
+                        held_asleep_mib=sum(spare.asleep.values()) // MIB))
         return True
 
     @staticmethod
     def take_bound_s(cfg: Config) -> float:
-        """The longest ``take`` lasts, from the bounds its steps wait on (the start's watchdog deadline at its gates):
-        a check's wake under way ends first (``_check_by_waking``: /wake_up, /health, the canary, /sleep, or the
-        spare dropped when one fails), then the start's own wake (/wake_up, /health, the canary), or the spare
-        dropped (``drop``: the engine's stop grace, then SIGKILL)."""
+        """The longest ``take`` lasts, from the bounds its steps wait on (the start's watchdog
+        deadline at its gates): a check's wake under way ends first (``_check_by_waking``:
+        /wake_up, /health, the canary, /sleep, or the spare dropped when one fails), then the
+        start's own wake (/wake_up, /health, the canary), or the spare dropped (``drop``: the
+        engine's stop grace, then SIGKILL)."""
         e = cfg.engine
-        wake, drop = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S, e.stop_timeout_s + e.kill_timeout_s
+        wake = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S
+        drop = e.stop_timeout_s + e.kill_timeout_s
         return (wake + SPARE_SLEEP_S + drop) + (wake + drop)
 
     async def take(self, profile: Profile, keep_for: Profile | None = None) -> Spare | None:
-        """For a start at ``profile``: the spare, awake and no longer ours to stop, or None. A spare that cannot
-        serve this start is stopped first, unless it serves ``keep_for`` (a failure's restart at the same rung:
-        the rung its next memory failure picks), which it stays asleep for. A check's wake under way ends first."""
+        """For a start at ``profile``: the spare, awake and no longer ours to stop, or None. A
+        spare that cannot serve this start is stopped first, unless it serves ``keep_for`` (a
+        failure's restart at the same rung: the rung its next memory failure picks), which it
+        stays asleep for. A check's wake under way ends first."""
         async with self._waking:
             return await self._take(profile, keep_for)
 
@@ -172,7 +190,8 @@ class SpareKeeper:
             return None
         if not spare.serves(profile):
             if keep_for is not None and spare.serves(keep_for):
-                return None  # at 0.9 no spare starts beside the engine: losing this one loses the fast path
+                # at 0.9 no spare starts beside the engine: losing this one loses the fast path
+                return None
             await self.drop(f"this start wants another rung ({profile.compile_key()})")
             return None
         try:
@@ -197,14 +216,15 @@ class SpareKeeper:
             return None  # dropped: it answers otherwise than before it slept
         self.spare = None
         leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
-        self.publish(SpareWoken(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
-                                took_s=took, canary=checked))
+        self.publish(
+            SpareWoken(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
+                       took_s=took, canary=checked))
         return spare
 
     async def _check_canary(self, spare: Spare) -> dict[str, Any] | None:
-        """The canary again, after the wake: its result for ``spare.woken``, or None once the spare is dropped
-        for answering otherwise (``spare.dropped`` reason "canary", an incident bundle); SpareFailed when the
-        woken spare does not answer at all."""
+        """The canary again, after the wake: its result for ``spare.woken``, or None once the
+        spare is dropped for answering otherwise (``spare.dropped`` reason "canary", an
+        incident bundle); SpareFailed when the woken spare does not answer at all."""
         if spare.canary is None:
             return {"checked": False}
         t0 = self.host.monotonic()
@@ -217,18 +237,23 @@ class SpareKeeper:
         if wrong is None:
             return {"checked": True, "equal": True, "tokens": len(woken.tokens),
                     "max_logprob_drift": round(spare.canary.drift(woken), 6), "took_s": took}
-        path = incident.keep(self.cfg.state.dir, "spare_canary", {
-            "failure": {"kind": "spare_canary", "evidence": wrong}, "pid": spare.pid,
-            "profile": spare.profile.knobs(), "argv": list(spare.argv), "vllm_version": spare.version,
-            "before_sleep": {"tokens": list(spare.canary.tokens), "logprobs": list(spare.canary.logprobs)},
-            "after_wake": {"tokens": list(woken.tokens), "logprobs": list(woken.logprobs)},
-            "log_tail": spare.tail.snapshot()[-50:]}, self.cfg.engine.secrets(), self.publish, self.host.wall)
-        self.failed.add(spare.profile, "spare")  # vLLM's sleep-mode bugs repeat: no spare at this rung in this run
+        path = incident.keep(
+            self.cfg.state.dir, "spare_canary", {
+                "failure": {"kind": "spare_canary", "evidence": wrong
+                            }, "pid": spare.pid, "profile": spare.profile.knobs(),
+                "argv": list(spare.argv), "vllm_version": spare.version, "before_sleep": {
+                    "tokens": list(spare.canary.tokens), "logprobs": list(spare.canary.logprobs)
+                }, "after_wake": {"tokens": list(woken.tokens), "logprobs": list(woken.logprobs)
+                                  }, "log_tail": spare.tail.snapshot()[-50:]
+            }, self.cfg.engine.secrets(), self.publish, self.host.wall)
+        # vLLM's sleep-mode bugs repeat: no spare at this rung in this run
+        self.failed.add(spare.profile, "spare")
         await self.drop("canary", fault=True, detail=wrong, incident=path)
         return None
 
     async def check(self, next_rung: Profile | None) -> None:
-        """While the engine serves: a spare that died, or that no longer is the rung a failure would pick, goes."""
+        """While the engine serves: a spare that died, or that no longer is the rung a failure
+        would pick, goes."""
         spare = self.spare
         if spare is None or await self._dropped_dead(spare):
             return
@@ -240,12 +265,15 @@ class SpareKeeper:
             await self._check_by_waking(spare)
 
     async def _check_by_waking(self, spare: Spare) -> None:
-        """Every ``spare_check_every_s``: wake the spare, ask it the canary, put it back to sleep (``spare.checked``);
-        one that answers otherwise, or fails to wake or sleep, is dropped and rebuilt now rather than found broken
-        by the start that needs it. After ``spare_max_wakes`` such wakes it is rebuilt fresh (``recycled``). Only
-        where the card holds it awake beside the engine and a start's headroom: the check must not squeeze it."""
+        """Every ``spare_check_every_s``: wake the spare, ask it the canary, put it back to sleep
+        (``spare.checked``); one that answers otherwise, or fails to wake or sleep, is dropped
+        and rebuilt now rather than found broken by the start that needs it. After
+        ``spare_max_wakes`` such wakes it is rebuilt fresh (``recycled``). Only where the card
+        holds it awake beside the engine and a start's headroom: the check must not squeeze
+        it."""
         r, now = self.cfg.recovery, self.host.monotonic()
-        if self.spare is not spare or not r.spare_check_every_s or now - spare.checked_at < r.spare_check_every_s:
+        every = r.spare_check_every_s
+        if self.spare is not spare or not every or now - spare.checked_at < every:
             return
         spare.checked_at = now
         if spare.wakes >= r.spare_max_wakes:
@@ -256,7 +284,9 @@ class SpareKeeper:
         except GpuLost as exc:
             short = str(exc)
         if short:
-            self.last_check = {"at": self.host.wall(), "checked": False, "why": f"not woken: {short}"}
+            self.last_check = {
+                "at": self.host.wall(), "checked": False, "why": f"not woken: {short}"
+            }
             return
         try:
             await spare.wake()
@@ -270,15 +300,19 @@ class SpareKeeper:
             return
         took = round(self.host.monotonic() - now, 3)
         spare.checked_at = self.host.monotonic()
-        self.last_check = {"at": self.host.wall(), "checked": True, "wakes": spare.wakes, "took_s": took,
-                           "canary": checked}
-        self.publish(SpareChecked(at=self.host.wall(), pid=spare.pid, profile=spare.profile, wakes=spare.wakes,
-                                  took_s=took, canary=checked))
+        self.last_check = {
+            "at": self.host.wall(), "checked": True, "wakes": spare.wakes, "took_s": took,
+            "canary": checked
+        }
+        self.publish(
+            SpareChecked(at=self.host.wall(), pid=spare.pid, profile=spare.profile,
+                         wakes=spare.wakes, took_s=took, canary=checked))
 
     async def _check_footprint(self, spare: Spare) -> None:
-        """Every FOOTPRINT_EVERY_S: a spare whose sleeping footprint grew is recycled (dropped; the next one is built
-        as any spare is). vLLM's sleep mode has left memory pinned that grows until outputs turn to garbage
-        (vllm#21336); the canary would catch the garbage at the wake, this catches the growth before it."""
+        """Every FOOTPRINT_EVERY_S: a spare whose sleeping footprint grew is recycled (dropped;
+        the next one is built as any spare is). vLLM's sleep mode has left memory pinned that
+        grows until outputs turn to garbage (vllm#21336); the canary would catch the garbage
+        at the wake, this catches the growth before it."""
         now = self.host.monotonic()
         if not spare.asleep or now - spare.footprint_at < FOOTPRINT_EVERY_S:
             return
@@ -291,25 +325,30 @@ class SpareKeeper:
         grown = {d: b for d, b in more.items() if b > FOOTPRINT_GROWTH}
         if grown:
             what = ", ".join(f"GPU {d}: +{b // MIB} MiB" for d, b in grown.items())
-            await self.drop("recycled: its sleeping footprint grew since it fell asleep", fault=True,
-                            detail=f"{what} over the {sum(spare.asleep.values()) // MIB} MiB it kept asleep")
+            await self.drop(
+                "recycled: its sleeping footprint grew since it fell asleep", fault=True,
+                detail=f"{what} over the {sum(spare.asleep.values()) // MIB} MiB it kept asleep")
 
     async def _dropped_dead(self, spare: Spare) -> bool:
-        """A spare whose API server exited while asleep is dropped (its engine core with it); True if it was."""
+        """A spare whose API server exited while asleep is dropped (its engine core with it);
+        True if it was."""
         if spare.alive():
             return False
-        await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep", fault=True)
+        await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep",
+                        fault=True)
         return True
 
-    async def drop(self, reason: str, fault: bool = False, detail: str = "", incident: str | None = None) -> None:
+    async def drop(self, reason: str, fault: bool = False, detail: str = "",
+                   incident: str | None = None) -> None:
         spare, self.spare = self.spare, None
         if spare is None:
             return
         self.why = f"dropped: {reason}" + (f" ({detail})" if detail else "")
         e = self.cfg.engine
         await spare.stop(e.stop_timeout_s, e.kill_timeout_s)
-        self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile, reason=reason,
-                                  fault=fault, detail=detail, incident=incident))
+        self.publish(
+            SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile, reason=reason,
+                         fault=fault, detail=detail, incident=incident))
 
     async def _snapshot(self) -> list[DeviceSnapshot]:
         return await self.host.gpu_snapshot(self.cfg.engine.devices())
@@ -318,15 +357,24 @@ class SpareKeeper:
         return self.spare.pids() if self.spare is not None else set()
 
     def status(self) -> dict[str, Any]:
-        asleep = {} if self.spare is None else {**self.spare.status(), "last_check": self.last_check}
-        return {"state": None, "why": self.why, "order": self.order.as_dict() if self.order else None, **asleep}
+        asleep = {} if self.spare is None else {
+            **self.spare.status(), "last_check": self.last_check
+        }
+        return {
+            "state": None, "why": self.why, "order": self.order.as_dict() if self.order else None,
+            **asleep
+        }
 
     def window(self, last_start_s: float | None) -> dict[str, Any] | None:
-        """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as the last start
-        that woke no spare took from spawn to READY (``last_start_s``; null before one)."""
+        """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as
+        the last start that woke no spare took from spawn to READY (``last_start_s``; null
+        before one)."""
         if self.spare is not None:
             return None
-        return {"restart_s": last_start_s, "why": "no spare asleep: a memory failure's restart is a start, not a wake"}
+        return {
+            "restart_s": last_start_s,
+            "why": "no spare asleep: a memory failure's restart is a start, not a wake"
+        }
 
     async def close(self) -> None:
         await self.drop("the supervisor stops")

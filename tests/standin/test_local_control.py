@@ -7,6 +7,7 @@ import urllib.request
 from collections.abc import Callable
 
 from supervisor.child.vllm_hook import environ_of
+
 from tests.helpers.processes import Sup
 
 

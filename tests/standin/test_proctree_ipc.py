@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
 from supervisor.decide.liveness import Progress
 from supervisor.engine import ipc
 from supervisor.host import proctree

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from supervisor.child import vllm_standby
+
 from tests.helpers.processes import FAKE_VLLM, STANDIN_BASE, Launcher, Sup, cli, deep_merge, gone, send_long_prompt
 
 IMPORT_S = 1.5  # the stand-in's "import vllm"

@@ -12,8 +12,8 @@ from typing import Any
 
 import psutil
 import pytest
-
 from supervisor.ops import control
+
 from tests.helpers.processes import STANDIN_BASE, Launcher, Sup, deep_merge, gone, http_json, send_long_prompt
 
 LONG = "word " * 30000

@@ -18,8 +18,8 @@ from typing import Any
 
 import psutil
 from prometheus_client import CONTENT_TYPE_LATEST
-
 from supervisor.host.real import py_spy
+
 from tests.helpers.processes import (
     LONG_PROMPT,
     Sup,

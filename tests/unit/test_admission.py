@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import pytest
-
 from supervisor.bounds import GIB, MIB
 from supervisor.decide import admission
 from supervisor.decide.admission import Parsed, PressureRules, Quarantine, Rejection

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from supervisor.config import AlertsConfig, HookConfig, read_secret
 from supervisor.config_file import parse
 from supervisor.engine_states import Failure, FailureKind
@@ -21,6 +20,7 @@ from supervisor.event_stream import AlertOutcome, Event, Fatal
 from supervisor.ops.alerts.channels import MissingSecret, make_channel
 from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.alerts.rules import AlertRules
+
 from tests.helpers.events import crash_and_recover, failed, lowered, recovered, sc
 from tests.helpers.receivers import Receiver
 
@@ -381,6 +381,7 @@ async def test_a_page_left_open_by_a_supervisor_that_died_is_resolved_by_the_nex
 def test_the_profile_condition_ends_at_ready_back_at_the_configured_profile_by_any_path() -> None:
     """Issue 28, item 2: a climb, `reset-profile` or a reload that lowers [profile] all end the lowered page."""
     from supervisor.event_stream import Reloaded
+
     from tests.helpers.events import P2, P
 
     rules = AlertRules(AlertsConfig(), "gpu-7", 0.0, configured=P)
@@ -401,6 +402,7 @@ async def test_a_refused_reload_page_resolves_when_a_supervisor_starts_on_a_good
         receiver: Callable[..., Receiver], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Issue 28, item 2: the operator fixes the file and restarts the service instead of reloading it."""
     from supervisor.event_stream import ReloadFailed, SupervisorStarted
+
     from tests.helpers.events import P
 
     monkeypatch.setenv("PD_ROUTING", "rk")

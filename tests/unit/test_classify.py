@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
 from supervisor.decide.classify import ExitInfo, classify, death_evidence
 from supervisor.decide.evidence import ConsoleFilter, console_evidence, strip_prefix
 from supervisor.engine_states import FailureKind, Phase
 from supervisor.profile import Knob
+
 from tests.helpers.processes import FIXTURES
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from supervisor.config import ConfigError
 from supervisor.config_file import load, parse
 from supervisor.engine.launch import arg_flags, build_argv, build_env

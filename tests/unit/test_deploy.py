@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from supervisor.config_file import load, parse
 
 ROOT = Path(__file__).parents[2]

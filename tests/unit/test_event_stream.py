@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
-
 from supervisor.engine_states import Failure, FailureKind
 from supervisor.event_stream import (
     Event,
@@ -25,6 +24,7 @@ from supervisor.ops.history import History
 from supervisor.ops.logs import EventLog
 from supervisor.ops.metrics import Metrics
 from supervisor.ops.notify import Notifier
+
 from tests.helpers.events import P2, P, failed, lowered, recovered, sc
 
 STREAM: list[Event] = [
@@ -289,6 +289,7 @@ def test_status_names_vllms_step_during_a_long_start_and_the_human_view_has_gate
     from supervisor.event_stream import StartupStep
     from supervisor.ops import oncall
     from supervisor.ops.notify import Notifier
+
     from tests.helpers.events import sc
 
     n = Notifier()

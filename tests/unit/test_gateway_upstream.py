@@ -12,7 +12,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-
 from supervisor.gateway import proxy
 from supervisor.gateway.streams import StreamState
 from supervisor.host import vllm_http

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
 from supervisor.host.gpu import DeviceSnapshot, GpuLost, Nvml, wait_free, wait_released
 
 

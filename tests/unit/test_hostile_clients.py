@@ -9,7 +9,6 @@ from typing import Any
 
 import psutil
 import pytest
-
 from supervisor.decide import admission
 from supervisor.engine_states import EngineState as S
 from supervisor.engine_states import FailureKind
@@ -495,7 +494,6 @@ def test_the_gateway_asks_for_the_key_as_vllm_does_and_on_every_route_that_runs_
     """Issue 25: /invocations, /pooling, /score, /rerank, /classify were served without credentials on an api_key
     engine; 'bearer' in lower case (vLLM accepts any case) or the second of several keys got 401."""
     from aiohttp.test_utils import make_mocked_request
-
     from supervisor.config import EngineConfig
     from supervisor.host.routes import authorized
 

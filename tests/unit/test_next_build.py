@@ -11,7 +11,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-
 from supervisor.bounds import GIB
 from supervisor.config import RecoveryConfig
 from supervisor.host.gpu import DeviceSnapshot

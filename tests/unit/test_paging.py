@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from supervisor.config import SEVERITIES, AlertsConfig, HookConfig
 from supervisor.engine_states import Failure, FailureKind
 from supervisor.event_stream import Fatal
 from supervisor.ops.alerts.channels import Alertmanager
 from supervisor.ops.alerts.paging import PAGE_SEVERITIES, double_pages, pages_for
 from supervisor.ops.alerts.rules import CLEARS_ON, AlertRules
+
 from tests.helpers.events import crash_and_recover, failed, lowered, sc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from supervisor.bounds import GIB
 from supervisor.decide.plan import ModelShape, kv_bytes_per_token, kv_dtype_bytes, make_plan
 

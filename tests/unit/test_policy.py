@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from supervisor.config import LadderConfig, RestartConfig
 from supervisor.decide.policy import Policy, backoff_delay, clamp_to_configured, step_down, step_up
 from supervisor.engine_states import ExitCode, Failure, FailureKind

@@ -19,6 +19,7 @@ from supervisor.profile import Knob, Profile
 from supervisor.recovery import Recovery
 from supervisor.recovery.precompile import RECORD, Precompiler
 from supervisor.recovery.standby import VLLM_CLI, StandbyPool, entry_of, start_env, vllm_env_of
+
 from tests.helpers.events import failed
 
 

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from supervisor.engine import ipc
 from supervisor.host import rundir
 from supervisor.profile import Profile

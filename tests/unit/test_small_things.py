@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from supervisor.config import AlertsConfig, ConfigError, HookConfig
 from supervisor.config_file import parse
 from supervisor.engine.launch import build_env
@@ -24,6 +23,7 @@ from supervisor.event_stream import Fatal
 from supervisor.ops.alerts.channels import SIGNATURE_HEADER, TIMESTAMP_HEADER, make_channel
 from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.alerts.rules import Alert
+
 from tests.helpers.events import P, sc
 from tests.helpers.receivers import Receiver
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from supervisor.engine_states import LEGAL_TRANSITIONS, EngineState, IllegalTransition, check_transition
 from supervisor.ops import statefile
 from supervisor.profile import Profile

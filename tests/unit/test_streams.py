@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-
 from supervisor.gateway import proxy, streams
 from supervisor.gateway.streams import StreamState
 

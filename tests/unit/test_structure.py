@@ -133,3 +133,11 @@ def test_the_counter_counts_code_not_comments_or_docstrings() -> None:
     (node,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
     # class A : def f ( self ) -> int : return 1
     assert code_tokens(source, node) == 13
+
+
+def test_no_line_of_the_package_passes_100_characters() -> None:
+    """Issue 37, item 5 (ruff's line-length in pyproject.toml; tests, bench and scripts keep 120 in their own
+    ruff.toml)."""
+    long = [f"{path.relative_to(ROOT)}:{n}" for path in modules()
+            for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
+    assert long == []

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from supervisor.config_file import parse
 from supervisor.daemon import Daemon
 from supervisor.engine_states import ExitCode
@@ -16,6 +15,7 @@ from supervisor.host.gpu import DeviceSnapshot, GpuLost
 from supervisor.host.proctree import Birth, StopReport
 from supervisor.host.vllm_http import EngineError, Progress
 from supervisor.ops.notify import Notifier
+
 from tests.helpers.processes import FIXTURES
 
 

@@ -1,9 +1,10 @@
-"""``<state dir>/pages.json``: the pages this host has open, per hook, until their condition ends (mode 0600).
+"""``<state dir>/pages.json``: the pages this host has open, per hook, until their condition ends
+(mode 0600).
 
-A page that outlives the supervisor that opened it (a FATAL exit, a SIGKILL, a reboot) is resolved by
-the next supervisor once its condition is over: the file survives restarts, as the state directory does.
-A file that cannot be read is reported and treated as empty: resolving a page twice is harmless, a page
-that never resolves is what this file exists to prevent.
+A page that outlives the supervisor that opened it (a FATAL exit, a SIGKILL, a reboot) is resolved
+by the next supervisor once its condition is over: the file survives restarts, as the state
+directory does. A file that cannot be read is reported and treated as empty: resolving a page twice
+is harmless, a page that never resolves is what this file exists to prevent.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ log = structlog.get_logger("supervisor.alerts")
 class OpenPages:
     def __init__(self, state_dir: str | Path | None) -> None:
         self.path = Path(state_dir) / FILENAME if state_dir is not None else None
-        self.open: dict[str, dict[str, dict[str, Any]]] = self._load()  # hook -> dedup_key -> what opened it
+        # hook -> dedup_key -> what opened it
+        self.open: dict[str, dict[str, dict[str, Any]]] = self._load()
 
     def _load(self) -> dict[str, dict[str, dict[str, Any]]]:
         if self.path is None:
@@ -41,13 +43,15 @@ class OpenPages:
         return {str(h): {str(k): v for k, v in keys.items() if _page(v)}
                 for h, keys in pages.items() if isinstance(keys, dict)}
 
-    def opened(self, hook: str, key: str, clears_on: str, event: str, at: float, severity: str = "") -> None:
+    def opened(self, hook: str, key: str, clears_on: str, event: str, at: float,
+               severity: str = "") -> None:
         self.open.setdefault(hook, {})[key] = {"clears_on": clears_on, "event": event, "since": at,
                                                "severity": severity}
         self._save()
 
     def closing(self, hook: str, conditions: list[str]) -> list[tuple[str, dict[str, Any]]]:
-        """The pages of ``hook`` that these conditions end, forgotten now (their resolves are being sent)."""
+        """The pages of ``hook`` that these conditions end, forgotten now (their resolves are
+        being sent)."""
         mine = self.open.get(hook, {})
         done = [(k, v) for k, v in mine.items() if v["clears_on"] in conditions]
         for k, _ in done:
@@ -61,7 +65,8 @@ class OpenPages:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_private(self.path, json.dumps({"open": {h: k for h, k in self.open.items() if k}}, indent=1))
+            write_private(self.path,
+                          json.dumps({"open": {h: k for h, k in self.open.items() if k}}, indent=1))
         except OSError as exc:
             log.error("alerts.pages_not_saved", path=str(self.path), error=str(exc))
 

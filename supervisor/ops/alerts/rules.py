@@ -1,4 +1,5 @@
-"""Which events page whom: the event stream turned into typed alerts, deduplicated, escalated (pure).
+"""Which events page whom: the event stream turned into typed alerts, deduplicated, escalated
+(pure).
 
 An alert is a frozen record a channel can send as it is. The rules keep just enough memory to
 deduplicate (the same alert within ``dedup_window_s`` is sent once), to escalate (restarts that
@@ -6,10 +7,10 @@ keep repeating become an ``error``), and to give each outage a stable ``dedup_ke
 
 Every alert that can page names the condition whose end clears it (``clears_on``): ``ready`` (the
 engine READY again: a restart, a hang, an outage, a FATAL of an earlier supervisor), ``profile``
-(back at the configured profile) or ``reload`` (a reload that succeeded, or a supervisor that started on the
-file). ``cleared`` says which
-conditions an event ends; the dispatcher resolves every open page waiting on them. An alert with
-no ``clears_on`` only notifies: it never opens a page (PagerDuty never gets it as a trigger).
+(back at the configured profile) or ``reload`` (a reload that succeeded, or a supervisor that
+started on the file). ``cleared`` says which conditions an event ends; the dispatcher resolves every
+open page waiting on them. An alert with no ``clears_on`` only notifies: it never opens a page
+(PagerDuty never gets it as a trigger).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from supervisor.event_stream import (
 from supervisor.profile import Profile
 
 # Which alerts can open a page, and what ends it (docs/operations.md says the same for on-call).
-CLEARS_ON = {"outage": "ready", "fatal": "ready", "engine_restarted": "ready", "hang_detected": "ready",
-             "profile_lowered": "profile", "config_reload_failed": "reload"}
+CLEARS_ON = {
+    "outage": "ready", "fatal": "ready", "engine_restarted": "ready", "hang_detected": "ready",
+    "profile_lowered": "profile", "config_reload_failed": "reload"
+}
 
 
 def rank(severity: str) -> int:
@@ -53,7 +56,9 @@ def rfc3339(t: float) -> str:
 class Alert:
     """One thing worth telling a person; ``as_json`` is what a webhook receives."""
 
-    event: str  # engine_restarted, profile_lowered, profile_raised, recovered, hang_detected, outage, fatal, ...
+    # engine_restarted, profile_lowered, profile_raised, recovered, hang_detected, outage, fatal,
+    # ...
+    event: str
     severity: str
     host: str
     message: str
@@ -62,15 +67,18 @@ class Alert:
     kind: str | None = None  # the failure kind, where there is one
     details: dict[str, Any] = field(default_factory=dict)
     resolves: bool = False  # PagerDuty resolves ``dedup_key`` instead of triggering
-    clears_on: str | None = None  # the condition whose end resolves this page; None: it only notifies
+    # the condition whose end resolves this page; None: it only notifies
+    clears_on: str | None = None
 
     @property
     def time(self) -> str:
         return rfc3339(self.at)
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"event": self.event, "severity": self.severity, "host": self.host,
-                               "message": self.message, "time": self.time, "dedup_key": self.dedup_key}
+        out: dict[str, Any] = {
+            "event": self.event, "severity": self.severity, "host": self.host,
+            "message": self.message, "time": self.time, "dedup_key": self.dedup_key
+        }
         if self.kind:
             out["kind"] = self.kind
         if self.details:
@@ -81,7 +89,8 @@ class Alert:
 class AlertRules:
     """Feed it the event stream (and clock ticks for outages); it returns the alerts to send."""
 
-    def __init__(self, cfg: AlertsConfig, host: str, started_at: float, configured: Profile | None = None) -> None:
+    def __init__(self, cfg: AlertsConfig, host: str, started_at: float,
+                 configured: Profile | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.configured = configured  # [profile] as configured: the "profile" condition ends there
@@ -109,14 +118,17 @@ class AlertRules:
                 self.configured = ev.configured_profile
             return ["reload", "profile"] if self._back_at_configured() else ["reload"]
         if isinstance(ev, SupervisorStarted):
-            return ["reload"]  # a supervisor started on this file: the refused reload an earlier one paged is moot
+            # a supervisor started on this file: the refused reload an earlier one paged is moot
+            return ["reload"]
         return []
 
     def _back_at_configured(self) -> bool:
-        """READY at (or above) the configured profile, however it got there: a climb, `reset-profile`, a reload
-        that lowered [profile], a restart. Compared knob by knob as vLLM runs them: a lowering makes knobs explicit
-        (``enable_chunked_prefill``, a default it stepped down from) that a climb leaves so."""
-        return self.configured is not None and self.serving is not None and self.serving.reaches(self.configured)
+        """READY at (or above) the configured profile, however it got there: a climb,
+        `reset-profile`, a reload that lowered [profile], a restart. Compared knob by knob as
+        vLLM runs them: a lowering makes knobs explicit (``enable_chunked_prefill``, a default
+        it stepped down from) that a climb leaves so."""
+        return self.configured is not None and self.serving is not None and self.serving.reaches(
+            self.configured)
 
     def on_event(self, ev: Event, now: float) -> list[Alert]:
         """Alerts for one stream event; ``now`` is the monotonic clock (the outage timer)."""
@@ -125,7 +137,8 @@ class AlertRules:
 
     def _map(self, ev: Event, now: float) -> list[Alert]:
         if isinstance(ev, StateChanged):
-            # The lifecycle says whether the engine is out of service and since how long (one definition).
+            # The lifecycle says whether the engine is out of service and since how long (one
+            # definition).
             self.not_ready_since = None if ev.outage_s is None else now - ev.outage_s
             if ev.new is EngineState.READY:
                 self.outage_key = None  # its page is resolved by the "ready" condition
@@ -135,33 +148,53 @@ class AlertRules:
         if isinstance(ev, FailureClassified):
             self.last_failure = ev
             if ev.kind is FailureKind.HANG:
-                return [self._alert("hang_detected", "warning", f"engine hung: {ev.evidence}", ev.at, ev.kind.value,
-                                    {"incident": ev.incident})]
+                return [
+                    self._alert("hang_detected", "warning", f"engine hung: {ev.evidence}", ev.at,
+                                ev.kind.value, {"incident": ev.incident})
+                ]
             return []
         if isinstance(ev, ProfileLowered):
-            return [self._alert("profile_lowered", "warning", f"profile lowered after {ev.kind.value}: "
-                                f"{_diff(ev.diff)}", ev.at, ev.kind.value, {"profile": ev.profile.knobs()})]
+            return [
+                self._alert("profile_lowered", "warning", f"profile lowered after {ev.kind.value}: "
+                            f"{_diff(ev.diff)}", ev.at, ev.kind.value,
+                            {"profile": ev.profile.knobs()})
+            ]
         if isinstance(ev, ProfileRaised):
-            return [self._alert("profile_raised", "info", f"profile raised: {_diff(ev.diff)}", ev.at,
-                                details={"profile": ev.profile.knobs()})]
+            return [
+                self._alert("profile_raised", "info", f"profile raised: {_diff(ev.diff)}", ev.at,
+                            details={"profile": ev.profile.knobs()})
+            ]
         if isinstance(ev, Recovered):
             kind = ev.kind.value if ev.kind else None
-            return [self._alert("recovered", "info", f"engine READY again {ev.recovered_after_s:.0f}s after "
-                                f"the {kind or 'failure'}", ev.at, kind,
-                                {"recovered_after_s": ev.recovered_after_s, "profile": ev.profile.knobs()})]
+            return [
+                self._alert(
+                    "recovered", "info", f"engine READY again {ev.recovered_after_s:.0f}s after "
+                    f"the {kind or 'failure'}", ev.at, kind,
+                    {"recovered_after_s": ev.recovered_after_s, "profile": ev.profile.knobs()})
+            ]
         if isinstance(ev, RequestQuarantined):
-            return [self._alert("request_quarantined", "warning", f"a request that killed the engine twice is "
-                                f"quarantined ({ev.prompt_tokens} prompt tokens): {ev.evidence}", ev.at,
-                                FailureKind.RUNTIME_OOM.value, {"request_hash": ev.request_hash})]
+            return [
+                self._alert(
+                    "request_quarantined", "warning", f"a request that killed the engine twice is "
+                    f"quarantined ({ev.prompt_tokens} prompt tokens): {ev.evidence}", ev.at,
+                    FailureKind.RUNTIME_OOM.value, {"request_hash": ev.request_hash})
+            ]
         if isinstance(ev, ReloadFailed):
-            return [self._alert("config_reload_failed", "warning", "config reload refused, still running on the old "
-                                f"config: {ev.error}", ev.at)]
+            return [
+                self._alert(
+                    "config_reload_failed", "warning",
+                    "config reload refused, still running on the old "
+                    f"config: {ev.error}", ev.at)
+            ]
         if isinstance(ev, Fatal):
             kind = ev.failure.kind.value if ev.failure else None
-            return [self._alert("fatal", "critical", f"supervisor gave up (exit {ev.exit_code}): {ev.reason}",
-                                ev.at, kind, {"exit_code": ev.exit_code,
-                                              "failure": ev.failure.as_dict() if ev.failure else {}},
-                                dedup_key=self._outage_key(ev.at))]
+            return [
+                self._alert("fatal", "critical",
+                            f"supervisor gave up (exit {ev.exit_code}): {ev.reason}", ev.at, kind, {
+                                "exit_code": ev.exit_code,
+                                "failure": ev.failure.as_dict() if ev.failure else {}
+                            }, dedup_key=self._outage_key(ev.at))
+            ]
         return []
 
     def _restarted(self, ev: StateChanged, now: float) -> Alert:
@@ -170,7 +203,8 @@ class AlertRules:
         self.restarts.append(now)
         f = self.last_failure
         kind = f.kind.value if f else None
-        msg = f"engine restarted after {kind or 'a failure'}: {f.evidence if f else ev.reason or ''}"
+        msg = (f"engine restarted after {kind or 'a failure'}: "
+               f"{f.evidence if f else ev.reason or ''}")
         severity = "warning"
         if len(self.restarts) >= self.cfg.escalate_after:
             severity = "error"  # restarts keep repeating: a person should look
@@ -197,7 +231,8 @@ class AlertRules:
         return self.outage_key
 
     def _fresh(self, a: Alert, now: float) -> bool:
-        """Deduplication: the same alert (event and kind) within ``dedup_window_s`` goes out once."""
+        """Deduplication: the same alert (event and kind) within ``dedup_window_s`` goes out
+        once."""
         if a.event in ("recovered", "fatal", "outage") or a.severity == "error":
             return True  # state changes a person must see every time
         key = (a.event, a.kind)

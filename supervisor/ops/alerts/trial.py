@@ -1,9 +1,11 @@
-"""`vllm-supervisor alerts test [--resolve]`: one test page through every configured hook, before 3 a.m. does.
+"""`vllm-supervisor alerts test [--resolve]`: one test page through every configured hook, before 3
+a.m. does.
 
-Each hook gets the same alert a real incident would send it, at the hook's own severity floor (so that a
-PagerDuty hook pages and a Twilio hook texts), marked as a test; ``--resolve`` then resolves it (PagerDuty closes
-the incident; the others get the resolve notice). One attempt each, with the hook's timeout: the point is to see
-what fails. What is printed names the hook by its type and host only: a Slack or webhook URL can carry a secret.
+Each hook gets the same alert a real incident would send it, at the hook's own severity floor (so
+that a PagerDuty hook pages and a Twilio hook texts), marked as a test; ``--resolve`` then resolves
+it (PagerDuty closes the incident; the others get the resolve notice). One attempt each, with the
+hook's timeout: the point is to see what fails. What is printed names the hook by its type and host
+only: a Slack or webhook URL can carry a secret.
 """
 
 from __future__ import annotations
@@ -33,15 +35,20 @@ def where(hook: HookConfig) -> str:
 
 def trial_alert(host: str, hook: HookConfig, at: float, resolves: bool = False) -> Alert:
     key = f"vllm-supervisor/{host}/test/{int(at)}"
-    if resolves:  # as a real resolve carries it: what opened the page (Alertmanager matches its labels)
+    # as a real resolve carries it: what opened the page (Alertmanager matches its labels)
+    if resolves:
         opened = {"event": "test", "severity": hook.severity_floor, "since": at}
-        return Alert("test_resolved", "info", host, "resolved: the test page from `vllm-supervisor alerts test`",
-                     at, key, details={"opened_as": opened}, resolves=True)
-    return Alert("test", hook.severity_floor, host, "TEST from `vllm-supervisor alerts test`: nothing is wrong; this "
-                 "is what an incident sends here", at, key, details={"test": True}, clears_on="test")
+        return Alert("test_resolved", "info", host,
+                     "resolved: the test page from `vllm-supervisor alerts test`", at, key,
+                     details={"opened_as": opened}, resolves=True)
+    return Alert(
+        "test", hook.severity_floor, host,
+        "TEST from `vllm-supervisor alerts test`: nothing is wrong; this "
+        "is what an incident sends here", at, key, details={"test": True}, clears_on="test")
 
 
-async def send_trial(cfg: AlertsConfig, host: str, resolve: bool, now: float | None = None) -> list[Outcome]:
+async def send_trial(cfg: AlertsConfig, host: str, resolve: bool,
+                     now: float | None = None) -> list[Outcome]:
     at = time.time() if now is None else now
     secrets = cfg.withheld()
     out: list[Outcome] = []
