@@ -102,3 +102,28 @@ def test_a_token_count_written_as_a_string_or_a_float_is_continued_or_refused_ne
     for bad in ("fifty", 50.5, True, [50]):
         more = streams.continue_request(json.dumps({"prompt": "p", "max_tokens": bad}).encode(), state)
         assert more.body is None and "max_tokens" in (more.why_not or ""), bad
+
+
+@pytest.mark.parametrize(("client_gone", "broken", "cut_short", "counted"), [
+    (False, False, False, {"forwarded": 1}),
+    (True, False, False, {"client_disconnected": 1}),
+    # Ended with an error event by the proxy: a stream that cannot be cut, or a resumed one the next engine
+    # refused to continue (counted as whole before issue 37's Answers.forwarded).
+    (False, True, False, {"forwarded": 1, "streams_broken": 1}),
+    # A cut stream the gateway ended (end_cut): most of it was the client's, even if it left before the end.
+    (True, True, True, {"forwarded": 1, "streams_broken": 1}),
+    (False, False, True, {"forwarded": 1, "streams_broken": 1}),
+])
+def test_how_a_forwarded_request_ended_is_counted_once(client_gone: bool, broken: bool, cut_short: bool,
+                                                      counted: dict[str, int]) -> None:
+    from types import SimpleNamespace
+
+    from supervisor.gateway.answers import Answers
+    from supervisor.gateway.server import COUNTERS
+
+    counters = dict.fromkeys(COUNTERS, 0)
+    out = proxy.Forwarded()
+    out.client_gone, out.broken = client_gone, broken
+    host: Any = SimpleNamespace(monotonic=time.monotonic, wall=time.time)
+    assert Answers(counters, host, lambda e: None).forwarded(out, cut_short=cut_short) is out
+    assert {k: v for k, v in counters.items() if v} == counted
