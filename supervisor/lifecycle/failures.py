@@ -8,26 +8,20 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor.config import Config
-from supervisor.decide.policy import Decision, Policy, floor_of
+from supervisor.decide.policy import Decision, floor_of
 from supervisor.engine.run import Verdict
 from supervisor.engine.steps import Trigger
 from supervisor.engine_states import Blame, EngineState, Failure
 from supervisor.event_stream import Event, FailureClassified, FailureDetected, Fatal
 from supervisor.host import Host
 from supervisor.host.gpu import GpuLost
-from supervisor.lifecycle.ports import Front
-from supervisor.lifecycle.records import Outage, Tally
+from supervisor.lifecycle.ports import Part
+from supervisor.lifecycle.records import Outage
 from supervisor.ops import incident
 from supervisor.profile import Profile
 
 
-class Failures:
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], policy: Policy,
-                 tally: Tally, front: Front | None) -> None:
-        self.cfg, self.host, self.publish = cfg, host, publish
-        self.policy, self.front = policy, front
-        self.tally, self.remembered = tally, tally.remembered
-
+class Failures(Part):
     def detected(self, trigger: Trigger, state: EngineState) -> None:
         """An unplanned end was detected: an outage is under way from it (or from the start it
         interrupted)."""

@@ -1,10 +1,19 @@
-"""What the lifecycle asks of the gateway (Front); it knows no other part by a port."""
+"""What the lifecycle asks of the gateway (Front), and what each of its parts is handed
+(Part); it knows no other part by a port."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from supervisor.engine_states import Blame, FailureKind
+
+if TYPE_CHECKING:
+    from supervisor.config import Config
+    from supervisor.decide.policy import Policy
+    from supervisor.event_stream import Event
+    from supervisor.host import Host
+    from supervisor.lifecycle.records import Tally
 
 
 class Front(Protocol):
@@ -18,3 +27,14 @@ class Front(Protocol):
                     chunk: int | None) -> Blame: ...
     def busy(self) -> bool: ...
     def shutdown(self) -> None: ...
+
+
+class Part:
+    """A part of the lifecycle (its failures, its READY period): the same config, host, bus,
+    policy, tally and gateway as the lifecycle that owns it."""
+
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], policy: Policy,
+                 tally: Tally, front: Front | None) -> None:
+        self.cfg, self.host, self.publish = cfg, host, publish
+        self.policy, self.front = policy, front
+        self.tally, self.remembered = tally, tally.remembered

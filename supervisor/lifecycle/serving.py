@@ -4,30 +4,19 @@ is due."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from supervisor.config import Config
-from supervisor.decide.policy import Policy
 from supervisor.engine.run import EngineRun
 from supervisor.engine_states import FailureKind, TriggerKind
-from supervisor.event_stream import EngineIdle, Event, Ready, Recovered, Stable
-from supervisor.host import Host
+from supervisor.event_stream import EngineIdle, Ready, Recovered, Stable
 from supervisor.host.gpu import GpuLost, short_of
-from supervisor.lifecycle.ports import Front
-from supervisor.lifecycle.records import Serving, Tally
+from supervisor.lifecycle.ports import Part
+from supervisor.lifecycle.records import Serving
 from supervisor.profile import Knob, Profile
 
 # the outage it ends (kind, seconds), a slower start
 News = tuple[tuple[FailureKind | None, float] | None, bool]
 
 
-class ReadyPeriod:
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None], policy: Policy,
-                 tally: Tally, front: Front | None) -> None:
-        self.cfg, self.host, self.publish = cfg, host, publish
-        self.policy, self.front = policy, front
-        self.tally, self.remembered = tally, tally.remembered
-
+class ReadyPeriod(Part):
     def begin(self, ready: Ready) -> News:
         """Before WARMING -> READY is written: the start's time noted, the period begun, the
         outage ended."""
