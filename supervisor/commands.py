@@ -52,7 +52,14 @@ class OperatorCommands:
             lc.learned()
             if lc.profile == lc.cfg.profile:
                 return True, "the profile already is the configured one; failed rungs forgotten"
-            return self.restart_at(lc.cfg.profile, "reset-profile: back to [profile]")
+            why = "reset-profile: back to [profile]"
+            if lc.state is S.READY and lc.run is not None:
+                # a climb: its spare built beside the serving engine first, where one fits
+                lc.ready_period.asked = (lc.cfg.profile, why)
+                return True, (f"{why}: the engine restarts at {lc.cfg.profile.knobs()} once that "
+                              "start is prepared (a spare of its rung asleep beside the engine "
+                              "where one fits; /status next_start.step says which)")
+            return self.restart_at(lc.cfg.profile, why)
         return self.restart_at(lc.profile, "restart asked by the operator")
 
     def restart_at(self, target: Profile, why: str) -> tuple[bool, str]:

@@ -17,6 +17,9 @@ News = tuple[tuple[FailureKind | None, float] | None, bool]
 
 
 class ReadyPeriod(Part):
+    # reset-profile asked while READY: its target and why, until that start is prepared
+    asked: tuple[Profile, str] | None = None
+
     def begin(self, ready: Ready) -> News:
         """Before WARMING -> READY is written: the start's time noted, the period begun, the
         outage ended."""
@@ -43,7 +46,8 @@ class ReadyPeriod(Part):
 
     async def tick(self, run: EngineRun, profile: Profile) -> None:
         """Level-triggered checks while READY: a stable period, idleness, and the climb back one
-        rung (the run is asked to end with the climb's target)."""
+        rung or the operator's reset-profile (the run is asked to end with its target once the
+        start is prepared: its spare asleep beside the engine, where one fits)."""
         serving = self.tally.serving
         assert serving is not None
         ready_for = self.host.monotonic() - serving.since
@@ -55,13 +59,21 @@ class ReadyPeriod(Part):
         if idle != serving.idle:
             serving.idle = idle
             self.publish(EngineIdle(at=self.host.wall(), idle=idle))
+        if self.asked is not None:
+            asked, why = self.asked
+            if _prepared(run, asked):
+                self.asked = None
+                run.end(TriggerKind.RESTART, why, target=asked)
+            return
         climb_after = self.cfg.ladder.climb_after_s
-        if not climb_after or ready_for < climb_after or not run.idle:
+        if not climb_after or ready_for < climb_after:
             return
         target = self.policy.climb_target(profile)
         if target is None or not await self._room_for(target, profile, run.pids()):
             return
-        run.end(TriggerKind.CLIMB, f"stable for {ready_for:.0f}s", target=target)
+        # its spare is built under traffic; the climb itself waits for a lull
+        if _prepared(run, target) and run.idle:
+            run.end(TriggerKind.CLIMB, f"stable for {ready_for:.0f}s", target=target)
 
     async def _room_for(self, target: Profile, profile: Profile, ours: set[int]) -> bool:
         """A utilization lowered for another process's memory climbs back only once that memory
@@ -75,3 +87,9 @@ class ReadyPeriod(Part):
             return False
         # Our own engine holds what it took (``ours``): that memory is its successor's.
         return not short_of(snaps, util, self.cfg.gpu.start_headroom_bytes, ours=ours)
+
+
+def _prepared(run: EngineRun, target: Profile) -> bool:
+    """Whether the planned start at ``target`` is prepared (recovery's ``prepared_for``: a climb's
+    spare asleep, or none to be had); without a source of prepared engines, always."""
+    return run.standby is None or run.standby.prepared_for(target)

@@ -40,4 +40,6 @@ def status(lc: Lifecycle) -> dict[str, Any]:
         "outage_s": lc.tally.outage_s(now),
         "timings": last.as_dict() if last else {},
         "fatal": lc.tally.remembered.fatal,
+        # reset-profile asked while READY, until its start is prepared (a spare beside first)
+        "restart_asked": asked[0].knobs() if (asked := lc.ready_period.asked) else None,
     }

@@ -90,6 +90,7 @@ class Recovery:
                 self.pool.want()
             elif event.old is EngineState.READY:
                 self._serving, self._idle_since, self._ready_since = None, None, None
+                self.ahead.climb = None
                 self.ahead.stop()  # the host is the next start's now
         elif isinstance(event, FailureClassified):
             # until the next READY: the restarts of an outage build no spare first
@@ -118,6 +119,10 @@ class Recovery:
         """The spare, woken for a start at ``profile``; None when there is none that can serve
         it."""
         return await self.ahead.spare_for(profile)
+
+    def prepared_for(self, target: Profile) -> bool:
+        """Whether a climb to ``target`` may go now (recovery/ahead.py ``prepared_for``)."""
+        return self.ahead.prepared_for(target)
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start's spawn: the rungs within reach compiled and a spare built and

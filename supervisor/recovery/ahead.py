@@ -22,7 +22,6 @@ import psutil
 
 from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, THROWAWAY_STOP_S
 from supervisor.config import Config
-from supervisor.engine import gates
 from supervisor.event_stream import Event
 from supervisor.host import Child, Host
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
@@ -32,7 +31,7 @@ from supervisor.recovery.builder import Builder
 from supervisor.recovery.next_build import Action, Facts, Moment, Step, next_step
 from supervisor.recovery.precompile import Precompiler
 from supervisor.recovery.progress import FirstBuilds, spare_due
-from supervisor.recovery.sizing import CompileFirst, one_sequence_kv, second_engine_bytes
+from supervisor.recovery.sizing import one_sequence_kv, second_engine_bytes
 from supervisor.recovery.spare import Spare, SpareKeeper
 from supervisor.recovery.throwaway import FailedRungs
 
@@ -64,6 +63,8 @@ class Ahead:
         # the last decision (recovery/next_build.py), its reason shown in /status
         self.step: Step | None = None
         self.last_start_s: float | None = None  # the last start that woke no spare, to READY
+        # a climb (or reset-profile) wanted while the engine serves: the rung it starts at
+        self.climb: Profile | None = None
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -78,10 +79,14 @@ class Ahead:
         lull that busy servers never have: the seed's crash came under steady traffic. A spare
         whose rung is no longer the first target (or that died asleep) goes first."""
         targets = self._below(profile)
-        await self.keeper.check(targets[0] if targets else None)
+        kept = self.keeper.spare
+        await self.keeper.check(self.climb or (targets[0] if targets else None))
+        if kept is not None and self.keeper.spare is None:
+            return  # the card is read again at the next tick, without what it held
         if self.running():  # nothing to read: a second engine at a time
             self.step = next_step(
-                Facts(Moment.READY, self.cfg.recovery, profile, tuple(targets), building=True))
+                Facts(Moment.READY, self.cfg.recovery, profile, tuple(targets), building=True,
+                      climb=self.climb))
             return
         await self._on_gpu()
         facts = await self._facts(Moment.READY, profile, version,
@@ -119,6 +124,7 @@ class Ahead:
             floor=self.cfg.ladder.gpu_memory_utilization_floor, gateway=self.cfg.gateway
             is not None, breaks_on_wake=canary.breaks_on_wake(dict(e.args)),
             spare_kept=self.keeper.spare is not None, building=self.running(),
+            kept=self.keeper.spare.profile if self.keeper.spare else None, climb=self.climb,
             at_ready=self._at_ready, waited_s=waited_s, first_start=self.version is None
             and self.gpu_host, last_start_s=self.last_start_s)
 
@@ -134,6 +140,16 @@ class Ahead:
         if step.plan is not None:
             self.precompiler.order = step.plan.order
         return step
+
+    def prepared_for(self, target: Profile) -> bool:
+        """Whether a climb (or reset-profile) to ``target`` may end the serving engine now: its
+        spare sleeps, or no spare of its rung can be had (the climb is then a start). Asked each
+        tick while the climb is wanted; until then the next ticks build its spare."""
+        if self.climb != target:
+            self.climb, self.step = target, None
+            return False
+        step = self.step
+        return step is not None and step.action is Action.CLIMB
 
     async def spare_for(self, profile: Profile) -> Spare | None:
         """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's
@@ -151,10 +167,10 @@ class Ahead:
     @staticmethod
     def build_first_bound_s(cfg: Config) -> float:
         """The longest ``build_first`` takes, its steps' own bounds summed (the start's watchdog
-        deadline): the rungs (``_compile_first``: every throwaway within precompile_timeout_s,
-        then each stopped, the ones the timeout cancelled too, then the card's memory
-        released), then the spare (``_spare_first``: to /health within precompile_timeout_s,
-        its canary and its sleep, or stopped when they fail)."""
+        deadline): the rungs (``Builder.compile_first``: every throwaway within
+        precompile_timeout_s, then each stopped, the ones the timeout cancelled too, then the
+        card's memory released), then the spare (``_spare_first``: to /health within
+        precompile_timeout_s, its canary and its sleep, or stopped when they fail)."""
         # Throwaway.stop: SIGTERM, SIGKILL
         p, stopped = cfg.recovery.precompile_timeout_s, 2 * THROWAWAY_STOP_S
         return (p + stopped + cfg.gpu.release_timeout_s) + (p + SPARE_CANARY_S + SPARE_SLEEP_S
@@ -175,7 +191,7 @@ class Ahead:
             step = self._take(next_step(await self._facts(Moment.BEFORE_START, profile, version)))
             self._at_ready = step.at_ready
             if step.action is Action.COMPILE_FIRST and step.plan is not None:
-                await self._compile_first(step.plan)
+                await self.builder.compile_first(step.plan, self.version, self.first)
                 step = self._take(
                     next_step(await self._facts(Moment.BEFORE_START_COMPILED, profile, version)))
             if step.action is Action.SPARE and step.rung is not None:
@@ -184,33 +200,6 @@ class Ahead:
         finally:
             self.building_first = False
             self.first.over()
-
-    async def _compile_first(self, plan: CompileFirst) -> None:
-        slots, self.builder.stopped = asyncio.Semaphore(plan.at_once), set()
-        done = 0
-        self.first.step("rungs", done, len(plan.rungs), plan.at_once)
-
-        async def one(rung: Profile) -> None:
-            nonlocal done
-            async with slots:
-                t0 = self.host.monotonic()
-                at = rung.with_(gpu_memory_utilization=plan.util)
-                await self.builder.build(at, self.version, False, plan.kv_bytes)
-                if not self.failed.no_precompile(at):
-                    self.first.times.note("rungs", self.host.monotonic() - t0)
-            done += 1
-            self.first.step("rungs", done, len(plan.rungs), plan.at_once)
-
-        timeout = self.cfg.recovery.precompile_timeout_s
-        try:
-            await asyncio.wait_for(asyncio.gather(*map(one, plan.rungs)), timeout)
-        except TimeoutError:
-            self.precompiler.why = ("first: not all compiled within precompile_timeout_s "
-                                    f"({timeout:g}s): {plan.why}")
-        finally:
-            stopped, self.builder.stopped = self.builder.stopped, None
-        # The spare and the engine come next, on what the throwaways held.
-        await gates.wait_released(self.cfg, self.host, self.publish, tuple(stopped or ()))
 
     async def _spare_first(self, rung: Profile) -> bool:
         """A spare at ``rung`` (its utilization set) built before the engine; True when it sleeps

@@ -5,13 +5,17 @@ it is remembered (``FailedRungs``) and published."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from supervisor.config import Config
+from supervisor.engine import gates
 from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
 from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.precompile import Precompiler
+from supervisor.recovery.progress import FirstBuilds
+from supervisor.recovery.sizing import CompileFirst
 from supervisor.recovery.spare import SpareKeeper
 from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
 
@@ -93,6 +97,37 @@ class Builder:
                 await t.stop()  # a spare kept has its own record now (SpareKeeper.keep)
             self.launcher.done(t)
         return why, lines
+
+    async def compile_first(self, plan: CompileFirst, version: str | None,
+                            first: FirstBuilds) -> None:
+        """A planned start's rungs compiled before its engine, ``plan.at_once`` side by side
+        (``first`` tells their progress), within precompile_timeout_s; then the card's memory
+        they held released."""
+        slots, self.stopped = asyncio.Semaphore(plan.at_once), set()
+        done = 0
+        first.step("rungs", done, len(plan.rungs), plan.at_once)
+
+        async def one(rung: Profile) -> None:
+            nonlocal done
+            async with slots:
+                t0 = self.host.monotonic()
+                at = rung.with_(gpu_memory_utilization=plan.util)
+                await self.build(at, version, False, plan.kv_bytes)
+                if not self.failed.no_precompile(at):
+                    first.times.note("rungs", self.host.monotonic() - t0)
+            done += 1
+            first.step("rungs", done, len(plan.rungs), plan.at_once)
+
+        timeout = self.cfg.recovery.precompile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*map(one, plan.rungs)), timeout)
+        except TimeoutError:
+            self.precompiler.why = ("first: not all compiled within precompile_timeout_s "
+                                    f"({timeout:g}s): {plan.why}")
+        finally:
+            stopped, self.stopped = self.stopped, None
+        # The spare and the engine come next, on what the throwaways held.
+        await gates.wait_released(self.cfg, self.host, self.publish, tuple(stopped or ()))
 
     def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
         """The spare asleep and every second engine being started (a precompile's, or a spare

@@ -47,6 +47,8 @@ class Action(Enum):
     SPARE = "spare"  # build a spare at ``rung`` (its utilization set), beside the engine or first
     COMPILE = "compile"  # a throwaway compiles ``rung`` beside the serving engine
     COMPILE_FIRST = "compile_first"  # throwaways compile ``plan.rungs`` before the engine
+    # the climb asked for (``Facts.climb``) may go now: its spare sleeps, or none can be had
+    CLIMB = "climb"
     NOTHING = "nothing"
 
 
@@ -76,7 +78,10 @@ class Facts:
     gateway: bool = True  # a [gateway] fronts the engine (a spare's port is followed only by it)
     breaks_on_wake: str | None = None  # what in [engine.args] breaks an engine woken from sleep
     spare_kept: bool = False
+    kept: Profile | None = None  # the spare kept: its rung and the utilization it wakes at
     building: bool = False
+    # a climb (time) or reset-profile wanted, while the engine serves: the rung it starts at
+    climb: Profile | None = None
     # asked by the first start: compile it the moment the engine is READY
     at_ready: Profile | None = None
     waited_s: float = 0.0  # READY for (a GPU host) or idle for (none): against precompile_idle_s
@@ -115,6 +120,8 @@ def next_step(f: Facts) -> Step:
 
 # ---- while the engine serves ---------------------------------------------------------------------
 def _while_serving(f: Facts) -> Step:
+    if f.climb is not None:
+        return _climb(f, f.climb)
     if f.building:
         return Step(Action.BUSY, "a second engine is being built")
     compile_why = None
@@ -146,6 +153,37 @@ def _while_serving(f: Facts) -> Step:
     why = "; ".join(w
                     for w in (spare_why, compile_why) if w) or "every rung within reach is compiled"
     return Step(Action.NOTHING, why, spare_why=spare_why, compile_why=compile_why)
+
+
+def _climb(f: Facts, target: Profile) -> Step:
+    """A climb back (or reset-profile) is a planned start the clients wait through: where a spare
+    of its rung fits beside the engine, it is built first, while the engine serves, and the
+    climb then holds clients only for its wake (issue 38, item 2); where none can be had, the
+    climb is a start, as before. A climb that only raises the utilization goes by a spare only
+    when the spare gets more than the engine has."""
+    now = f.engine.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.0
+    same_rung = target.compile_key() == f.engine.compile_key()
+
+    def gains(util: float) -> bool:
+        return not same_rung or util > now
+
+    knobs = " ".join(target.flags()) or "vLLM's defaults"
+    kept = f.kept
+    if kept is not None and kept.compile_key() == target.compile_key() and gains(
+            kept.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.0):
+        why = f"the climb to ({knobs}): its spare sleeps beside the engine, so the climb is a wake"
+        return Step(Action.CLIMB, why, rung=kept, spare_why=why)
+    if f.building:
+        return Step(Action.BUSY, f"the climb to ({knobs}) waits: a second engine is being built")
+    util, why = _spare_beside(f, target)
+    if util is not None and gains(util):
+        why = (f"the climb to ({knobs}): its spare first, beside the serving engine (so that the "
+               f"climb holds clients only for a wake): {why}")
+        return Step(Action.SPARE, why, rung=target.with_(gpu_memory_utilization=util),
+                    spare_why=why)
+    if util is not None:
+        why = f"no more than the engine's {now:g} fits beside it"
+    return Step(Action.CLIMB, f"the climb to ({knobs}) is a start: no spare of its rung: {why}")
 
 
 def _spare_refusal(f: Facts, rung: Profile) -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,6 +122,65 @@ def test_a_settled_runtime_oom_is_stopped_at_once_and_the_woken_spare_warms_in_o
     assert sizes and len(warmups) == 2 * sizes, warmups  # the first start's, then the woken spare's
     assert not any("max_tokens=1)" in line for line in warmups[:sizes]), warmups  # [warmup] max_tokens
     assert all(f"pid={spare['pid']})" in line and "max_tokens=1)" in line for line in warmups[sizes:]), warmups
+
+
+def climb_clients(sup: Sup, until: Callable[[], Any]) -> tuple[Any, list[tuple[float, int]]]:
+    """One client through the gateway, a request every 50 ms, until ``until()`` returns; its result and each
+    request's (seconds, status)."""
+    assert sup.gateway is not None
+    gateway, stop, seen = sup.gateway, threading.Event(), []
+
+    def client() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            code = complete(gateway)
+            seen.append((time.monotonic() - t0, code))
+            stop.wait(0.05)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client)
+        try:
+            out = until()
+        finally:
+            stop.set()
+            running.result()
+    return out, seen
+
+
+def at_rung(chunk: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda s: bool(s["ready"] and s["profile"]["max_num_batched_tokens"] == chunk)
+
+
+@pytest.mark.parametrize("asked_by", ["time", "reset-profile"])
+def test_a_climb_wakes_its_rungs_spare_built_beside_and_holds_clients_only_for_the_wake(
+        supervise: Callable[..., Sup], asked_by: str) -> None:
+    """Issue 38, item 2: a climb back (climb_after_s, or the operator's reset-profile) started its rung cold while
+    every client waited (on the H200 at 0.9, 73-87 s with a spare built first). Now its rung's spare is built beside
+    the serving engine while it serves, and the climb is a wake: no engine is started while clients wait."""
+    sup = supervise({"ladder": {"climb_after_s": 6.0 if asked_by == "time" else 0}})
+    sup.wait_ready(30)
+    asleep(sup)
+    assert send_long_prompt(sup) == 500  # a (stand-in) runtime OOM: the spare at 6144 becomes the engine
+    st = sup.wait_ready(30, restarts=1)
+    assert st["profile"]["max_num_batched_tokens"] == 6144 and st["degraded"] is True
+
+    def climbed() -> dict[str, Any]:
+        if asked_by == "reset-profile":
+            answer = control.send(control.path_in(sup.state_dir), "reset-profile")
+            assert answer["ok"] is True and "once that start is prepared" in answer["message"], answer
+            assert sup.status()["restart_asked"]["max_num_batched_tokens"] == 8192  # type: ignore[index]
+        return sup.wait_for(at_rung(8192), 60, "the climb to 8192")
+
+    st, seen = climb_clients(sup, climbed)
+    spares = [e for e in sup.events("spare.asleep") if e["profile"]["max_num_batched_tokens"] == 8192]
+    assert len(spares) == 1 and st["engine_pid"] == spares[0]["pid"], (spares, st["engine_pid"])
+    # Nothing was spawned for the climb: the first start, then two wakes (the failover's and the climb's).
+    assert [e["spare"] for e in sup.events("engine.spawned")] == [False, True, True]
+    assert st["timings"]["start_to_ready_s"] < COLD_S / 2, st["timings"]
+    assert st["restart_asked"] is None
+    # The client was answered all along, never held for a start (COLD_S).
+    assert seen and all(code == 200 for _, code in seen), seen
+    assert max(took for took, _ in seen) < COLD_S / 2, seen
 
 
 def test_a_spare_that_cannot_serve_the_start_is_stopped_and_the_start_is_cold(

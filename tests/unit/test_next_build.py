@@ -148,6 +148,42 @@ CASES: list[tuple[str, Facts, Action, Any, str]] = [
      Action.NOTHING, None, "neither beside the engine"),
     ("two cores and no GPU before a start: everything beside the engine", facts(BEFORE, 0.9, (), cpus=2),
      Action.NOTHING, None, "no rung to compile first"),
+    # ---- a climb (time) or reset-profile wanted while the engine serves (issue 38, item 2) ----
+    ("a climb at 0.5 after a failover: its rung's spare first, beside the serving engine",
+     facts(READY, 0.5, serving(0.5), engine=rung(4096, 0.5), targets=(rung(2048, 0.5),),
+           climb=rung(8192, 0.5), compiled=ALL),
+     Action.SPARE, 8192, "its spare first, beside the serving engine"),
+    ("the climb's spare sleeps: the climb goes, a wake", facts(
+        READY, 0.5, serving(0.5, other_gib=2), engine=rung(4096, 0.5), climb=rung(8192, 0.5),
+        spare_kept=True, kept=rung(8192, 0.48)),
+     Action.CLIMB, None, "so the climb is a wake"),
+    ("the spare kept is another rung's (the next failure's): the climb's is built, not taken",
+     facts(READY, 0.5, serving(0.5), engine=rung(4096, 0.5), climb=rung(8192, 0.5), spare_kept=False,
+           kept=None, compiled=ALL),
+     Action.SPARE, 8192, "its spare first"),
+    ("a climb while a precompile is being built waits for it", facts(
+        READY, 0.5, serving(0.5), engine=rung(4096, 0.5), climb=rung(8192, 0.5), building=True),
+     Action.BUSY, None, "the climb to (--max-num-batched-tokens 8192"),
+    ("the H200 at 0.9: no spare fits beside, so the climb is a start (as before)",
+     facts(READY, 0.9, serving(0.9), engine=rung(4096, 0.9), climb=rung(8192, 0.9), compiled=ALL),
+     Action.CLIMB, None, "is a start: no spare of its rung"),
+    ("the shared card at 0.4: the climb is a start", facts(
+        READY, 0.4, serving(0.4, other_gib=66), engine=rung(4096, 0.4), climb=rung(8192, 0.4)),
+     Action.CLIMB, None, "is a start"),
+    ('spare = "off": the climb is a start', facts(
+        READY, 0.5, serving(0.5), engine=rung(4096, 0.5), climb=rung(8192, 0.5),
+        recovery=RecoveryConfig(spare="off")),
+     Action.CLIMB, None, 'spare = "off"'),
+    ("the utilization back after a woken spare's 0.47: a spare at 0.5 fits beside, so it is built",
+     facts(READY, 0.47, serving(0.47), engine=rung(4096, 0.47), climb=rung(4096, 0.5)),
+     Action.SPARE, 4096, "its spare first"),
+    ("the utilization back where the spare would get no more than the engine has: a start",
+     facts(READY, 0.55, serving(0.55), engine=rung(4096, 0.55), climb=rung(4096, 0.6),
+           recovery=RecoveryConfig(spare="on")),
+     Action.CLIMB, None, "no more than the engine's 0.55 fits beside it"),
+    ("no GPU (two cores): the climb is a start", facts(
+        READY, 0.9, (), sizes={}, kv={}, cpus=2, engine=rung(4096, 0.9), climb=rung(8192, 0.9)),
+     Action.CLIMB, None, "no GPU seen"),
     ('spare_order = "beside" at 0.9: no spare first', facts(AFTER_COMPILES, 0.9, card(139), compiled=ALL,
                                                            recovery=RecoveryConfig(spare_order="beside")),
      Action.NOTHING, None, "nothing to build before the engine"),
@@ -183,3 +219,13 @@ def test_the_first_start_that_found_its_own_rung_compiled_asks_for_the_next_at_r
     assert step.at_ready is not None and step.at_ready.max_num_batched_tokens == 4096
     later = next_step(facts(BEFORE, 0.5, card(139), first_start=False, compiled=compiled(8192)))
     assert later.at_ready is None  # a later planned start holds no client for it: it waits for idleness
+
+
+def test_a_climbs_spare_starts_at_what_fits_beside_never_above_the_climbs_own_utilization() -> None:
+    """The utilization climb after a woken spare (0.47 -> 0.5) gets a spare at 0.5, not more: it wakes into
+    what the engine frees; the rung climb's spare is at the climb's rung, whatever the next failure's is."""
+    back = next_step(facts(READY, 0.47, serving(0.47), engine=rung(4096, 0.47), climb=rung(4096, 0.5)))
+    assert back.rung == rung(4096, 0.5)
+    up = next_step(facts(READY, 0.5, serving(0.5), engine=rung(4096, 0.5), climb=rung(8192, 0.5)))
+    assert up.rung is not None and up.rung.compile_key() == rung(8192, 0.5).compile_key()
+    assert up.rung.gpu_memory_utilization is not None and up.rung.gpu_memory_utilization <= 0.5
