@@ -1,0 +1,99 @@
+"""On a lent H200: issue 38, item 2: a climb back holds clients no longer than a failover with a spare.
+
+A fresh host (empty compile cache, fresh state directory; WARM_HOST=1 keeps an earlier run's) at UTIL (default 0.5:
+where a spare fits beside the engine on the H200), MODEL (default ~/glm9b, the GLM-4-9B shape) at 128k, every key
+at its default, the gateway in front with its memory rules off as in the field, 16 clients through it from the first
+READY on, in one device call:
+  1. the first READY, then a spare asleep beside the engine;
+  2. CRASH_AFTER_S (5) later the seed's crash (another process takes all but 16 MiB, the long prompt through the
+     gateway): the failover, death -> READY, at the rung below (the spare woken);
+  3. the other process gone, then the operator's climb back: `vllm-supervisor reset-profile` while READY. Its
+     rung's spare is built beside the serving engine while it serves, and the climb wakes it: the command ->
+     READY at the configured rung, the engine's own outage (READY left -> READY), and what the clients waited
+     in that outage, set beside the failover's death -> READY of step 2 in the same run.
+$OUT gets summary-climb.txt and events-climb.jsonl. Usage: `python3 bench/gpu_climb.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import events_in
+from gpu_common import OUT, Stop, note, run_supervisor, wait
+from gpu_proof import CACHE, LOG, STATE, first_start, recovered, seed_crash
+from gpu_seed import GW, Clients, at, toml, wrapped_up
+
+UTIL = float(os.environ.get("UTIL", "0.5"))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not os.environ.get("WARM_HOST"):
+        for stale in (CACHE, STATE):
+            shutil.rmtree(stale, ignore_errors=True)
+    cfg = Path("/tmp/sup-climb.toml")
+    gateway = f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n'
+    cfg.write_text(toml(STATE, CACHE, gateway, UTIL))  # every [recovery] and [ladder] key at its default
+    clients, sup, hogs = Clients(), run_supervisor(cfg, LOG), []
+    try:
+        first_start(sup)
+        clients.start()
+        st = wait(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", "a spare asleep")
+        if st is None:
+            raise Stop("no spare asleep beside the serving engine")
+        note(f"spare asleep beside the engine: {json.dumps(st['next_start']['spare'])[:300]}")
+        time.sleep(float(os.environ.get("CRASH_AFTER_S", "5")))
+        hogs.append(seed_crash())
+        failover = recovered(sup, 1, "the seed's crash (the failover)")
+        time.sleep(2)  # the long prompt answered on the lower rung
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        hogs = []
+        note("the other process is gone")
+        climb(cfg, clients, failover)
+        time.sleep(5)  # ordinary traffic on the climbed engine
+        note(clients.finish())
+    except Stop as why:
+        note(f"STOPPED: {why}")
+        return 1
+    finally:
+        wrapped_up(clients, hogs, sup, LOG, "climb",
+                   ("engine.failed", "spare.asleep", "spare.woken", "spare.dropped", "engine.spawned"))
+    return 0
+
+
+def climb(cfg: Path, clients: Clients, failover: float) -> None:
+    """The operator's reset-profile while READY: the command -> READY at the configured rung, and the outage."""
+    t0, w0 = time.monotonic(), time.time()
+    cmd = subprocess.run([sys.executable, "-m", "supervisor", "reset-profile", "--config", str(cfg)],
+                         capture_output=True, text=True, cwd=ROOT)
+    note(f"vllm-supervisor reset-profile: rc {cmd.returncode} {(cmd.stdout + cmd.stderr).strip()[:300]}")
+    st = wait(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, "READY at 8192")
+    if st is None:
+        raise Stop("no READY at the configured rung after reset-profile")
+    took = time.monotonic() - t0
+    left = [e for e in events_in(LOG, "engine.state_changed") if e.get("from") == "READY" and at(e) >= w0]
+    back = [e for e in events_in(LOG, "engine.state_changed") if e.get("to") == "READY" and at(e) >= w0]
+    if not left or not back:
+        raise Stop("the climb's state changes are not in the log")
+    out_s, since = at(back[-1]) - at(left[0]), at(left[0])
+    spawned = [e for e in events_in(LOG, "engine.spawned") if at(e) >= w0]
+    built = [e for e in events_in(LOG, "spare.asleep") if at(e) >= w0]
+    note(f"climb: the command -> READY at {st['profile']} {took:.1f}s; its spare built beside the serving engine "
+         f"{[(e['profile'], e['took_s']) for e in built]}; the engine's outage (READY left -> READY) {out_s:.2f}s "
+         f"(spawned {[(e.get('pid'), e.get('spare')) for e in spawned]}); the failover in this run {failover:.2f}s")
+    note(f"clients: over the whole climb {clients.latency(w0, time.time())}; those answered within 20 s after the "
+         f"engine left READY {clients.latency(since, since + 20)}")
+    note(f"climb: outage {out_s:.2f}s = {out_s / failover:.2f}x the failover with a spare ({failover:.2f}s)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
