@@ -76,6 +76,8 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
     cmd = subprocess.run([sys.executable, "-m", "supervisor", "reset-profile", "--config", str(cfg)],
                          capture_output=True, text=True, cwd=ROOT)
     note(f"vllm-supervisor reset-profile: rc {cmd.returncode} {(cmd.stdout + cmd.stderr).strip()[:300]}")
+    step = wait(lambda s: "the climb to" in ((s["next_start"]["step"] or {}).get("why") or ""), "the climb's step")
+    note(f"climb: next_start.step {json.dumps(step['next_start']['step'] if step else None)[:500]}")
     st = wait(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, "READY at 8192")
     if st is None:
         raise Stop("no READY at the configured rung after reset-profile")
@@ -90,6 +92,14 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
     note(f"climb: the command -> READY at {st['profile']} {took:.1f}s; its spare built beside the serving engine "
          f"{[(e['profile'], e['took_s']) for e in built]}; the engine's outage (READY left -> READY) {out_s:.2f}s "
          f"(spawned {[(e.get('pid'), e.get('spare')) for e in spawned]}); the failover in this run {failover:.2f}s")
+    parts = [(e.get("waited_s"), e.get("in_flight"), e.get("cut")) for e in events_in(LOG, "gateway.drained")
+             if at(e) >= w0]
+    stops = [(e.get("kill_s"), e.get("at_once"), e.get("returncode")) for e in events_in(LOG, "engine.stopped")
+             if at(e) >= w0]
+    woken = [(e.get("took_s"), (e.get("canary") or {}).get("took_s")) for e in events_in(LOG, "spare.woken")
+             if at(e) >= w0]
+    note(f"climb: the drain (waited_s, in flight, cut) {parts}; the stop (kill_s, at once, rc) {stops}; the wake "
+         f"(took_s, canary s) {woken}; READY's phases {st['timings'].get('phases')}")
     note(f"clients: over the whole climb {clients.latency(w0, time.time())}; those answered within 20 s after the "
          f"engine left READY {clients.latency(since, since + 20)}")
     note(f"climb: outage {out_s:.2f}s = {out_s / failover:.2f}x the failover with a spare ({failover:.2f}s)")

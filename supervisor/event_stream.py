@@ -234,6 +234,8 @@ class EngineStopped(Event):
     gpu_release_s: float
     # a stop the supervisor chose (SIGTERM, a climb, a restart): it should never need SIGKILL
     planned: bool = False
+    # killed without a grace on purpose: a settled death, or a restart drained of every request
+    at_once: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

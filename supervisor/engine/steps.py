@@ -34,6 +34,8 @@ class Trigger:
     # Set when the trigger already is the verdict (nothing ran that left logs to classify).
     failure: Failure | None = None
     target: Profile | None = None  # a planned restart's profile (a climb, the operator's)
+    # a planned restart after a clean drain: nothing at the engine to finish, no SIGTERM grace
+    drained: bool = False
 
 
 class Steps:

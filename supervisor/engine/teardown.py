@@ -61,5 +61,6 @@ async def stop_tree(cfg: Config, host: Host, publish: Callable[[Event], None], c
         EngineStopped(at=host.wall(), pids=report.pids, sigkilled=report.killed,
                       survivors=report.survivors, returncode=report.returncode,
                       kill_s=round(t1 - t0, 3), drain_s=round(t2 - t1, 3),
-                      gpu_release_s=round(host.monotonic() - t2, 3), planned=planned))
+                      gpu_release_s=round(host.monotonic() - t2, 3), planned=planned,
+                      at_once=at_once))
     return report

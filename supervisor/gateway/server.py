@@ -99,13 +99,14 @@ class Gateway:
         (``drain``)."""
         self.gate.shutdown()
 
-    async def drain(self, why: str) -> None:
+    async def drain(self, why: str) -> bool:
         """Before a planned stop of the engine: hold new requests and let those at the engine
-        finish."""
+        finish; True when none is left there."""
         t0, in_flight = self.host.monotonic(), len(self.gate.at_engine)
         cut = await self.gate.drained(self.g.drain_timeout_s)
         self.publish(GatewayDrained(at=self.host.wall(), why=why, in_flight=in_flight,
                                     waited_s=round(self.host.monotonic() - t0, 3), cut=cut))
+        return cut == 0
 
     async def close(self) -> None:
         self.intake.close()

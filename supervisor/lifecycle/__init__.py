@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from supervisor.bounds import SHORT_SLACK_S
@@ -170,7 +171,9 @@ class Lifecycle:
         for a restart take the target profile. Without a gateway a stop has no clients of ours
         to drain."""
         if trigger.kind is not TriggerKind.STOP or self.front is not None:
-            await self._drain(trigger.kind.value, target=trigger.target)
+            drained = await self._drain(trigger.kind.value, target=trigger.target)
+            if drained and trigger.kind is not TriggerKind.STOP:
+                trigger = replace(trigger, drained=True)
         await self._stop(run, trigger, planned=True)
         if trigger.kind is TriggerKind.STOP:
             return
@@ -188,16 +191,17 @@ class Lifecycle:
         self.change_state(S.STOPPING, reason=trigger.kind.value, evidence=trigger.evidence)
         return await self.heartbeat.wait(run.conclude(trigger), run.deadline_at)
 
-    async def _drain(self, why: str, target: Profile | None = None) -> None:
+    async def _drain(self, why: str, target: Profile | None = None) -> bool:
         """READY -> DRAINING before a planned stop; with a gateway, its in-flight requests finish
-        first."""
+        first. True when the gateway saw none left at the engine."""
         if self.state is not S.READY:
-            return
+            return False
         self.change_state(S.DRAINING, reason=why, target=target)  # READY -> DRAINING
-        if self.front is not None:
-            bound = self.cfg.gateway.drain_timeout_s if self.cfg.gateway else 0.0
-            await self.heartbeat.wait(self.front.drain(why),
-                                      self.heartbeat.within(bound + SHORT_SLACK_S))
+        if self.front is None:
+            return False
+        bound = self.cfg.gateway.drain_timeout_s if self.cfg.gateway else 0.0
+        return bool(await self.heartbeat.wait(self.front.drain(why),
+                                              self.heartbeat.within(bound + SHORT_SLACK_S)))
 
     async def _fail(self, run: EngineRun, trigger: Trigger, served_s: float) -> ExitCode | None:
         """STOPPING, judged (``served_s``: READY that long); BACKOFF and None, or FATAL's code."""

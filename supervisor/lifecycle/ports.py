@@ -17,11 +17,12 @@ if TYPE_CHECKING:
 
 
 class Front(Protocol):
-    """What the lifecycle asks of the gateway: drain before a planned stop, take what is at the
+    """What the lifecycle asks of the gateway: drain before a planned stop (True when nothing is
+    left at the engine), take what is at the
     engine as it stops (told synchronously, before the state is written), who caused a death,
     whether clients are at the engine."""
 
-    async def drain(self, why: str) -> None: ...
+    async def drain(self, why: str) -> bool: ...
     def stopping(self, planned: bool) -> None: ...
     async def blame(self, kind: FailureKind, suspect_request: str | None, at_floor: bool,
                     chunk: int | None) -> Blame: ...

@@ -105,7 +105,8 @@ class Ahead:
         """What ``next_step`` reads, gathered here: the card once, the compile record, the rungs'
         sizes."""
         e, targets = self.cfg.engine, tuple(self._below(profile))
-        within = (profile, *targets)
+        # a climb's rung (reset-profile: maybe rungs above) is weighed as any within reach
+        within = (profile, *targets, *(() if self.climb is None else (self.climb, )))
         try:
             card: tuple[DeviceSnapshot, ...] | None = tuple(await
                                                             self.host.gpu_snapshot(e.devices()))

@@ -178,6 +178,9 @@ def test_a_climb_wakes_its_rungs_spare_built_beside_and_holds_clients_only_for_t
     assert [e["spare"] for e in sup.events("engine.spawned")] == [False, True, True]
     assert st["timings"]["start_to_ready_s"] < COLD_S / 2, st["timings"]
     assert st["restart_asked"] is None
+    # Drained of every request, the old engine got no SIGTERM grace to wait out (3.3 s of clients held on the H100).
+    stopped = sup.events("engine.stopped")[-1]
+    assert stopped["planned"] is True and stopped["at_once"] is True, stopped
     # The client was answered all along, never held for a start (COLD_S).
     assert seen and all(code == 200 for _, code in seen), seen
     assert max(took for took, _ in seen) < COLD_S / 2, seen

@@ -238,16 +238,16 @@ def test_a_spare_whose_sleeping_footprint_grows_is_recycled(supervise: Callable[
     assert not psutil.pid_exists(first["pid"]) or psutil.Process(first["pid"]).status() == psutil.STATUS_ZOMBIE
 
 
-def model_dir(tmp_path: Path) -> Path:
+def model_dir(tmp_path: Path, weights_gib: int = 18) -> Path:
     """A local model of the GLM-4-9B shape (its config.json, 18 GiB of sparse weights): what the supervisor sizes
     second engines from. The stand-in engine never reads it."""
-    model = tmp_path / "glm9b"
+    model = tmp_path / f"glm9b-{weights_gib}"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
         "num_hidden_layers": 40, "hidden_size": 4096, "intermediate_size": 13696, "num_attention_heads": 32,
         "num_key_value_heads": 2, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}))
     with open(model / "model-00001.safetensors", "wb") as f:
-        f.truncate(18 * 2**30)
+        f.truncate(weights_gib * 2**30)
     return model
 
 
@@ -501,3 +501,35 @@ def test_by_default_no_planned_start_waits_for_a_second_engine_and_status_says_w
     st = sup.wait_ready(30, restarts=1)
     assert st["profile"]["max_num_batched_tokens"] == 6144
     assert len(sup.events("precompile.started")) == 2 and not sup.events("spare.woken")
+
+
+def test_a_climb_by_reset_profile_builds_its_rungs_spare_beside_by_the_cards_numbers_and_wakes_it(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 2, on the GPU stand-in with every [recovery] key at its default ("auto": the card's numbers
+    and the model's size decide): at 0.5 a spare fits beside the engine, at what is left (0.48). After the failover
+    (the 6144 spare woken at 0.48, so a failure's next rungs climb the utilization first), reset-profile wants 8192,
+    a rung no failure picks: its size is weighed too (on the H100 it was not, so "auto"
+    found its size unknown and the climb started 8192 cold: 23 s of outage against the failover's 1.0 s), its spare
+    is built beside the serving engine, and the climb wakes it. Weights of 4 GiB keep "auto"'s host check (the
+    weights asleep in host memory) true on a CI machine."""
+    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4))},
+                 "profile": {"gpu_memory_utilization": 0.5},
+                 "recovery": {"spare": "auto", "precompile_idle_s": 0.2}}
+    sup = supervise(overrides)
+    sup.wait_ready(60)
+    sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
+    assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
+    st = sup.wait_ready(30, restarts=1)
+    assert st["profile"]["max_num_batched_tokens"] == 6144 and sup.events("spare.woken")
+    assert st["profile"]["gpu_memory_utilization"] < 0.5, st["profile"]
+
+    assert cli("reset-profile", "--config", str(sup.config)).returncode == 0
+    building = sup.wait_for(lambda s: "its spare first" in ((s["next_start"]["step"] or {}).get("why") or ""), 30,
+                            "the climb's spare being built")
+    assert building["restart_asked"]["max_num_batched_tokens"] == 8192, building
+    assert "the card holds a spare beside the engine" in building["next_start"]["step"]["why"], building
+    st = sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, 60, "the climb")
+    spares = [e for e in sup.events("spare.asleep") if e["profile"]["max_num_batched_tokens"] == 8192]
+    assert len(spares) == 1 and st["engine_pid"] == spares[0]["pid"], spares
+    assert [e["spare"] for e in sup.events("engine.spawned")] == [False, True, True]
+    assert st["restart_asked"] is None
