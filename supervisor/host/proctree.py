@@ -206,14 +206,18 @@ class StopReport:
     returncode: int | None
 
 
-async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
-                       born: Birth | None = None) -> tuple[list[int], list[int], list[int]]:
+async def stop_session(sid: int, grace_s: float, kill_wait_s: float, born: Birth | None = None,
+                       kin: Sequence[psutil.Process] = (),
+                       ) -> tuple[list[int], list[int], list[int]]:
     """SIGTERM every process of session ``sid``, wait ``grace_s``, SIGKILL the rest, sweep again.
 
     Returns (pids seen, pids that needed SIGKILL, survivors). ``born`` (the session leader's birth,
     when the session is known only from a record) keeps a recycled session id from taking down
     processes that are not ours: after a reboot nothing of it is left; a live leader born at another
-    time leads another session; no member can be older than its leader.
+    time leads another session; no member can be older than its leader. ``kin``: the leader's
+    descendants as it is stopped, stopped with it even where one left its session (on the H100 a
+    woken spare's EngineCore outlived its session's SIGKILL by 4.2 s, tearing down by itself while
+    the restart waited for its GPU memory).
     """
     if _ours(sid):
         log.error("engine.stop_refused", sid=sid,
@@ -229,7 +233,7 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
             with contextlib.suppress(OSError, ValueError):
                 if born is None or since_boot_s(p.pid) >= born.since_boot_s - BIRTH_SLACK_S:
                     out.append(p)
-        return out
+        return out + [p for p in _alive(kin) if p not in out]
 
     if born is not None and _recycled(sid, born):
         return [], [], []
@@ -238,6 +242,10 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float,
     killed: list[int] = []
     if first:
         _signal_group(sid, signal.SIGTERM)
+        for p in first:
+            with contextlib.suppress(psutil.Error):
+                if os.getpgid(p.pid) != sid:
+                    p.terminate()
         left = await _wait_gone(first, grace_s)
         # Processes started after the snapshot (a worker mid-spawn) are caught by the sweep.
         left = _alive(left + [p for p in members() if p not in left])
@@ -269,7 +277,10 @@ def _recycled(sid: int, born: Birth) -> bool:
 
 async def terminate_tree(child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
     """Stop the engine's whole session (see stop_session) and reap the API server."""
-    seen, killed, survivors = await stop_session(child.sid, grace_s, kill_wait_s)
+    kin: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):
+        kin = psutil.Process(child.pid).children(recursive=True)
+    seen, killed, survivors = await stop_session(child.sid, grace_s, kill_wait_s, kin=kin)
     child.known_pids.update(seen)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(child.wait_exit(), timeout=max(kill_wait_s, 1.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -48,6 +49,37 @@ async def test_terminate_tree_escalates_to_sigkill_and_leaves_nothing() -> None:
         assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
     finally:
         _cleanup(child.sid)
+
+
+ESCAPED = textwrap.dedent("""
+    import os, subprocess, sys, time
+    # A child that leaves the session (vLLM 0.26's EngineCore under a woken spare did, on the H100) and tears down
+    # slowly on SIGTERM, holding what it holds.
+    g = subprocess.Popen([sys.executable, "-c",
+        "import os, signal, time; os.setsid(); signal.signal(signal.SIGTERM, lambda *a: time.sleep(30)); "
+        "print('escaped', os.getpid(), flush=True); time.sleep(600)"], stdout=sys.stdout)
+    print("child", os.getpid(), g.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+async def test_a_descendant_that_left_the_session_is_stopped_with_it_at_once() -> None:
+    child = await proctree.spawn([sys.executable, "-c", ESCAPED], os.environ)
+    assert child.proc.stdout is not None
+    seen: dict[str, list[str]] = {}
+    while len(seen) < 2:
+        words = (await child.proc.stdout.readline()).decode().split()
+        seen[words[0]] = words
+    escaped = int(seen["escaped"][1])
+    try:
+        assert os.getsid(escaped) != child.sid and escaped not in [p.pid for p in proctree.session_members(child.sid)]
+        report = await proctree.terminate_tree(child, grace_s=0.0, kill_wait_s=5)
+        assert escaped in report.pids and escaped in report.killed and report.survivors == ()
+        assert not psutil.pid_exists(escaped) or psutil.Process(escaped).status() == psutil.STATUS_ZOMBIE
+    finally:
+        _cleanup(child.sid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(escaped, signal.SIGKILL)
 
 
 async def test_orphans_of_a_sigkilled_leader_are_swept() -> None:
