@@ -24,8 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from common import events_in
-from gpu_common import OUT, Stop, note, run_supervisor, wait
+from gpu_common import OUT, Stop, note, run_supervisor, status, wait
 from gpu_proof import CACHE, LOG, STATE, first_start, recovered, seed_crash
 from gpu_seed import GW, Clients, at, toml, wrapped_up
 
@@ -78,6 +80,7 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
     note(f"vllm-supervisor reset-profile: rc {cmd.returncode} {(cmd.stdout + cmd.stderr).strip()[:300]}")
     step = wait(lambda s: "the climb to" in ((s["next_start"]["step"] or {}).get("why") or ""), "the climb's step")
     note(f"climb: next_start.step {json.dumps(step['next_start']['step'] if step else None)[:500]}")
+    note(f"the serving engine's processes (pid, session, group, parent, name): {tree()}")
     st = wait(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, "READY at 8192")
     if st is None:
         raise Stop("no READY at the configured rung after reset-profile")
@@ -103,6 +106,20 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
     note(f"clients: over the whole climb {clients.latency(w0, time.time())}; those answered within 20 s after the "
          f"engine left READY {clients.latency(since, since + 20)}")
     note(f"climb: outage {out_s:.2f}s = {out_s / failover:.2f}x the failover with a spare ({failover:.2f}s)")
+
+
+def tree() -> list[tuple[int, int, int, int, str]]:
+    """The serving engine's API server and every descendant, with its session and group: a descendant outside
+    the leader's session is not in the session's SIGKILL."""
+    st = status()
+    out: list[tuple[int, int, int, int, str]] = []
+    try:
+        leader = psutil.Process(int(st["engine_pid"])) if st else None
+        for p in ([leader, *leader.children(recursive=True)] if leader else []):
+            out.append((p.pid, os.getsid(p.pid), os.getpgid(p.pid), p.ppid(), p.name()))
+    except (psutil.Error, OSError, TypeError, ValueError) as exc:
+        note(f"the engine's tree: {exc!r}")
+    return out
 
 
 if __name__ == "__main__":
