@@ -243,7 +243,8 @@ async def stop_session(sid: int, grace_s: float, kill_wait_s: float, born: Birth
     if first:
         _signal_group(sid, signal.SIGTERM)
         for p in first:
-            with contextlib.suppress(psutil.Error):
+            # The group's SIGTERM may already have taken it (CI, 2026-12-05: getpgid raised ESRCH).
+            with contextlib.suppress(psutil.Error, OSError):
                 if os.getpgid(p.pid) != sid:
                     p.terminate()
         left = await _wait_gone(first, grace_s)

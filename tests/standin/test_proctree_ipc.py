@@ -82,6 +82,22 @@ async def test_a_descendant_that_left_the_session_is_stopped_with_it_at_once() -
             os.kill(escaped, signal.SIGKILL)
 
 
+async def test_a_member_the_groups_sigterm_already_took_does_not_break_the_stop(monkeypatch: Any) -> None:
+    """CI of 2026-12-05: between the group's SIGTERM and the check of each member's group, a member exited and
+    os.getpgid raised ESRCH out of the stop; the grandchild that ignores SIGTERM must still be SIGKILLed."""
+    child, grandchild = await spawn_tree()
+
+    def gone(pid: int) -> int:
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(proctree.os, "getpgid", gone)
+    try:
+        seen, killed, survivors = await proctree.stop_session(child.sid, 0.3, 5)
+        assert {child.pid, grandchild} <= set(seen) and grandchild in killed and survivors == []
+    finally:
+        _cleanup(child.sid)
+
+
 async def test_orphans_of_a_sigkilled_leader_are_swept() -> None:
     child, grandchild = await spawn_tree()
     try:
