@@ -78,6 +78,7 @@ class Recovery:
             if event.new is EngineState.READY:
                 version = event.ready.engine_version if event.ready else None
                 self._serving = (event.profile, version)
+                self.ahead.after_failure = not self.ahead.planned
                 self.ahead.planned, self.ahead.version = True, version
                 self._ready_since = self.host.monotonic()
                 self.ahead.precompiler.learnt_version(version)

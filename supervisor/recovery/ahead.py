@@ -48,6 +48,8 @@ class Ahead:
         self._gpu_host: bool | None = None  # NVML sees a device (asked once)
         # the next start is not a failure's: the supervisor's first, a climb, a reload
         self.planned = True
+        # the serving engine's start was a failure's (set at READY): its spare is not kept waiting
+        self.after_failure = False
         # how long until the engine has been READY long enough to build
         self._asked_in_s: float | None = None
         # the vLLM of the last READY engine (the spare's is the same install)
@@ -127,7 +129,7 @@ class Ahead:
             spare_kept=self.keeper.spare is not None, building=self.running(),
             kept=self.keeper.spare.profile if self.keeper.spare else None, climb=self.climb,
             at_ready=self._at_ready, waited_s=waited_s, first_start=self.version is None
-            and self.gpu_host, last_start_s=self.last_start_s)
+            and self.gpu_host, after_failure=self.after_failure, last_start_s=self.last_start_s)
 
     def _take(self, step: Step) -> Step:
         """The step decided: /status's reasons (the spare's, the rungs') are the step's."""

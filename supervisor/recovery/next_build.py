@@ -86,6 +86,8 @@ class Facts:
     at_ready: Profile | None = None
     waited_s: float = 0.0  # READY for (a GPU host) or idle for (none): against precompile_idle_s
     first_start: bool = False  # the supervisor's first start on a GPU host (no READY yet)
+    # the engine serves after a failure's restart (a failover's wake among them)
+    after_failure: bool = False
     # the last start that woke no spare, to READY (what a restart costs)
     last_start_s: float | None = None
 
@@ -135,15 +137,21 @@ def _while_serving(f: Facts) -> Step:
                 "the first start found only its own rung compiled")
             return Step(Action.COMPILE, why, rung=_beside(f, f.at_ready), compile_why=why)
     wait = f.recovery.precompile_idle_s - f.waited_s
-    if wait > 0:
-        return Step(Action.WAIT, f"asked in {wait:.0f}s (precompile_idle_s)", wait_s=wait,
-                    compile_why=compile_why)
+    # After a failure's restart on a GPU host the next spare is not kept waiting: deaths come in
+    # runs (the field report's did), and its build (58-99 s on the H200) is the window already.
+    spare_now = wait <= 0 or (f.after_failure and bool(f.card))
     spare_why = None
-    if f.targets and not f.spare_kept:
+    if spare_now and f.targets and not f.spare_kept:
         util, spare_why = _spare_beside(f, f.targets[0])
         if util is not None:  # a spare compiles its rung too, compiled already or not
+            if wait > 0:
+                spare_why = (f"{spare_why}; at READY, not after precompile_idle_s: the engine "
+                             "serves after a failure's restart")
             return Step(Action.SPARE, spare_why,
                         rung=f.targets[0].with_(gpu_memory_utilization=util), spare_why=spare_why)
+    if wait > 0:
+        return Step(Action.WAIT, f"asked in {wait:.0f}s (precompile_idle_s)", wait_s=wait,
+                    spare_why=spare_why, compile_why=compile_why)
     todo = [p for p in f.targets if f.to_compile(p)]
     if todo:
         ok, compile_why = _throwaway_fits(f, todo[0])

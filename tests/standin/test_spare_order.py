@@ -533,3 +533,24 @@ def test_a_climb_by_reset_profile_builds_its_rungs_spare_beside_by_the_cards_num
     assert len(spares) == 1 and st["engine_pid"] == spares[0]["pid"], spares
     assert [e["spare"] for e in sup.events("engine.spawned")] == [False, True, True]
     assert st["restart_asked"] is None
+
+
+def test_after_a_failures_restart_the_next_spare_is_built_at_ready_not_after_precompile_idle_s(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 4: "the next spare right after a failover where it fits". At 0.5 a spare fits beside the engine,
+    but after a planned start it waits for precompile_idle_s of READY (600 s here), so the seed's crash finds none and
+    restarts cold at 6144. After that failure's restart the next spare (4096) is built beside at once: deaths come in
+    runs, and the spare's own build is the window already. Before, it waited the 600 s again."""
+    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4))},
+                 "profile": {"gpu_memory_utilization": 0.5}, "recovery": {"spare": "auto"}}
+    sup = supervise(overrides)
+    sup.wait_ready(60)
+    st = sup.wait_for(lambda s: (s["next_start"]["step"] or {}).get("action") == "wait", 30, "the spare asked later")
+    assert st["next_start"]["spare"]["state"] is None, st["next_start"]["spare"]
+    assert send_long_prompt(sup) == 500  # the seed's crash, no spare: a start
+    st = sup.wait_ready(30, restarts=1)
+    assert st["profile"]["max_num_batched_tokens"] == 6144 and not sup.events("spare.woken")
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60,
+                      "the next spare, built at READY")
+    (spare, ) = sup.events("spare.asleep")
+    assert spare["profile"]["max_num_batched_tokens"] < 6144, spare
