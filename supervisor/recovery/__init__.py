@@ -45,8 +45,8 @@ class Recovery:
         self.host = host
         self.pool = StandbyPool(cfg, host, publish)
         self.ahead = Ahead(cfg, host, publish, next_rungs)
-        # the READY engine's profile and vLLM version
-        self._serving: tuple[Profile, str | None] | None = None
+        # the READY engine's profile, its vLLM version, and whether its start was a failure's
+        self._serving: tuple[Profile, str | None, bool] | None = None
         self._idle_since: float | None = None
         self._ready_since: float | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -77,8 +77,7 @@ class Recovery:
         elif isinstance(event, StateChanged):
             if event.new is EngineState.READY:
                 version = event.ready.engine_version if event.ready else None
-                self._serving = (event.profile, version)
-                self.ahead.after_failure = not self.ahead.planned
+                self._serving = (event.profile, version, not self.ahead.planned)
                 self.ahead.planned, self.ahead.version = True, version
                 self._ready_since = self.host.monotonic()
                 self.ahead.precompiler.learnt_version(version)
@@ -153,10 +152,11 @@ class Recovery:
         while True:
             await asyncio.sleep(TICK_S)
             if self._serving is not None and self._ready_since is not None:
-                profile, version = self._serving
+                profile, version, after_failure = self._serving
                 now = self.host.monotonic()
                 idle_for = now - self._idle_since if self._idle_since is not None else 0.0
-                await self.ahead.tick(profile, version, idle_for, now - self._ready_since)
+                await self.ahead.tick(profile, version, idle_for, now - self._ready_since,
+                                      after_failure)
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""

@@ -48,8 +48,6 @@ class Ahead:
         self._gpu_host: bool | None = None  # NVML sees a device (asked once)
         # the next start is not a failure's: the supervisor's first, a climb, a reload
         self.planned = True
-        # the serving engine's start was a failure's (set at READY): its spare is not kept waiting
-        self.after_failure = False
         # how long until the engine has been READY long enough to build
         self._asked_in_s: float | None = None
         # the vLLM of the last READY engine (the spare's is the same install)
@@ -74,12 +72,13 @@ class Ahead:
             part.configure(cfg)
 
     async def tick(self, profile: Profile, version: str | None, idle_for_s: float,
-                   ready_for_s: float) -> None:
+                   ready_for_s: float, after_failure: bool = False) -> None:
         """Once the engine was idle long enough (on a GPU host: READY long enough), build the
         next second engine. On a GPU host its compile is CPU work on many cores, niced, and
         its GPU memory is bounded by what the serving engine left, so it does not wait for a
         lull that busy servers never have: the seed's crash came under steady traffic. A spare
-        whose rung is no longer the first target (or that died asleep) goes first."""
+        whose rung is no longer the first target (or that died asleep) goes first. After a
+        failure's restart (``after_failure``) the next spare is not kept waiting."""
         targets = self._below(profile)
         kept = self.keeper.spare
         await self.keeper.check(self.climb or (targets[0] if targets else None))
@@ -92,7 +91,7 @@ class Ahead:
             return
         await self._on_gpu()
         facts = await self._facts(Moment.READY, profile, version,
-                                  ready_for_s if self.gpu_host else idle_for_s)
+                                  ready_for_s if self.gpu_host else idle_for_s, after_failure)
         self._at_ready = None
         step = self._take(next_step(facts))
         self._asked_in_s = step.wait_s
@@ -103,7 +102,7 @@ class Ahead:
                 name="recovery:spare" if spare else "recovery:precompile")
 
     async def _facts(self, moment: Moment, profile: Profile, version: str | None,
-                     waited_s: float = 0.0) -> Facts:
+                     waited_s: float = 0.0, after_failure: bool = False) -> Facts:
         """What ``next_step`` reads, gathered here: the card once, the compile record, the rungs'
         sizes."""
         e, targets = self.cfg.engine, tuple(self._below(profile))
@@ -129,7 +128,7 @@ class Ahead:
             spare_kept=self.keeper.spare is not None, building=self.running(),
             kept=self.keeper.spare.profile if self.keeper.spare else None, climb=self.climb,
             at_ready=self._at_ready, waited_s=waited_s, first_start=self.version is None
-            and self.gpu_host, after_failure=self.after_failure, last_start_s=self.last_start_s)
+            and self.gpu_host, after_failure=after_failure, last_start_s=self.last_start_s)
 
     def _take(self, step: Step) -> Step:
         """The step decided: /status's reasons (the spare's, the rungs') are the step's."""
