@@ -146,9 +146,14 @@ class Ahead:
     def prepared_for(self, target: Profile) -> bool:
         """Whether a climb (or reset-profile) to ``target`` may end the serving engine now: its
         spare sleeps, or no spare of its rung can be had (the climb is then a start). Asked each
-        tick while the climb is wanted; until then the next ticks build its spare."""
+        tick while the climb is wanted; until then the next ticks build its spare. A second
+        engine under way when the climb is first wanted was started for something else (the
+        next failure's spare, a precompile, which the climb would drop or outdate): it is stopped,
+        not waited for (a spare's build took 58-99 s on the H200)."""
         if self.climb != target:
             self.climb, self.step = target, None
+            if self._task is not None:
+                _cancel_once(self._task)
             return False
         step = self.step
         return step is not None and step.action is Action.CLIMB

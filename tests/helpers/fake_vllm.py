@@ -15,6 +15,8 @@ is steered by env vars:
   FAKE_VLLM_COMPILE_S     with VLLM_CACHE_ROOT set: seconds a start compiles when vLLM's cache lacks its rung
   FAKE_VLLM_DELAY_FILE    a file: when it exists at a start, its number is that start's delay instead (a slow
                           restart after a fast first start)
+  FAKE_VLLM_SLOW_ONCE_FILE  a file: the first start that finds it takes it (removes it) and its number is that
+                          start's delay (one slow second engine, whoever starts next)
   FAKE_VLLM_OOM_TOKENS    a prefill chunk larger than this runs out of memory (CUDA OOM text)
   FAKE_VLLM_KV_TOKENS     KV capacity: --max-model-len above it fails at start like vLLM
   FAKE_VLLM_FREE_UTIL     free fraction of the card: --gpu-memory-utilization above it fails at start
@@ -162,6 +164,19 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(0)
 
 
+def _take_once(path: str | None) -> float | None:
+    """The delay in ``path`` when this start is the one that takes the file (renamed away atomically), else None."""
+    if not path:
+        return None
+    taken = f"{path}.taken-{os.getpid()}"
+    try:
+        os.rename(path, taken)
+    except FileNotFoundError:
+        return None
+    with open(taken) as f:
+        return float(f.read())
+
+
 def compile_into_cache(args: argparse.Namespace, log: logging.Logger) -> None:
     """With VLLM_CACHE_ROOT set, vLLM's torch.compile cache: one directory per hash of the config (the rung's flags
     but the utilization and the load format; sleep mode is in it), named in vLLM's words (the H200's log:
@@ -206,7 +221,10 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
     if platform:
         log.info("platform variables read at import: %s", json.dumps({k: _vllm.IMPORT_ENV.get(k) for k in platform}))
     delay_file = os.environ.get("FAKE_VLLM_DELAY_FILE")
-    if delay_file and os.path.exists(delay_file):
+    once = _take_once(os.environ.get("FAKE_VLLM_SLOW_ONCE_FILE"))
+    if once is not None:
+        time.sleep(once)
+    elif delay_file and os.path.exists(delay_file):
         with open(delay_file) as delay_in:
             time.sleep(float(delay_in.read()))
     else:

@@ -7,6 +7,7 @@ sleeping footprint asleep, and take it back on /wake_up (a CUDA OOM when it is n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -554,3 +555,34 @@ def test_after_a_failures_restart_the_next_spare_is_built_at_ready_not_after_pre
                       "the next spare, built at READY")
     (spare, ) = sup.events("spare.asleep")
     assert spare["profile"]["max_num_batched_tokens"] < 6144, spare
+
+
+def test_a_climb_asked_while_another_second_engine_is_built_stops_it_instead_of_waiting(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 2: after the failover, the next failure's spare (4096) is being built when the operator asks
+    reset-profile. That build (slow here: 600 s) is for a rung the climb makes nobody's next; the climb stops it and
+    builds its own rung's spare at once. Before, reset-profile waited for the build to end, then dropped its spare."""
+    slow = tmp_path / "slow-once"
+    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
+                            "env": {"FAKE_VLLM_SLOW_ONCE_FILE": str(slow)}},
+                 "profile": {"gpu_memory_utilization": 0.5},
+                 "recovery": {"spare": "auto", "precompile_idle_s": 0.2}}
+    sup = supervise(overrides)
+    sup.wait_ready(60)
+    sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
+    slow.write_text("600")  # the next engine to start (the next failure's spare) answers /health after 600 s
+    assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
+    sup.wait_ready(30, restarts=1)
+    st = sup.wait_for(lambda s: any(p["role"] == "spare (being built)" for p in s["processes"]), 30,
+                      "the next failure's spare being built")
+    (building, ) = [p for p in st["processes"] if p["role"] == "spare (being built)"]
+    assert building["profile"]["max_num_batched_tokens"] == 4096, building
+    sup.wait_for(lambda _: not slow.exists(), 30, "the slow start taken by that spare")
+
+    assert cli("reset-profile", "--config", str(sup.config)).returncode == 0
+    st = sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, 60, "the climb")
+    spares = [e for e in sup.events("spare.asleep") if e["profile"]["max_num_batched_tokens"] == 8192]
+    assert len(spares) == 1 and st["engine_pid"] == spares[0]["pid"], spares
+    for pid in building["pids"]:  # the slow build was stopped, not left beside
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, building
