@@ -320,6 +320,17 @@ def _stream(sup: Sup, request_id: str, base: str | None = None, **extra: Any) ->
     return r
 
 
+def nice_19(*procs: psutil.Process) -> None:
+    """Every thread of ``procs`` at nice 19: a process's nice is per thread on Linux, and the worker's compute
+    (OpenMP) threads were made before this; niced only by its main thread, they kept the API server waiting (a CI
+    run)."""
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            for thread in p.threads():
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, thread.id, 19)
+
+
 def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     """SIGKILL the worker while a long streamed generation with ``request_id`` is under way; its HTTP status.
 
@@ -332,12 +343,7 @@ def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
     """
     sup.wait_standby_imported(START_S)
     t = tree(sup)
-    for p in (t["core"], t["worker"]):
-        # Every thread: a process's nice is per thread on Linux, and the worker's compute (OpenMP) threads were
-        # made before this; niced only by its main thread, they kept the API server waiting (a CI run).
-        for thread in p.threads():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.setpriority(os.PRIO_PROCESS, thread.id, 19)  # killed below and replaced by a fresh engine
+    nice_19(t["core"], t["worker"])  # killed below and replaced by a fresh engine
     worker = t["worker"].pid
     with contextlib.closing(_stream(sup, f"{request_id}-company", n=6)) as company, \
             contextlib.closing(_stream(sup, request_id)) as r:
@@ -484,11 +490,7 @@ def least_cpu_share(sup: Sup) -> None:
     worker after its slice. CI of 2026-12-05: with both at 0, the stepping thread woke late once and vLLM made all
     4,000 tokens inside one "5 ms" slice. The engine's session ends with this test (its worker is killed)."""
     procs = tree(sup)
-    for p in procs.values():
-        with contextlib.suppress(psutil.Error):
-            for t in p.threads():
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, t.id, 19)
+    nice_19(*procs.values())
     with contextlib.suppress(OSError):
         Path(f"/proc/{procs['api'].pid}/autogroup").write_text("19")
 
