@@ -225,8 +225,12 @@ def _spare_beside(f: Facts, rung: Profile) -> tuple[float | None, str]:
         return None, "the GPU is lost"
     util = rung.effective(Knob.GPU_MEMORY_UTILIZATION) or 0.9
     if f.recovery.spare == "on":
-        return (fits_beside(f.card, util, f.headroom)
-                if f.card else util), '[recovery] spare = "on"'
+        fits = fits_beside(f.card, util, f.headroom) if f.card else util
+        if fits < f.floor:  # "on" skips auto's checks, not vLLM's start check
+            return None, (f'[recovery] spare = "on", but beside the engine the card holds a second '
+                          f"engine at {fits:g} at most, under the ladder's floor ({f.floor:g}); "
+                          f"{_window(f)}")
+        return fits, '[recovery] spare = "on"'
     if not f.card:
         return None, "auto: no GPU seen (vLLM's sleep mode needs CUDA or ROCm)"
     room, why = room_for_spare(f.card, f.sizes.get(rung.compile_key()), rung, f.headroom, f.floor,
