@@ -648,6 +648,8 @@ class SpareWoken(Event):
     took_s: float
     # the check after the wake: equal, tokens, max_logprob_drift, took_s
     canary: Mapping[str, Any] | None = None
+    # woken for a climb while the engine it replaces still drained (not after that engine's stop)
+    beside: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

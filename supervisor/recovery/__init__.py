@@ -33,7 +33,7 @@ from supervisor.event_stream import (
 from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
-from supervisor.recovery.spare import Spare, SpareKeeper
+from supervisor.recovery.spare import Spare, take_bound_s
 from supervisor.recovery.standby import Standby, StandbyPool, vllm_env_of
 
 TICK_S = 1.0
@@ -51,6 +51,7 @@ class Recovery:
         self._ready_since: float | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._engine_reported = False  # an engine (not a second one) said what vLLM set for it
+        self._wake_ahead: asyncio.Task[None] | None = None  # a climb's spare, woken as it drains
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
@@ -92,6 +93,9 @@ class Recovery:
                 self._serving, self._idle_since, self._ready_since = None, None, None
                 self.ahead.climb = None
                 self.ahead.stop()  # the host is the next start's now
+                if event.new is EngineState.DRAINING and event.target is not None:
+                    self._wake_ahead = asyncio.create_task(
+                        self.ahead.keeper.wake_ahead(event.target), name="recovery:wake-ahead")
         elif isinstance(event, FailureClassified):
             # until the next READY: the restarts of an outage build no spare first
             self.ahead.planned = False
@@ -134,7 +138,7 @@ class Recovery:
         return self.ahead.build_first_bound_s(self.ahead.cfg)
 
     def spare_for_bound_s(self) -> float:
-        return SpareKeeper.take_bound_s(self.ahead.cfg)
+        return take_bound_s(self.ahead.cfg)
 
     def lost(self, standby: Standby, error: str) -> None:
         self.pool.lost(standby, error)
@@ -175,5 +179,6 @@ class Recovery:
 
     async def close(self) -> None:
         await cancel_and_wait(self._ticker)
+        await cancel_and_wait(self._wake_ahead)
         await self.ahead.close()
         await self.pool.close()

@@ -32,7 +32,7 @@ from supervisor.recovery.next_build import Action, Facts, Moment, Step, next_ste
 from supervisor.recovery.precompile import Precompiler
 from supervisor.recovery.progress import FirstBuilds, spare_due
 from supervisor.recovery.sizing import one_sequence_kv, second_engine_bytes
-from supervisor.recovery.spare import Spare, SpareKeeper
+from supervisor.recovery.spare import Spare, SpareKeeper, window
 from supervisor.recovery.throwaway import FailedRungs
 
 
@@ -263,7 +263,7 @@ class Ahead:
             "step": None if step is None else {"action": step.action.value, "why": step.why},
             "building_first": self.first.status(), "spare": {
                 **self.keeper.status(), "due": self._due(),
-                "window": self.keeper.window(self.last_start_s)
+                "window": window(self.keeper.spare, self.last_start_s)
             }
         }
 

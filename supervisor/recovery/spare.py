@@ -65,6 +65,7 @@ class Spare(Throwaway):
     footprint_at: float = 0.0  # when its sleeping footprint was last read (monotonic)
     wakes: int = 0  # how often a check woke it (``spare_check_every_s``)
     checked_at: float = 0.0  # when it fell asleep or was last checked (monotonic)
+    woken: bool = False  # awake again for a climb, beside the engine it replaces (``wake_ahead``)
 
     def serves(self, profile: Profile) -> bool:
         """It can be the engine at ``profile``: the same rung (the compile key: every knob but the
@@ -87,7 +88,8 @@ class Spare(Throwaway):
 
     def status(self) -> dict[str, Any]:
         return {
-            "state": "asleep", "pid": self.pid, "port": self.port, "profile": self.profile.knobs(),
+            "state": "awake" if self.woken else "asleep", "pid": self.pid, "port": self.port,
+            "profile": self.profile.knobs(),
             "held_asleep_mib": sum(self.asleep.values()) // MIB,
             "canary": self.canary.as_dict() if self.canary else None, "wakes": self.wakes
         }
@@ -105,6 +107,17 @@ class Spare(Throwaway):
             raise SpareFailed(f"/wake_up failed: {exc}") from None
         if await self.client.health(timeout=SPARE_HEALTH_S) != 200:
             raise SpareFailed("no /health 200 after /wake_up")
+
+
+def canary_incident(spare: Spare, before: Canary, after: Canary, wrong: str) -> dict[str, Any]:
+    """The incident bundle of a spare that answered the canary otherwise after a wake."""
+    return {
+        "failure": {"kind": "spare_canary", "evidence": wrong}, "pid": spare.pid,
+        "profile": spare.profile.knobs(), "argv": list(spare.argv), "vllm_version": spare.version,
+        "before_sleep": {"tokens": list(before.tokens), "logprobs": list(before.logprobs)},
+        "after_wake": {"tokens": list(after.tokens), "logprobs": list(after.logprobs)},
+        "log_tail": spare.tail.snapshot()[-50:],
+    }
 
 
 def held_by(snaps: Iterable[DeviceSnapshot], pids: set[int]) -> dict[int, int]:
@@ -164,18 +177,6 @@ class SpareKeeper:
                         held_asleep_mib=sum(spare.asleep.values()) // MIB))
         return True
 
-    @staticmethod
-    def take_bound_s(cfg: Config) -> float:
-        """The longest ``take`` lasts, from the bounds its steps wait on (the start's watchdog
-        deadline at its gates): a check's wake under way ends first (``_check_by_waking``:
-        /wake_up, /health, the canary, /sleep, or the spare dropped when one fails), then the
-        start's own wake (/wake_up, /health, the canary), or the spare dropped (``drop``: the
-        engine's stop grace, then SIGKILL)."""
-        e = cfg.engine
-        wake = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S
-        drop = e.stop_timeout_s + e.kill_timeout_s
-        return (wake + SPARE_SLEEP_S + drop) + (wake + drop)
-
     async def take(self, profile: Profile, keep_for: Profile | None = None) -> Spare | None:
         """For a start at ``profile``: the spare, awake and no longer ours to stop, or None. A
         spare that cannot serve this start is stopped first, unless it serves ``keep_for`` (a
@@ -189,18 +190,48 @@ class SpareKeeper:
         if spare is None or await self._dropped_dead(spare):
             return None
         if not spare.serves(profile):
-            if keep_for is not None and spare.serves(keep_for):
+            if keep_for is not None and spare.serves(keep_for) and not spare.woken:
                 # at 0.9 no spare starts beside the engine: losing this one loses the fast path
                 return None
             await self.drop(f"this start wants another rung ({profile.compile_key()})")
             return None
-        try:
-            short = spare.short_to_wake(await self._snapshot(), SPARE_WAKE_MARGIN)
-        except GpuLost as exc:
-            short = str(exc)
-        if short:
-            await self.drop(short, fault=True)
-            return None
+        if not spare.woken:
+            try:
+                short = spare.short_to_wake(await self._snapshot(), SPARE_WAKE_MARGIN)
+            except GpuLost as exc:
+                short = str(exc)
+            if short:
+                await self.drop(short, fault=True)
+                return None
+            if not await self._wake(spare, beside=False):
+                return None
+        self.spare = None
+        leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
+        return spare
+
+    async def wake_ahead(self, profile: Profile) -> None:
+        """A climb to ``profile`` whose spare was built beside the engine it replaces: wake it
+        now, while that engine drains and stops, not after (the wake and its canary were 0.56 s
+        of a climb's 5.67 s outage on the H100). Only where the card holds it awake beside the
+        engine and a start's headroom, as a check's wake; otherwise the start wakes it after
+        the stop, as before."""
+        async with self._waking:
+            spare = self.spare
+            if (spare is None or spare.woken or not spare.serves(profile)
+                    or await self._dropped_dead(spare)):
+                return
+            try:
+                short = spare.short_to_wake(await self._snapshot(),
+                                            self.cfg.gpu.start_headroom_bytes)
+            except GpuLost as exc:
+                short = str(exc)
+            if short:
+                log.info("spare.woken_after_the_stop", pid=spare.pid, why=short)
+                return
+            await self._wake(spare, beside=True)
+
+    async def _wake(self, spare: Spare, beside: bool) -> bool:
+        """Wake ``spare`` and check its canary (``spare.woken``); False once it is dropped."""
         t0 = self.host.monotonic()
         try:
             await spare.wake()
@@ -208,18 +239,17 @@ class SpareKeeper:
             checked = await self._check_canary(spare)
         except SpareFailed as exc:
             await self.drop(str(exc), fault=True)
-            return None
+            return False
         except asyncio.CancelledError:
             await self.drop("the start was ended while the spare woke", fault=True)
             raise
         if checked is None:
-            return None  # dropped: it answers otherwise than before it slept
-        self.spare = None
-        leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
+            return False  # dropped: it answers otherwise than before it slept
+        spare.woken = True
         self.publish(
             SpareWoken(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
-                       took_s=took, canary=checked))
-        return spare
+                       took_s=took, canary=checked, beside=beside))
+        return True
 
     async def _check_canary(self, spare: Spare) -> dict[str, Any] | None:
         """The canary again, after the wake: its result for ``spare.woken``, or None once the
@@ -237,15 +267,9 @@ class SpareKeeper:
         if wrong is None:
             return {"checked": True, "equal": True, "tokens": len(woken.tokens),
                     "max_logprob_drift": round(spare.canary.drift(woken), 6), "took_s": took}
-        path = incident.keep(
-            self.cfg.state.dir, "spare_canary", {
-                "failure": {"kind": "spare_canary", "evidence": wrong
-                            }, "pid": spare.pid, "profile": spare.profile.knobs(),
-                "argv": list(spare.argv), "vllm_version": spare.version, "before_sleep": {
-                    "tokens": list(spare.canary.tokens), "logprobs": list(spare.canary.logprobs)
-                }, "after_wake": {"tokens": list(woken.tokens), "logprobs": list(woken.logprobs)
-                                  }, "log_tail": spare.tail.snapshot()[-50:]
-            }, self.cfg.engine.secrets(), self.publish, self.host.wall)
+        path = incident.keep(self.cfg.state.dir, "spare_canary",
+                             canary_incident(spare, spare.canary, woken, wrong),
+                             self.cfg.engine.secrets(), self.publish, self.host.wall)
         # vLLM's sleep-mode bugs repeat: no spare at this rung in this run
         self.failed.add(spare.profile, "spare")
         await self.drop("canary", fault=True, detail=wrong, incident=path)
@@ -255,7 +279,7 @@ class SpareKeeper:
         """While the engine serves: a spare that died, or that no longer is the rung a failure
         would pick, goes."""
         spare = self.spare
-        if spare is None or await self._dropped_dead(spare):
+        if spare is None or spare.woken or await self._dropped_dead(spare):
             return
         if next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
             await self.drop("the engine's next rung is another one now")
@@ -365,19 +389,31 @@ class SpareKeeper:
             **asleep
         }
 
-    def window(self, last_start_s: float | None) -> dict[str, Any] | None:
-        """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as
-        the last start that woke no spare took from spawn to READY (``last_start_s``; null
-        before one)."""
-        if self.spare is not None:
-            return None
-        return {
-            "restart_s": last_start_s,
-            "why": "no spare asleep: a memory failure's restart is a start, not a wake"
-        }
-
     async def close(self) -> None:
         await self.drop("the supervisor stops")
+
+
+def take_bound_s(cfg: Config) -> float:
+    """The longest ``SpareKeeper.take`` lasts, from the bounds its steps wait on (the start's
+    watchdog deadline at its gates): a wake under way ends first (a check's, ``_check_by_waking``:
+    /wake_up, /health, the canary, /sleep, or the spare dropped when one fails; a climb's,
+    ``wake_ahead``, is shorter), then the start's own wake (/wake_up, /health, the canary), or the
+    spare dropped (``drop``: the engine's stop grace, then SIGKILL)."""
+    e = cfg.engine
+    wake = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S
+    drop = e.stop_timeout_s + e.kill_timeout_s
+    return (wake + SPARE_SLEEP_S + drop) + (wake + drop)
+
+
+def window(spare: Spare | None, last_start_s: float | None) -> dict[str, Any] | None:
+    """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as the
+    last start that woke no spare took from spawn to READY (``last_start_s``; null before one)."""
+    if spare is not None:
+        return None
+    return {
+        "restart_s": last_start_s,
+        "why": "no spare asleep: a memory failure's restart is a start, not a wake"
+    }
 
 
 FOOTPRINT_EVERY_S = 5.0  # how often a sleeping spare's memory is read

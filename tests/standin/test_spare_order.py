@@ -13,7 +13,9 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from tests.helpers.processes import (
     cli,
     deep_merge,
     http_json,
+    log_events,
     send_long_prompt,
 )
 
@@ -586,3 +589,48 @@ def test_a_climb_asked_while_another_second_engine_is_built_stops_it_instead_of_
     for pid in building["pids"]:  # the slow build was stopped, not left beside
         with contextlib.suppress(psutil.NoSuchProcess):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, building
+
+
+def test_a_climbs_spare_built_beside_is_woken_while_the_engine_it_replaces_drains(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, items 2 and 5: the climb's spare was built beside the serving engine, so the card holds both awake. It
+    is woken, and its canary asked, while that engine drains the requests at it, not after its stop: on the H100 the
+    wake and the canary (0.56 s) came after the drain (0.67 s) and the stop, with new clients held all along. Here a
+    stream of 4,000 tokens (8 s; the stand-in's token counters move only at its end, so the hang timeout is longer) is
+    at the engine when the climb begins."""
+    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
+                            "env": {"FAKE_VLLM_TOKEN_DELAY": "0.002"}},
+                 "profile": {"gpu_memory_utilization": 0.5}, "health": {"hang_timeout_s": 30.0},
+                 "recovery": {"spare": "auto", "precompile_idle_s": 0.2}}
+    sup = supervise(overrides)
+    sup.wait_ready(60)
+    sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
+    assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
+    sup.wait_ready(30, restarts=1)
+    assert sup.gateway is not None
+    gateway, answered = sup.gateway, []
+
+    def long_stream() -> None:
+        body = {"model": "fake-model", "prompt": "hello", "max_tokens": 4000, "stream": True}
+        req = urllib.request.Request(gateway + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answered.append((r.status, r.read().decode()))
+
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(long_stream)
+        sup.wait_for(lambda s: s["gateway"]["in_flight"] >= 1, 10, "the stream at the engine")
+        assert cli("reset-profile", "--config", str(sup.config)).returncode == 0
+        st = sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, 60, "the climb")
+        streaming.result()
+    assert answered and answered[0][0] == 200 and "[DONE]" in answered[0][1], answered
+    (drained, ) = sup.events("gateway.drained")
+    assert drained["in_flight"] == 1 and drained["cut"] == 0, drained
+    order = [(e["event"], e) for e in log_events(sup.log_path)
+             if e.get("event") in ("spare.woken", "engine.stopped")]
+    names = [name for name, _ in order]
+    # the failover's wake (after the dead engine's stop), then the climb's: before the old engine's stop
+    assert names == ["engine.stopped", "spare.woken", "spare.woken", "engine.stopped"], names
+    woken = order[2][1]
+    assert woken["beside"] is True and woken["profile"]["max_num_batched_tokens"] == 8192, woken
+    assert st["engine_pid"] == woken["pid"] and st["timings"]["start_to_ready_s"] < 0.5, st["timings"]

@@ -217,15 +217,15 @@ def test_a_starts_wait_for_the_spare_is_bounded_by_a_checks_wake_and_its_own_wak
     """Issue 37, item 3: the start's deadline at its gates was the engine's stop plus one wake (engine/run.py's
     SPARE_WAKE_BOUND_S). A start waits for a check's wake under way (the lock they share) before its own: that
     check's wake, canary and /sleep (SPARE_SLEEP_S: 300 s) were outside it, and the watchdog could stop being petted
-    while a slow check finished. The bound now lives beside the steps (SpareKeeper.take_bound_s)."""
+    while a slow check finished. The bound now lives beside the steps (take_bound_s)."""
     from supervisor.bounds import SPARE_CANARY_S, SPARE_HEALTH_S, SPARE_SLEEP_S, SPARE_WAKE_S, STEP_SLACK_S
-    from supervisor.recovery.spare import SpareKeeper
+    from supervisor.recovery.spare import take_bound_s
 
     cfg = parse({"engine": {"model": "m", "stop_timeout_s": 40.0, "kill_timeout_s": 7.0}})
     wake = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S  # /wake_up, /health, the canary's answer
     drop = 40.0 + 7.0  # SpareKeeper.drop: the engine's stop grace, then SIGKILL
     check = wake + SPARE_SLEEP_S + drop  # a check under way: its wake, canary and sleep, or its spare dropped
-    assert SpareKeeper.take_bound_s(cfg) == check + wake + drop
+    assert take_bound_s(cfg) == check + wake + drop
     old = drop + wake + STEP_SLACK_S
-    assert SpareKeeper.take_bound_s(cfg) - old > STEP_SLACK_S  # what the old bound's slack could not absorb
+    assert take_bound_s(cfg) - old > STEP_SLACK_S  # what the old bound's slack could not absorb
 
