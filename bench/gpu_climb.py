@@ -101,8 +101,9 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
              for e in events_in(LOG, "engine.stopped") if at(e) >= w0]
     woken = [(e.get("took_s"), (e.get("canary") or {}).get("took_s"), e.get("beside"))
              for e in events_in(LOG, "spare.woken") if at(e) >= w0]
-    note(f"climb: the drain (waited_s, in flight, cut) {parts}; the stop (kill_s, pipes_s, gpu_release_s, at once, rc) {stops}; the wake "
-         f"(took_s, canary s, beside the draining engine) {woken}; READY's phases {st['timings'].get('phases')}")
+    note(f"climb: the drain (waited_s, in flight, cut) {parts}; the stop (kill_s, pipes_s, gpu_release_s, at "
+         f"once, rc) {stops}; the wake (took_s, canary s, beside the draining engine) {woken}; READY's phases "
+         f"{st['timings'].get('phases')}")
     note(f"clients: over the whole climb {clients.latency(w0, time.time())}; those answered within 20 s after the "
          f"engine left READY {clients.latency(since, since + 20)}")
     note(f"climb: outage {out_s:.2f}s = {out_s / failover:.2f}x the failover with a spare ({failover:.2f}s)")
