@@ -634,3 +634,55 @@ def test_a_climbs_spare_built_beside_is_woken_while_the_engine_it_replaces_drain
     woken = order[2][1]
     assert woken["beside"] is True and woken["profile"]["max_num_batched_tokens"] == 8192, woken
     assert st["engine_pid"] == woken["pid"] and st["timings"]["start_to_ready_s"] < 0.5, st["timings"]
+
+
+def test_a_climbs_spare_the_card_cannot_hold_awake_beside_the_engine_is_woken_after_its_stop(
+        supervise: Callable[..., Sup], tmp_path: Path, card: Path) -> None:
+    """The other side of the wake beside the drain: another process took the card's room after the climb's spare fell
+    asleep, so it cannot wake beside the serving engine (what it gave up asleep, plus a start's headroom). It is not
+    woken then, and not dropped: the start wakes it after the old engine's stop freed its memory, as before. A time
+    climb waits for a lull, so the stream at the engine holds it while the other process arrives."""
+    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
+                            "env": {"FAKE_VLLM_TOKEN_DELAY": "0.002"}},
+                 "profile": {"gpu_memory_utilization": 0.5}, "health": {"hang_timeout_s": 30.0},
+                 "ladder": {"climb_after_s": 3.0},
+                 "recovery": {"spare": "auto", "precompile_idle_s": 0.2}}
+    sup = supervise(overrides)
+    sup.wait_ready(60)
+    sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
+    assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
+    sup.wait_ready(30, restarts=1)
+    assert sup.gateway is not None
+    gateway, answered, hog = sup.gateway, [], None
+
+    def long_stream() -> None:
+        body = {"model": "fake-model", "prompt": "hello", "max_tokens": 6000, "stream": True}
+        req = urllib.request.Request(gateway + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answered.append((r.status, r.read().decode()))
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(long_stream)
+            st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep"
+                              and s["next_start"]["spare"]["profile"]["gpu_memory_utilization"] == 0.5, 30,
+                              "the climb's spare asleep, the climb held by the stream")
+            assert st["gateway"]["in_flight"] == 1, st["gateway"]
+            built = sup.events("spare.asleep")[-1]
+            assert built["profile"]["max_num_batched_tokens"] == 6144, built
+            short_by = 256  # MiB under what the wake beside the engine needs: the spare's give-back and 1 GiB
+            hog = hold(card, free_mib(card) - (built["held_awake_mib"] - built["held_asleep_mib"] + 1024 - short_by))
+            streaming.result()
+        st = sup.wait_for(lambda s: s["ready"] and s["profile"]["gpu_memory_utilization"] == 0.5, 60, "the climb")
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    assert answered and answered[0][0] == 200, answered
+    order = [(e["event"], e) for e in log_events(sup.log_path)
+             if e.get("event") in ("spare.woken", "engine.stopped")]
+    assert [name for name, _ in order] == ["engine.stopped", "spare.woken", "engine.stopped", "spare.woken"], order
+    assert not [e for e in sup.events("spare.dropped") if e["pid"] == built["pid"]]
+    woken = order[3][1]
+    assert woken["beside"] is False and woken["pid"] == built["pid"] == st["engine_pid"], (woken, st["engine_pid"])
