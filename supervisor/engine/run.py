@@ -56,10 +56,6 @@ from supervisor.profile import Profile
 
 R = TypeVar("R")
 log = structlog.get_logger("supervisor.engine")
-# A dead engine whose verdict is settled (settled_before_exit): how long its API server gets to
-# answer the requests it had in flight (vLLM fails them the moment its engine core dies) before its
-# tree is killed.
-SETTLED_EXIT_S = 0.25
 
 
 @dataclass
@@ -289,7 +285,8 @@ class EngineRun:
         settled = trigger.kind is TriggerKind.DEATH and settled_before_exit(
             verdict_of(self.seen, trigger, phase, rc))
         if trigger.kind is TriggerKind.DEATH and child is not None and rc is None:
-            grace = death_grace_s(self.cfg, settled)
+            grace = await teardown.death_grace_s(self.cfg, self.host, child, self.origin.url,
+                                                 settled)
             self.steps.expect(grace + SHORT_SLACK_S)
             rc = await teardown.exit_within(child, grace)
         stacks: dict[int, str] = {}
@@ -341,13 +338,6 @@ def ready_record(t: Timeline, seen: Observer, origin: Origin, sizes: list[int]) 
     phases = startup.phases(t.started, t.spawned, seen.steps, t.healthy, t.ready)
     return Ready(t.timings(), phases, tuple(sizes), seen.engine_version, origin.standby,
                  origin.spare is not None, engine_url=origin.url, compile_cache=seen.compile_cache)
-
-
-def death_grace_s(cfg: Config, settled: bool) -> float:
-    """How long a dead engine's API server may take to exit by itself. vLLM exits within seconds
-    of its engine dying; let it finish logging. With the verdict settled already, only long
-    enough to answer its requests in flight (500, not a reset), then it is killed."""
-    return min(cfg.engine.dead_grace_s, SETTLED_EXIT_S) if settled else cfg.engine.dead_grace_s
 
 
 def evidence_of(run: EngineRun) -> dict[str, Any]:

@@ -7,6 +7,9 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
 
 from supervisor.bounds import STEP_SLACK_S
 from supervisor.config import Config
@@ -16,6 +19,27 @@ from supervisor.host import Host
 from supervisor.host.proctree import Child, StopReport
 
 DRAIN_S = 5.0  # pipes reach EOF once every holder is gone; bounded in case a grandchild escaped
+# A dead engine whose verdict is settled (settled_before_exit): how long its API server gets to
+# answer the requests it had in flight (vLLM fails them the moment its engine core dies) before its
+# tree is killed, while a client of its own port is connected.
+SETTLED_EXIT_S = 0.25
+log = structlog.get_logger("supervisor.engine")
+
+
+async def death_grace_s(cfg: Config, host: Host, child: Child, url: str,
+                        settled: bool) -> float:
+    """How long a dead engine's API server may take to exit by itself. vLLM exits within seconds
+    of its engine dying; let it finish logging. With the verdict settled already, only long
+    enough to answer its requests in flight (a 500, not a reset) to clients of its own port, then
+    it is killed; at once when every connection to it is the gateway's, which answers or replays
+    what the engine lost either way (the window was 0.26 s of the H200's 1.35 s failover)."""
+    if not settled:
+        return cfg.engine.dead_grace_s
+    port = urlsplit(url).port
+    outside = await host.outside_clients(host.tree_pids(child), port) if port else 1
+    grace = min(cfg.engine.dead_grace_s, SETTLED_EXIT_S) if outside else 0.0
+    log.info("engine.settled_exit_window", window_s=grace, outside_clients=outside)
+    return grace
 
 
 async def exit_within(child: Child, seconds: float) -> int | None:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-from supervisor.host import gpu, proctree
+from supervisor.host import gpu, peers, proctree
 from supervisor.host.gpu import Device, DeviceSnapshot, Nvml
 from supervisor.host.proctree import Birth, Child, StopReport
 
@@ -58,6 +58,9 @@ class RealHost:
 
     def tree_pids(self, child: Child) -> set[int]:
         return proctree.remember_descendants(child)
+
+    async def outside_clients(self, pids: Collection[int], port: int) -> int:
+        return await asyncio.to_thread(peers.outside_clients, pids, port)
 
     def path_exists(self, path: str) -> bool:
         return os.path.exists(os.path.expanduser(path))

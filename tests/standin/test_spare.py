@@ -124,6 +124,29 @@ def test_a_settled_runtime_oom_is_stopped_at_once_and_the_woken_spare_warms_in_o
     assert all(f"pid={spare['pid']})" in line and "max_tokens=1)" in line for line in warmups[sizes:]), warmups
 
 
+def test_a_settled_death_with_only_the_gateway_connected_is_killed_without_the_answering_window(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 38, item 5: a settled death's API server got 0.25 s to answer its requests in flight (0.26 s of the
+    H200's 1.35 s failover), for clients on the engine's own port, which would otherwise get a reset instead of vLLM's
+    500. When every connection to the engine is the gateway's, nobody needs it: the gateway answers or replays
+    what the engine lost either way. The engine's tree is killed at once."""
+    sup = supervise()
+    sup.wait_ready(30)
+    asleep(sup)
+    assert sup.gateway is not None
+    gateway = sup.gateway
+    # The long prompt through the gateway: it kills the engine, is replayed to the woken spare (6144), kills that one
+    # too, and the supervisor goes to the lowest rung, where it is served.
+    code, doc = http_json(gateway + "/v1/completions", {"model": "fake-model", "prompt": LONG, "max_tokens": 4}, 60)
+    sup.wait_ready(30, restarts=2)
+    windows = sup.events("engine.settled_exit_window")
+    assert windows and all(w["outside_clients"] == 0 and w["window_s"] == 0.0 for w in windows), windows
+    assert sup.events("engine.failed")[0]["kind"] == "runtime_oom" and sup.events("spare.woken")
+    # Its client was held through both deaths and answered, never reset; ordinary requests are served.
+    assert code == 200 and doc["choices"], (code, doc)
+    assert complete(gateway) == 200
+
+
 def climb_clients(sup: Sup, until: Callable[[], Any]) -> tuple[Any, list[tuple[float, int]]]:
     """One client through the gateway, a request every 50 ms, until ``until()`` returns; its result and each
     request's (seconds, status)."""

@@ -107,6 +107,9 @@ class FakeHost:
     def session_pids(self, sid: int) -> list[int]:
         return [sid]
 
+    async def outside_clients(self, pids: Any, port: int) -> int:
+        return 1  # a client of the engine's own port: the settled death's window stays
+
     def tree_pids(self, child: FakeChild) -> set[int]:
         return set(child.known_pids)
 
