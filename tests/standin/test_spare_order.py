@@ -389,7 +389,9 @@ def test_where_throwaways_fit_beside_a_fresh_host_compiles_the_two_rungs_of_the_
     st = again.wait_ready(30, restarts=1)
     assert st["profile"]["max_num_batched_tokens"] == 6144
     assert again.events("engine.spawned")[-1]["standby"] is True
-    assert again.events("precompile.started") == []  # 6144 was compiled before the first supervisor's READY
+    # 6144 was compiled before the first supervisor's READY. (After a failure's restart the next failure's spare,
+    # 4096, may be built beside at READY, issue 38 item 4: the only second engine allowed here.)
+    assert all(e["profile"]["max_num_batched_tokens"] == 4096 for e in again.events("precompile.started"))
 
     # A reload that changes the engine's arguments needs rungs never compiled, but it holds clients through its
     # restart: after a READY they are compiled beside the engine, not first.
@@ -398,7 +400,11 @@ def test_where_throwaways_fit_beside_a_fresh_host_compiles_the_two_rungs_of_the_
     again.config.write_text(text.replace("max_num_seqs = 16", "max_num_seqs = 12"))
     assert cli("reload", "--config", str(again.config)).returncode == 0
     st = again.wait_for(lambda s: s["ready"] and s["start"] == 3, 60, "the restart after the reload")
-    assert st["profile"]["max_num_seqs"] == 12 and again.events("precompile.started") == []
+    changes = again.events("engine.state_changed")
+    start = [e for e in changes if e.get("to") == "STARTING"][-1]["timestamp"]
+    ready = [e for e in changes if e.get("to") == "READY"][-1]["timestamp"]
+    first = [e for e in again.events("precompile.started") if start <= e["timestamp"] < ready]
+    assert st["profile"]["max_num_seqs"] == 12 and first == [], first
     assert st["next_start"]["precompile"]["order"] == "beside", st["next_start"]["precompile"]
 
 
