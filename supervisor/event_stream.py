@@ -236,6 +236,8 @@ class EngineStopped(Event):
     planned: bool = False
     # killed without a grace on purpose: a settled death, or a restart drained of every request
     at_once: bool = False
+    # False: its GPU memory's release not waited for (the next engine, a spare, was woken beside it)
+    release_waited: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -308,7 +308,7 @@ class EngineRun:
         report = None
         if self.child is not None:
             report = await stop_tree(self.cfg, self.host, self.publish, self.child, self._tasks[:2],
-                                     planned, at_once)
+                                     planned, at_once, self.standby)
         await self.close()
         return report
 

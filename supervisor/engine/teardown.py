@@ -14,6 +14,7 @@ import structlog
 from supervisor.bounds import STEP_SLACK_S
 from supervisor.config import Config
 from supervisor.engine import gates
+from supervisor.engine.origin import PreparedSource
 from supervisor.event_stream import EngineStopped, Event, NoStackDump
 from supervisor.host import Host
 from supervisor.host.proctree import Child, StopReport
@@ -66,12 +67,16 @@ def stop_bound(cfg: Config, planned: bool) -> float:
 
 
 async def stop_tree(cfg: Config, host: Host, publish: Callable[[Event], None], child: Child,
-                    drains: Sequence[asyncio.Task[Any]], planned: bool,
-                    at_once: bool) -> StopReport:
+                    drains: Sequence[asyncio.Task[Any]], planned: bool, at_once: bool,
+                    source: PreparedSource | None = None) -> StopReport:
     """Kill ``child``'s whole tree, let its pipes' ``drains`` finish, and wait for its GPU memory
     to be released. A dead or hung engine has nothing to finish: a short grace, then SIGKILL
     (vLLM's API server ignores SIGTERM while its start is failing, and multiprocessing's
-    resource tracker always does); ``at_once``: none at all."""
+    resource tracker always does); ``at_once``: none at all. The release is not waited for
+    when a planned stop's successor is a spare awake (or waking) beside this engine
+    (``source.woken_ahead``): it needs none of this memory, and a sleep-mode engine's took
+    4.5 s to come back on the H200, all of it clients held in a climb. Where that wake fails,
+    the next start's GPU gate waits for the memory while it is being released."""
     e = cfg.engine
     t0 = host.monotonic()
     grace = 0.0 if at_once else e.stop_timeout_s if planned else e.failed_stop_timeout_s
@@ -80,11 +85,13 @@ async def stop_tree(cfg: Config, host: Host, publish: Callable[[Event], None], c
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(asyncio.gather(*drains, return_exceptions=True), DRAIN_S)
     t2 = host.monotonic()
-    await gates.wait_released(cfg, host, publish, report.pids)
+    waited = not (planned and source is not None and source.woken_ahead())
+    if waited:
+        await gates.wait_released(cfg, host, publish, report.pids)
     publish(
         EngineStopped(at=host.wall(), pids=report.pids, sigkilled=report.killed,
                       survivors=report.survivors, returncode=report.returncode,
                       kill_s=round(t1 - t0, 3), drain_s=round(t2 - t1, 3),
                       gpu_release_s=round(host.monotonic() - t2, 3), planned=planned,
-                      at_once=at_once))
+                      at_once=at_once, release_waited=waited))
     return report

@@ -639,6 +639,9 @@ def test_a_climbs_spare_built_beside_is_woken_while_the_engine_it_replaces_drain
     assert names == ["engine.stopped", "spare.woken", "spare.woken", "engine.stopped"], names
     woken = order[2][1]
     assert woken["beside"] is True and woken["profile"]["max_num_batched_tokens"] == 8192, woken
+    # The old engine's GPU memory is not waited for: the woken spare needs none of it (a sleep-mode engine's took
+    # 4.46 s to come back on the H200, all of it in the climb's outage). The failover's stop did wait.
+    assert [stop["release_waited"] for _, stop in (order[0], order[3])] == [True, False], order
     assert st["engine_pid"] == woken["pid"] and st["timings"]["start_to_ready_s"] < 0.5, st["timings"]
 
 
@@ -691,4 +694,5 @@ def test_a_climbs_spare_the_card_cannot_hold_awake_beside_the_engine_is_woken_af
     assert [name for name, _ in order] == ["engine.stopped", "spare.woken", "engine.stopped", "spare.woken"], order
     assert not [e for e in sup.events("spare.dropped") if e["pid"] == built["pid"]]
     woken = order[3][1]
+    assert order[2][1]["release_waited"] is True  # the start needed the old engine's memory for this wake
     assert woken["beside"] is False and woken["pid"] == built["pid"] == st["engine_pid"], (woken, st["engine_pid"])
