@@ -597,34 +597,41 @@ def test_a_climb_asked_while_another_second_engine_is_built_stops_it_instead_of_
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, building
 
 
+def after_a_failover(supervise: Callable[..., Sup], tmp_path: Path, more: dict[str, Any]) -> Sup:
+    """At 0.5 on the GPU stand-in, the seed's crash once a spare sleeps: READY again on the woken 6144 spare at
+    0.47. Tokens take 2 ms (a stream of thousands lasts seconds; the stand-in's token counters move only at its end,
+    so the hang timeout is longer)."""
+    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
+                            "env": {"FAKE_VLLM_TOKEN_DELAY": "0.002"}},
+                 "profile": {"gpu_memory_utilization": 0.5}, "health": {"hang_timeout_s": 30.0},
+                 "recovery": {"spare": "auto", "precompile_idle_s": 0.2}}
+    sup = supervise(deep_merge(overrides, more))
+    sup.wait_ready(60)
+    sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
+    assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
+    sup.wait_ready(30, restarts=1)
+    return sup
+
+def long_stream(gateway: str, tokens: int, answered: list[tuple[int, str]]) -> None:
+    """A stream of ``tokens`` through the gateway (the stand-in's token delay sets its length); its status and
+    body appended to ``answered``."""
+    body = {"model": "fake-model", "prompt": "hello", "max_tokens": tokens, "stream": True}
+    req = urllib.request.Request(gateway + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        answered.append((r.status, r.read().decode()))
+
 def test_a_climbs_spare_built_beside_is_woken_while_the_engine_it_replaces_drains(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:
     """Issue 38, items 2 and 5: the climb's spare was built beside the serving engine, so the card holds both awake. It
     is woken, and its canary asked, while that engine drains the requests at it, not after its stop: on the H100 the
     wake and the canary (0.56 s) came after the drain (0.67 s) and the stop, with new clients held all along. Here a
-    stream of 4,000 tokens (8 s; the stand-in's token counters move only at its end, so the hang timeout is longer) is
-    at the engine when the climb begins."""
-    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
-                            "env": {"FAKE_VLLM_TOKEN_DELAY": "0.002"}},
-                 "profile": {"gpu_memory_utilization": 0.5}, "health": {"hang_timeout_s": 30.0},
-                 "recovery": {"spare": "auto", "precompile_idle_s": 0.2}}
-    sup = supervise(overrides)
-    sup.wait_ready(60)
-    sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
-    assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
-    sup.wait_ready(30, restarts=1)
+    stream of 4,000 tokens (8 s) is at the engine when the climb begins."""
+    sup = after_a_failover(supervise, tmp_path, {})
     assert sup.gateway is not None
     gateway, answered = sup.gateway, []
-
-    def long_stream() -> None:
-        body = {"model": "fake-model", "prompt": "hello", "max_tokens": 4000, "stream": True}
-        req = urllib.request.Request(gateway + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answered.append((r.status, r.read().decode()))
-
     with ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(long_stream)
+        streaming = pool.submit(long_stream, gateway, 4000, answered)
         sup.wait_for(lambda s: s["gateway"]["in_flight"] >= 1, 10, "the stream at the engine")
         assert cli("reset-profile", "--config", str(sup.config)).returncode == 0
         st = sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, 60, "the climb")
@@ -649,31 +656,15 @@ def test_a_climbs_spare_the_card_cannot_hold_awake_beside_the_engine_is_woken_af
         supervise: Callable[..., Sup], tmp_path: Path, card: Path) -> None:
     """The other side of the wake beside the drain: another process took the card's room after the climb's spare fell
     asleep, so it cannot wake beside the serving engine (what it gave up asleep, plus a start's headroom). It is not
-    woken then, and not dropped: the start wakes it after the old engine's stop freed its memory, as before. A time
-    climb waits for a lull, so the stream at the engine holds it while the other process arrives."""
-    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
-                            "env": {"FAKE_VLLM_TOKEN_DELAY": "0.002"}},
-                 "profile": {"gpu_memory_utilization": 0.5}, "health": {"hang_timeout_s": 30.0},
-                 "ladder": {"climb_after_s": 3.0},
-                 "recovery": {"spare": "auto", "precompile_idle_s": 0.2}}
-    sup = supervise(overrides)
-    sup.wait_ready(60)
-    sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
-    assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
-    sup.wait_ready(30, restarts=1)
+    woken then, and not dropped: the start wakes it after the old engine's stop freed its memory, as before. The
+    climb is the time climb's first step after the failover (6144 from 0.47 back to 0.5); it waits for a lull, so the
+    stream at the engine holds it while the other process arrives."""
+    sup = after_a_failover(supervise, tmp_path, {"ladder": {"climb_after_s": 3.0}})
     assert sup.gateway is not None
     gateway, answered, hog = sup.gateway, [], None
-
-    def long_stream() -> None:
-        body = {"model": "fake-model", "prompt": "hello", "max_tokens": 6000, "stream": True}
-        req = urllib.request.Request(gateway + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answered.append((r.status, r.read().decode()))
-
     try:
         with ThreadPoolExecutor(1) as pool:
-            streaming = pool.submit(long_stream)
+            streaming = pool.submit(long_stream, gateway, 6000, answered)
             st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep"
                               and s["next_start"]["spare"]["profile"]["gpu_memory_utilization"] == 0.5, 30,
                               "the climb's spare asleep, the climb held by the stream")
