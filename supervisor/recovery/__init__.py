@@ -79,7 +79,6 @@ class Recovery:
             if event.new is EngineState.READY:
                 version = event.ready.engine_version if event.ready else None
                 self._serving = (event.profile, version, not self.ahead.planned)
-                self._wake_ahead = None  # done: the spare it woke is this engine, or was dropped
                 self.ahead.planned, self.ahead.version = True, version
                 self._ready_since = self.host.monotonic()
                 self.ahead.precompiler.learnt_version(version)
@@ -128,8 +127,8 @@ class Recovery:
     def woken_ahead(self) -> bool:
         """A climb's spare is awake beside the engine being stopped, or waking there: the start
         that follows adopts it, and needs none of that engine's memory."""
-        task, spare = self._wake_ahead, self.ahead.keeper.spare
-        return task is not None and (not task.done() or (spare is not None and spare.woken))
+        spare = self.ahead.keeper.spare  # woken is set once the card's check passed
+        return spare is not None and spare.woken
 
     def prepared_for(self, target: Profile) -> bool:
         """Whether a climb to ``target`` may go now (recovery/ahead.py ``prepared_for``)."""

@@ -228,6 +228,7 @@ class SpareKeeper:
             if short:
                 log.info("spare.woken_after_the_stop", pid=spare.pid, why=short)
                 return
+            spare.woken = True  # past the card's check: the stop need not wait for memory now
             await self._wake(spare, beside=True)
 
     async def _wake(self, spare: Spare, beside: bool) -> bool:
