@@ -282,8 +282,7 @@ class EngineRun:
         if child is not None:
             self.host.tree_pids(child)
         rc: int | None = child.proc.returncode if child else None
-        settled = trigger.kind is TriggerKind.DEATH and settled_before_exit(
-            verdict_of(self.seen, trigger, phase, rc))
+        settled = settled_death(self, trigger, phase, rc)
         if trigger.kind is TriggerKind.DEATH and child is not None and rc is None:
             grace = await teardown.death_grace_s(self.cfg, self.host, child, self.origin.url,
                                                  settled)
@@ -349,6 +348,19 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
                          "vllm": run.seen.engine_version},
             "argv": list(run.origin.spare.argv) if run.origin.spare is not None else masked(
                 launch.build_argv(e, run.profile, run.cfg.health.hang_timeout_s), e.secrets())}
+
+
+def settled_death(run: EngineRun, trigger: Trigger, phase: Phase, rc: int | None) -> bool:
+    """Whether ``trigger`` is a death whose verdict is settled before the engine's stop
+    (``settled_before_exit``); recovery is told so (``engine_dying``), to wake the spare the
+    restart will want while the dead engine is stopped."""
+    if trigger.kind is not TriggerKind.DEATH:
+        return False
+    found = verdict_of(run.seen, trigger, phase, rc)
+    settled = settled_before_exit(found)
+    if settled and run.standby is not None:
+        run.standby.engine_dying(run.profile, found)
+    return settled
 
 
 def verdict_of(seen: Observer, trigger: Trigger, phase: Phase, rc: int | None) -> Failure:

@@ -22,7 +22,7 @@ from typing import Any
 
 from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
-from supervisor.engine_states import EngineState, FailureKind
+from supervisor.engine_states import EngineState, Failure, FailureKind
 from supervisor.event_stream import (
     EngineEnvReported,
     EngineIdle,
@@ -33,7 +33,7 @@ from supervisor.event_stream import (
 from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
-from supervisor.recovery.spare import Spare, take_bound_s
+from supervisor.recovery.spare import Spare, take_bound_s, wake_beside_the_dying
 from supervisor.recovery.standby import Standby, StandbyPool, vllm_env_of
 
 TICK_S = 1.0
@@ -51,7 +51,8 @@ class Recovery:
         self._ready_since: float | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._engine_reported = False  # an engine (not a second one) said what vLLM set for it
-        self._wake_ahead: asyncio.Task[None] | None = None  # a climb's spare, woken as it drains
+        # a climb's spare, woken as the engine drains; a runtime OOM's, as the dead one is stopped
+        self._wake_ahead: asyncio.Task[None] | None = None
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
@@ -94,8 +95,7 @@ class Recovery:
                 self.ahead.climb = None
                 self.ahead.stop()  # the host is the next start's now
                 if event.new is EngineState.DRAINING and event.target is not None:
-                    self._wake_ahead = asyncio.create_task(
-                        self.ahead.keeper.wake_ahead(event.target), name="recovery:wake-ahead")
+                    self._wake_spare(event.target)
         elif isinstance(event, FailureClassified):
             # until the next READY: the restarts of an outage build no spare first
             self.ahead.planned = False
@@ -123,6 +123,18 @@ class Recovery:
         """The spare, woken for a start at ``profile``; None when there is none that can serve
         it."""
         return await self.ahead.spare_for(profile)
+
+    def engine_dying(self, profile: Profile, failure: Failure) -> None:
+        """The engine at ``profile`` died of ``failure``, settled before its stop: the spare of
+        the rung its restart goes to is woken beside it now (``wake_beside_the_dying``)."""
+        target = wake_beside_the_dying(failure.kind, self.ahead.below(profile))
+        if target is not None:
+            self._wake_spare(target)
+
+    def _wake_spare(self, target: Profile) -> None:
+        if self._wake_ahead is None or self._wake_ahead.done():
+            self._wake_ahead = asyncio.create_task(self.ahead.keeper.wake_ahead(target),
+                                                   name="recovery:wake-ahead")
 
     def woken_ahead(self) -> bool:
         """A climb's spare is awake beside the engine being stopped, or waking there: the start

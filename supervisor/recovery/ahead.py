@@ -79,7 +79,7 @@ class Ahead:
         lull that busy servers never have: the seed's crash came under steady traffic. A spare
         whose rung is no longer the first target (or that died asleep) goes first. After a
         failure's restart (``after_failure``) the next spare is not kept waiting."""
-        targets = self._below(profile)
+        targets = self.below(profile)
         kept = self.keeper.spare
         await self.keeper.check(self.climb or (targets[0] if targets else None))
         if kept is not None and self.keeper.spare is None:
@@ -105,7 +105,7 @@ class Ahead:
                      waited_s: float = 0.0, after_failure: bool = False) -> Facts:
         """What ``next_step`` reads, gathered here: the card once, the compile record, the rungs'
         sizes."""
-        e, targets = self.cfg.engine, tuple(self._below(profile))
+        e, targets = self.cfg.engine, tuple(self.below(profile))
         # a climb's rung (reset-profile: maybe rungs above) is weighed as any within reach
         within = (profile, *targets, *(() if self.climb is None else (self.climb, )))
         try:
@@ -162,11 +162,11 @@ class Ahead:
         """The spare, woken for a start at ``profile``; None when it cannot serve it. A failure's
         restart at the same rung (a death that was not memory's, nor the GPU's) leaves a spare
         of the rung below asleep for the next one."""
-        targets = self._below(profile)
+        targets = self.below(profile)
         keep_for = targets[0] if targets and not self.planned and not self.device_fault else None
         return await self.keeper.take(profile, keep_for)
 
-    def _below(self, profile: Profile) -> list[Profile]:
+    def below(self, profile: Profile) -> list[Profile]:
         """The rungs a failure at ``profile`` may go to, other than ``profile``'s own; the first
         is the spare's."""
         return [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]

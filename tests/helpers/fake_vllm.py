@@ -38,6 +38,7 @@ is steered by env vars:
 
 With ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1 it serves vLLM's /sleep, /wake_up and /is_sleeping
 (a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve.
+FAKE_VLLM_WAKE_S: how long /wake_up takes (default 0).
 FAKE_VLLM_CORRUPT_AFTER_WAKE=1: after a wake every answer is garbage (its words upper-cased, other logprobs), as
 vLLM's sleep-mode bugs leave an engine healthy and wrong. A completion asking for ``logprobs`` gets vLLM's shape
 (``tokens``, ``token_logprobs``). With
@@ -453,6 +454,8 @@ class Server:
         return web.Response(status=200)
 
     async def wake_up(self, _: web.Request) -> web.Response:
+        # how long the weights take to come back (0.57 s on the H200, the 9B shape)
+        await asyncio.sleep(float(os.environ.get("FAKE_VLLM_WAKE_S", "0")))
         if self.gpu is not None:
             back = wanted_bytes(self.gpu, self.args) - ASLEEP_BYTES
             if self.gpu.free_bytes() < back:

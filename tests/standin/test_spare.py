@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,11 @@ def asleep(sup: Sup, timeout: float = 60) -> dict[str, Any]:
     st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", timeout, "a spare asleep")
     spare: dict[str, Any] = st["next_start"]["spare"]
     return spare
+
+
+def at(event: dict[str, Any]) -> float:
+    """When the supervisor logged ``event`` (seconds since the epoch)."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def complete(url: str, prompt: str = "hello there") -> int:
@@ -122,6 +128,30 @@ def test_a_settled_runtime_oom_is_stopped_at_once_and_the_woken_spare_warms_in_o
     assert sizes and len(warmups) == 2 * sizes, warmups  # the first start's, then the woken spare's
     assert not any("max_tokens=1)" in line for line in warmups[:sizes]), warmups  # [warmup] max_tokens
     assert all(f"pid={spare['pid']})" in line and "max_tokens=1)" in line for line in warmups[sizes:]), warmups
+
+
+def test_a_settled_runtime_oom_wakes_the_spare_beside_the_dead_engine_while_its_tree_is_stopped(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 38, item 5: the H200's failover with a spare (1.16 s) was the dead engine's kill and GPU release (0.33 s),
+    then the spare's wake (0.57 s) and canary: one after the other. Where the card holds the spare awake beside the
+    dead engine (here no NVML card: it always does), a runtime OOM settled before the stop wakes the spare the
+    restart goes to while the dead engine's tree is killed and its memory released. Here the wake takes 1.5 s: it
+    began before the dead engine's stop was over, and the start that follows adopts the spare awake."""
+    wake_s = 1.5
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_WAKE_S": str(wake_s)}}})
+    sup.wait_ready(30)
+    spare = asleep(sup)
+    assert send_long_prompt(sup) == 500  # the engine dies of a (stand-in) runtime OOM, its request named
+    st = sup.wait_ready(30, restarts=1)
+    assert st["engine_pid"] == spare["pid"] and st["profile"]["max_num_batched_tokens"] == 6144, st
+    (woken, ) = sup.events("spare.woken")
+    stopped = sup.events("engine.stopped")[0]
+    assert woken["beside"] is True and woken["took_s"] >= wake_s, woken
+    assert stopped["release_waited"] is True, stopped  # an unplanned stop still waits for the dead engine's memory
+    began = at(woken) - woken["took_s"] - woken["canary"]["took_s"]
+    assert began < at(stopped), (woken, stopped)  # the wake began before the dead engine's stop ended
+    # The start found the spare awake: it waited only for the rest of the wake, not a wake of its own.
+    assert st["timings"]["start_to_ready_s"] < wake_s, st["timings"]
 
 
 def test_a_settled_death_with_only_the_gateway_connected_is_killed_without_the_answering_window(

@@ -134,6 +134,9 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
         woken = sup.events("spare.woken")
         assert len(woken) == 1 and woken[0]["canary"]["equal"] is True
         assert not sup.events("spare.dropped")
+        # The card could not hold it awake beside the dead engine: it was woken after that engine's stop, not
+        # beside it (where its wake would have been a CUDA OOM), and not dropped.
+        assert woken[0]["beside"] is False and sup.events("spare.woken_after_the_stop"), woken
         # Issue 27, item 3: none fits beside the woken engine, so /status says when the next one comes.
         due = st["next_start"]["spare"]["due"]
         assert due["in_s"] is None and "next planned start" in due["when"], due
@@ -599,8 +602,9 @@ def test_a_climb_asked_while_another_second_engine_is_built_stops_it_instead_of_
 
 def after_a_failover(supervise: Callable[..., Sup], tmp_path: Path, more: dict[str, Any]) -> Sup:
     """At 0.5 on the GPU stand-in, the seed's crash once a spare sleeps: READY again on the woken 6144 spare at
-    0.47. Tokens take 2 ms (a stream of thousands lasts seconds; the stand-in's token counters move only at its end,
-    so the hang timeout is longer)."""
+    0.47, which the card held awake beside the dead engine, so it was woken while that engine was stopped. Tokens
+    take 2 ms (a stream of thousands lasts seconds; the stand-in's token counters move only at its end, so the hang
+    timeout is longer)."""
     overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
                             "env": {"FAKE_VLLM_TOKEN_DELAY": "0.002"}},
                  "profile": {"gpu_memory_utilization": 0.5}, "health": {"hang_timeout_s": 30.0},
@@ -610,7 +614,16 @@ def after_a_failover(supervise: Callable[..., Sup], tmp_path: Path, more: dict[s
     sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "a spare asleep")
     assert send_long_prompt(sup) == 500  # the seed's crash: the 6144 spare becomes the engine
     sup.wait_ready(30, restarts=1)
+    (woken, ) = sup.events("spare.woken")
+    (stopped, ) = sup.events("engine.stopped")
+    assert woken["beside"] is True and stopped["release_waited"] is True, (woken, stopped)
     return sup
+
+
+def after_the_failover(sup: Sup) -> list[tuple[str, dict[str, Any]]]:
+    """The spare wakes and engine stops logged since ``after_a_failover``'s: its wake and its dead engine's stop."""
+    return [(e["event"], e) for e in log_events(sup.log_path)
+            if e.get("event") in ("spare.woken", "engine.stopped")][2:]
 
 def long_stream(gateway: str, tokens: int, answered: list[tuple[int, str]]) -> None:
     """A stream of ``tokens`` through the gateway (the stand-in's token delay sets its length); its status and
@@ -639,16 +652,14 @@ def test_a_climbs_spare_built_beside_is_woken_while_the_engine_it_replaces_drain
     assert answered and answered[0][0] == 200 and "[DONE]" in answered[0][1], answered
     (drained, ) = sup.events("gateway.drained")
     assert drained["in_flight"] == 1 and drained["cut"] == 0, drained
-    order = [(e["event"], e) for e in log_events(sup.log_path)
-             if e.get("event") in ("spare.woken", "engine.stopped")]
-    names = [name for name, _ in order]
-    # the failover's wake (after the dead engine's stop), then the climb's: before the old engine's stop
-    assert names == ["engine.stopped", "spare.woken", "spare.woken", "engine.stopped"], names
-    woken = order[2][1]
+    order = after_the_failover(sup)
+    # the climb's wake: before the old engine's stop
+    assert [name for name, _ in order] == ["spare.woken", "engine.stopped"], order
+    woken = order[0][1]
     assert woken["beside"] is True and woken["profile"]["max_num_batched_tokens"] == 8192, woken
     # The old engine's GPU memory is not waited for: the woken spare needs none of it (a sleep-mode engine's took
     # 4.46 s to come back on the H200, all of it in the climb's outage). The failover's stop did wait.
-    assert [stop["release_waited"] for _, stop in (order[0], order[3])] == [True, False], order
+    assert order[1][1]["release_waited"] is False, order
     assert st["engine_pid"] == woken["pid"] and st["timings"]["start_to_ready_s"] < 0.5, st["timings"]
 
 
@@ -680,10 +691,9 @@ def test_a_climbs_spare_the_card_cannot_hold_awake_beside_the_engine_is_woken_af
             hog.kill()
             hog.wait()
     assert answered and answered[0][0] == 200, answered
-    order = [(e["event"], e) for e in log_events(sup.log_path)
-             if e.get("event") in ("spare.woken", "engine.stopped")]
-    assert [name for name, _ in order] == ["engine.stopped", "spare.woken", "engine.stopped", "spare.woken"], order
+    order = after_the_failover(sup)
+    assert [name for name, _ in order] == ["engine.stopped", "spare.woken"], order
     assert not [e for e in sup.events("spare.dropped") if e["pid"] == built["pid"]]
-    woken = order[3][1]
-    assert order[2][1]["release_waited"] is True  # the start needed the old engine's memory for this wake
+    woken = order[1][1]
+    assert order[0][1]["release_waited"] is True  # the start needed the old engine's memory for this wake
     assert woken["beside"] is False and woken["pid"] == built["pid"] == st["engine_pid"], (woken, st["engine_pid"])

@@ -229,3 +229,24 @@ def test_a_starts_wait_for_the_spare_is_bounded_by_a_checks_wake_and_its_own_wak
     old = drop + wake + STEP_SLACK_S
     assert take_bound_s(cfg) - old > STEP_SLACK_S  # what the old bound's slack could not absorb
 
+
+
+def test_a_dying_engines_settled_verdict_wakes_the_spare_only_of_a_runtime_ooms_step_down() -> None:
+    """Issue 38, item 5: which spare a death settled before its stop wakes beside the dead engine (recovery/spare.py
+    ``wake_beside_the_dying``): a runtime OOM's one rung down, the spare's rung; nothing for a death that restarts
+    the same rung (the spare stays asleep for the next memory failure), the device's own fault (nothing on it is
+    kept), or a runtime OOM at the ladder's floor."""
+    from supervisor.engine_states import FailureKind as K
+    from supervisor.recovery.spare import wake_beside_the_dying
+
+    down, further = Profile(max_num_batched_tokens=6144), Profile(max_num_batched_tokens=4096)
+    cases = [
+        (K.RUNTIME_OOM, [down, further], down),
+        (K.RUNTIME_OOM, [], None),  # at the floor: no rung below, no spare
+        (K.ENGINE_DEAD, [down], None),
+        (K.DEVICE_FATAL, [down], None),
+        (K.STARTUP_MEMORY, [down], None),
+        (K.SIGNAL, [down], None),
+        (K.HANG, [down], None),
+    ]
+    assert [wake_beside_the_dying(kind, below) for kind, below, _ in cases] == [want for _, _, want in cases]
