@@ -36,10 +36,11 @@ async def death_grace_s(cfg: Config, host: Host, child: Child, url: str,
     what the engine lost either way (the window was 0.26 s of the H200's 1.35 s failover)."""
     if not settled:
         return cfg.engine.dead_grace_s
-    port = urlsplit(url).port
+    port, t0 = urlsplit(url).port, host.monotonic()
     outside = await host.outside_clients(host.tree_pids(child), port) if port else 1
     grace = min(cfg.engine.dead_grace_s, SETTLED_EXIT_S) if outside else 0.0
-    log.info("engine.settled_exit_window", window_s=grace, outside_clients=outside)
+    log.info("engine.settled_exit_window", window_s=grace, outside_clients=outside,
+             checked_s=round(host.monotonic() - t0, 3))
     return grace
 
 
