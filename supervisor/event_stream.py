@@ -250,6 +250,16 @@ class FailureDetected(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeathSettled(Event):
+    """A dead engine's verdict was settled before its stop (``settled_before_exit``): recovery may
+    wake the spare the restart wants beside it while its tree is killed."""
+
+    name = "engine.death_settled"
+    kind: FailureKind
+    profile: Profile
+
+
+@dataclass(frozen=True, kw_only=True)
 class FailureClassified(Event):
     name = "engine.failed"
     level = "warning"

@@ -45,6 +45,7 @@ from supervisor.engine.steps import Steps, Trigger
 from supervisor.engine.teardown import stop_bound, stop_tree
 from supervisor.engine_states import Failure, Phase, TriggerKind
 from supervisor.event_stream import (
+    DeathSettled,
     EngineSpawned,
     Event,
     Ready,
@@ -352,14 +353,14 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
 
 def settled_death(run: EngineRun, trigger: Trigger, phase: Phase, rc: int | None) -> bool:
     """Whether ``trigger`` is a death whose verdict is settled before the engine's stop
-    (``settled_before_exit``); recovery is told so (``engine_dying``), to wake the spare the
-    restart will want while the dead engine is stopped."""
+    (``settled_before_exit``); published when it is (``DeathSettled``): recovery wakes the spare
+    the restart will want while the dead engine is stopped."""
     if trigger.kind is not TriggerKind.DEATH:
         return False
     found = verdict_of(run.seen, trigger, phase, rc)
     settled = settled_before_exit(found)
-    if settled and run.standby is not None:
-        run.standby.engine_dying(run.profile, found)
+    if settled:
+        run.publish(DeathSettled(at=run.host.wall(), kind=found.kind, profile=run.profile))
     return settled
 
 

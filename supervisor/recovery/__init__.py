@@ -22,8 +22,9 @@ from typing import Any
 
 from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
-from supervisor.engine_states import EngineState, Failure, FailureKind
+from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import (
+    DeathSettled,
     EngineEnvReported,
     EngineIdle,
     Event,
@@ -96,6 +97,11 @@ class Recovery:
                 self.ahead.stop()  # the host is the next start's now
                 if event.new is EngineState.DRAINING and event.target is not None:
                     self._wake_spare(event.target)
+        elif isinstance(event, DeathSettled):
+            # the spare of the rung its restart goes to, woken beside the dead engine where it fits
+            target = wake_beside_the_dying(event.kind, self.ahead.below(event.profile))
+            if target is not None:
+                self._wake_spare(target)
         elif isinstance(event, FailureClassified):
             # until the next READY: the restarts of an outage build no spare first
             self.ahead.planned = False
@@ -123,13 +129,6 @@ class Recovery:
         """The spare, woken for a start at ``profile``; None when there is none that can serve
         it."""
         return await self.ahead.spare_for(profile)
-
-    def engine_dying(self, profile: Profile, failure: Failure) -> None:
-        """The engine at ``profile`` died of ``failure``, settled before its stop: the spare of
-        the rung its restart goes to is woken beside it now (``wake_beside_the_dying``)."""
-        target = wake_beside_the_dying(failure.kind, self.ahead.below(profile))
-        if target is not None:
-            self._wake_spare(target)
 
     def _wake_spare(self, target: Profile) -> None:
         if self._wake_ahead is None or self._wake_ahead.done():
