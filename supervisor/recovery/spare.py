@@ -33,7 +33,7 @@ from supervisor.bounds import (
     SPARE_WAKE_MARGIN,
     SPARE_WAKE_S,
 )
-from supervisor.config import Config
+from supervisor.config import Config, EngineConfig
 from supervisor.engine_states import FailureKind
 from supervisor.event_stream import Event, SpareAsleep, SpareChecked, SpareDropped, SpareWoken
 from supervisor.host import Host, leftovers
@@ -86,6 +86,15 @@ class Spare(Throwaway):
                     "GiB "
                     f"back to wake (+ {headroom / GIB:.2f} GiB headroom)")
         return None
+
+    def growth(self, held: dict[int, int]) -> str | None:
+        """What its footprint grew by since it fell asleep (``held``: bytes per device now), where
+        more than FOOTPRINT_GROWTH on a device; None otherwise."""
+        grown = {d: b - self.asleep.get(d, 0) for d, b in held.items()}
+        what = ", ".join(f"GPU {d}: +{b // MIB} MiB" for d, b in grown.items()
+                         if b > FOOTPRINT_GROWTH)
+        return f"{what} over the {sum(self.asleep.values()) // MIB} MiB it kept asleep" \
+            if what else None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -188,7 +197,7 @@ class SpareKeeper:
 
     async def _take(self, profile: Profile, keep_for: Profile | None) -> Spare | None:
         spare = self.spare
-        if spare is None or await self._dropped_dead(spare):
+        if spare is None or await self._dropped_unfit(spare):
             return None
         if not spare.serves(profile):
             if keep_for is not None and spare.serves(keep_for) and not spare.woken:
@@ -220,7 +229,7 @@ class SpareKeeper:
         async with self._waking:
             spare = self.spare
             if (spare is None or spare.woken or not spare.serves(profile)
-                    or await self._dropped_dead(spare)):
+                    or await self._dropped_unfit(spare)):
                 return
             try:
                 short = spare.short_to_wake(await self._snapshot(),
@@ -282,7 +291,7 @@ class SpareKeeper:
         """While the engine serves: a spare that died, or that no longer is the rung a failure
         would pick, goes."""
         spare = self.spare
-        if spare is None or spare.woken or await self._dropped_dead(spare):
+        if spare is None or spare.woken or await self._dropped_unfit(spare):
             return
         if next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
             await self.drop("the engine's next rung is another one now")
@@ -348,17 +357,18 @@ class SpareKeeper:
             held = held_by(await self._snapshot(), self.host.tree_pids(spare.child))
         except GpuLost:
             return
-        more = {d: b - spare.asleep.get(d, 0) for d, b in held.items()}
-        grown = {d: b for d, b in more.items() if b > FOOTPRINT_GROWTH}
+        grown = spare.growth(held)
         if grown:
-            what = ", ".join(f"GPU {d}: +{b // MIB} MiB" for d, b in grown.items())
-            await self.drop(
-                "recycled: its sleeping footprint grew since it fell asleep", fault=True,
-                detail=f"{what} over the {sum(spare.asleep.values()) // MIB} MiB it kept asleep")
+            await self.drop("recycled: its sleeping footprint grew since it fell asleep",
+                            fault=True, detail=grown)
 
-    async def _dropped_dead(self, spare: Spare) -> bool:
-        """A spare whose API server exited while asleep is dropped (its engine core with it);
-        True if it was."""
+    async def _dropped_unfit(self, spare: Spare) -> bool:
+        """A spare whose API server exited while asleep is dropped (its engine core with it), and
+        one a reload outdated (woken, it would serve the [engine] replaced); True if it was."""
+        stale = outdated(spare, self.cfg.engine)
+        if stale:
+            await self.drop(stale)
+            return True
         if spare.alive():
             return False
         await self.drop(f"it exited with status {spare.child.proc.returncode} while asleep",
@@ -394,6 +404,19 @@ class SpareKeeper:
 
     async def close(self) -> None:
         await self.drop("the supervisor stops")
+
+
+# What makes a second engine the one [engine] starts; not the timeouts kept around it.
+ENGINE_SETTINGS = ("model", "command", "env", "args")
+
+
+def outdated(built: Throwaway, engine: EngineConfig) -> str | None:
+    """Why a second engine is no longer the engine ``engine`` (the [engine] in force) starts: a
+    reload changed what it was started from. None while it still is."""
+    changed = [k for k in ENGINE_SETTINGS
+               if built.engine is not None and getattr(built.engine, k) != getattr(engine, k)]
+    return f"a reload changed [engine] {', '.join(changed)} since it was built" if changed \
+        else None
 
 
 def take_bound_s(cfg: Config) -> float:

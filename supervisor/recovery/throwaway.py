@@ -24,7 +24,7 @@ import structlog
 
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import THROWAWAY_STOP_S
-from supervisor.config import Config, masked, redact
+from supervisor.config import Config, EngineConfig, masked, redact
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.observer import env_report
@@ -71,6 +71,8 @@ class Throwaway:
     ear: ipc.EventServer | None = None
     # the compile cache directory it said it uses
     cache_used: list[str] = field(default_factory=list)
+    # the [engine] it was started from (a reload may replace it: recovery/spare.py ``outdated``)
+    engine: EngineConfig | None = None
 
     @property
     def pid(self) -> int:
@@ -193,7 +195,8 @@ class Launcher:
                       if n not in taken)
         t = Throwaway(child, rung, engine.base_url, work, tail, [],
                       EngineClient(engine.base_url, e.api_key(), ipc.control_token(env)), self.host,
-                      self.cfg.state.dir, tuple(masked(argv, secrets)), version, record, ear, used)
+                      self.cfg.state.dir, tuple(masked(argv, secrets)), version, record, ear, used,
+                      e)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
         t.drains += [
             asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s

@@ -17,7 +17,16 @@ import psutil
 import pytest
 from supervisor.ops import control
 
-from tests.helpers.processes import STANDIN_BASE, Launcher, Sup, deep_merge, gone, http_json, send_long_prompt
+from tests.helpers.processes import (
+    STANDIN_BASE,
+    Launcher,
+    Sup,
+    cli,
+    deep_merge,
+    gone,
+    http_json,
+    send_long_prompt,
+)
 
 LONG = "word " * 30000
 COLD_S = 3.0  # the stand-in's start delay: a cold start takes at least this long, a woken spare none of it
@@ -381,3 +390,32 @@ def test_a_check_finds_a_spare_that_wakes_wrong_before_any_incident_and_none_is_
     code, body = http_json(sup.gateway + "/v1/completions", {"model": "fake-model", "prompt": "hello there",
                                                                "max_tokens": 3})
     assert code == 200 and body["choices"][0]["text"] == " x2 x3 x4"
+
+
+def test_a_reload_that_changes_the_engine_never_wakes_the_spare_built_for_the_old_one(
+        supervise: Callable[..., Sup]) -> None:
+    """A spare is a whole engine of the settings it was built with. A reload that changes [engine] (the model, its
+    arguments, its environment) and lowers [profile] to the spare's own rung must not wake the old spare for its
+    restart: it would serve the settings the operator just replaced. The restart is a start of the new settings, the
+    old spare is dropped, and the next spare is built from the new settings."""
+    sup = supervise()
+    sup.wait_ready(30)
+    old = asleep(sup)
+    assert old["profile"]["max_num_batched_tokens"] == 6144
+    text = sup.config.read_text()
+    env, chunk = 'FAKE_VLLM_OOM_TOKENS = "5000"', "max_num_batched_tokens = 8192"
+    assert env in text and chunk in text
+    sup.config.write_text(text.replace(env, env + ', FAKE_VLLM_TOKEN_DELAY = "0.0011"')
+                          .replace(chunk, "max_num_batched_tokens = 6144"))
+    done = cli("reload", "--config", str(sup.config))
+    assert done.returncode == 0, done.stderr
+    st = sup.wait_for(lambda s: s["ready"] and s["start"] == 2, 30, "the restart after the reload")
+    assert st["profile"]["max_num_batched_tokens"] == 6144 and st["engine_pid"] != old["pid"], st
+    assert sup.events("spare.woken") == []
+    assert psutil.Process(st["engine_pid"]).environ().get("FAKE_VLLM_TOKEN_DELAY") == "0.0011"
+    dropped = sup.events("spare.dropped")
+    assert [d["pid"] for d in dropped] == [old["pid"]] and dropped[0]["fault"] is False, dropped
+    assert "[engine]" in dropped[0]["reason"], dropped
+    sup.wait_for(lambda _: gone(old["pid"]), 10, "the old spare gone")
+    new = asleep(sup)
+    assert psutil.Process(new["pid"]).environ().get("FAKE_VLLM_TOKEN_DELAY") == "0.0011"

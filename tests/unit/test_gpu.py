@@ -129,6 +129,7 @@ class ScriptedNvml:
 
 
 GIB = 2**30
+MIB = 2**20
 
 
 async def test_the_start_gate_waits_only_while_memory_is_being_released(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,6 +245,35 @@ def test_spare_auto_needs_the_weights_in_host_memory_and_a_second_engine_beside_
     assert spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 70 * GIB, 70 * GIB, ())], GIB) is None
     short = spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 60 * GIB, 80 * GIB, ())], GIB)
     assert short is not None and "needs 64.00 GiB back" in short
+    # A sleeping footprint that grew past FOOTPRINT_GROWTH on a device, and by how much.
+    assert spare.growth({0: 2 * GIB + 64 * MIB}) is None
+    grown = spare.growth({0: 3 * GIB})
+    assert grown == "GPU 0: +1024 MiB over the 2048 MiB it kept asleep", grown
+
+
+def test_a_second_engine_is_outdated_by_a_reload_of_what_makes_the_engine_not_of_its_timeouts(tmp_path: Any) -> None:
+    from dataclasses import replace
+
+    from supervisor.config import EngineConfig
+    from supervisor.profile import Profile
+    from supervisor.recovery.spare import Spare, outdated
+
+    built = EngineConfig(model="/m", command=("python3", "-m", "vllm"), env={"A": "1"}, args={"dtype": "bfloat16"})
+    unused: Any = None
+    spare = Spare(child=unused, profile=Profile(max_num_batched_tokens=6144), url="http://127.0.0.1:1", work=tmp_path,
+                  tail=unused, drains=[], client=unused, host=unused, state_dir=str(tmp_path), engine=built)
+    cases = [
+        (built, None),
+        (replace(built, stop_timeout_s=5.0, dead_grace_s=9.0, start_timeout_s=60.0), None),  # the supervisor's own
+        (replace(built, port=19000), None),  # a second engine listens on a port of its own anyway
+        (replace(built, model="/other"), "a reload changed [engine] model since it was built"),
+        (replace(built, env={"A": "2"}), "a reload changed [engine] env since it was built"),
+        (replace(built, args={"dtype": "float16"}, command=("vllm", "serve")),
+         "a reload changed [engine] command, args since it was built"),
+    ]
+    for now, why in cases:
+        assert outdated(spare, now) == why, now
+    assert outdated(replace(spare, engine=None), replace(built, model="/other")) is None  # no record: not judged
 
 
 def glm9b_dir(tmp_path: Any) -> Any:
