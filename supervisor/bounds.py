@@ -11,6 +11,10 @@ GIB = 2**30
 THROWAWAY_STOP_S = 5.0
 # A standby interpreter (vLLM imported, nothing on the GPU yet).
 STANDBY_STOP_S = 2.0
+# A planned start that changed the engine's command or environment (a reload) waits while the old
+# engine serves for a standby to import under them: at most this long (the H200 imports in 15-45 s),
+# then it starts cold.
+STANDBY_IMPORT_WAIT_S = 180.0
 
 # What a step's own timeout leaves the watchdog before the supervisor counts the step stuck
 # (heartbeat.py): the bounds below are added to the configured timeouts of a start, a warm-up, a

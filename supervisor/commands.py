@@ -19,6 +19,7 @@ from supervisor.event_stream import Event, Reloaded, ReloadFailed, Reloading
 from supervisor.gateway.server import Gateway
 from supervisor.host import Host
 from supervisor.lifecycle import Lifecycle
+from supervisor.lifecycle.serving import RELOADED
 from supervisor.ops.alerts.channels import MissingSecret
 from supervisor.ops.alerts.dispatch import Alerts
 from supervisor.ops.metrics import Metrics
@@ -52,15 +53,22 @@ class OperatorCommands:
             lc.learned()
             if lc.profile == lc.cfg.profile:
                 return True, "the profile already is the configured one; failed rungs forgotten"
-            why = "reset-profile: back to [profile]"
-            if lc.state is S.READY and lc.run is not None:
-                # a climb: its spare built beside the serving engine first, where one fits
-                lc.ready_period.asked = (lc.cfg.profile, why)
-                return True, (f"{why}: the engine restarts at {lc.cfg.profile.knobs()} once that "
-                              "start is prepared (a spare of its rung asleep beside the engine "
-                              "where one fits; /status next_start.step says which)")
-            return self.restart_at(lc.cfg.profile, why)
+            # a climb: its spare built beside the serving engine first, where one fits
+            return self.restart_when_prepared(lc.cfg.profile, "reset-profile: back to [profile]")
         return self.restart_at(lc.profile, "restart asked by the operator")
+
+    def restart_when_prepared(self, target: Profile, why: str) -> tuple[bool, str]:
+        """A planned restart at ``target`` whose start is prepared first, while the engine
+        serves (reset-profile, a reload of the engine's settings): a spare of its rung asleep
+        beside the engine where one fits, vLLM imported for the engine's command and environment
+        in force. Not READY: as ``restart_at``."""
+        lc = self.lifecycle
+        if lc.state is not S.READY or lc.run is None:
+            return self.restart_at(target, why)
+        lc.ready_period.asked = (target, why)
+        return True, (f"{why}: the engine restarts at {target.knobs()} once that start is "
+                      "prepared (a spare of its rung asleep beside the engine where one fits, "
+                      "vLLM imported for its command; /status next_start says which)")
 
     def restart_at(self, target: Profile, why: str) -> tuple[bool, str]:
         """A planned restart at ``target`` (the operator's restart or reset-profile, a reload):
@@ -124,7 +132,6 @@ class OperatorCommands:
         if not plan.engine_restart:
             return True, (f"reloaded ({', '.join(plan.changed) or 'nothing'} changed); the engine "
                           "keeps running")
-        ok, message = self.restart_at(
-            clamp_to_configured(self.lifecycle.profile, new.profile, old.profile),
-            "config reloaded: engine settings changed")
+        ok, message = self.restart_when_prepared(
+            clamp_to_configured(self.lifecycle.profile, new.profile, old.profile), RELOADED)
         return ok, f"reloaded ({', '.join(plan.changed)} changed); {message}"

@@ -12,12 +12,15 @@ from supervisor.lifecycle.ports import Part
 from supervisor.lifecycle.records import Serving
 from supervisor.profile import Knob, Profile
 
+# why a reload that changed the engine's settings restarts it (supervisor/commands.py)
+RELOADED = "config reloaded: engine settings changed"
 # the outage it ends (kind, seconds), a slower start
 News = tuple[tuple[FailureKind | None, float] | None, bool]
 
 
 class ReadyPeriod(Part):
-    # reset-profile asked while READY: its target and why, until that start is prepared
+    # reset-profile or a reload asked while READY: its target and why, until that start is
+    # prepared
     asked: tuple[Profile, str] | None = None
 
     def begin(self, ready: Ready) -> News:
@@ -35,6 +38,8 @@ class ReadyPeriod(Part):
         """After READY is published: the recovery it ends; True when what is remembered changed
         (a slower start, a recovery, or an earlier supervisor's FATAL that is over now)."""
         recovered, slower = news
+        if self.asked == (profile, RELOADED):
+            self.asked = None  # a failure's restart came first: it runs the reloaded settings
         if recovered is not None:
             self.publish(
                 Recovered(at=self.host.wall(), kind=recovered[0], recovered_after_s=recovered[1],

@@ -142,8 +142,12 @@ class Recovery:
         return spare is not None and spare.woken
 
     def prepared_for(self, target: Profile) -> bool:
-        """Whether a climb to ``target`` may go now (recovery/ahead.py ``prepared_for``)."""
-        return self.ahead.prepared_for(target)
+        """Whether a planned start the clients wait through (a climb to ``target``, the operator's
+        reset-profile, a reload of the engine's settings) may go now: its spare asleep or none to
+        be had (recovery/ahead.py ``prepared_for``), and vLLM imported for the engine's command
+        and environment in force (recovery/standby.py ``prepared``)."""
+        spare = self.ahead.prepared_for(target)  # each asked every tick: each may start its part
+        return self.pool.prepared() and spare
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start's spawn: the rungs within reach compiled and a spare built and

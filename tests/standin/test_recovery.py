@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -18,6 +20,11 @@ from supervisor.child import vllm_standby
 from tests.helpers.processes import FAKE_VLLM, STANDIN_BASE, Launcher, Sup, cli, deep_merge, gone, send_long_prompt
 
 IMPORT_S = 1.5  # the stand-in's "import vllm"
+
+
+def at(event: dict[str, Any]) -> float:
+    """When the supervisor logged ``event`` (seconds since the epoch)."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable[..., Sup]) -> None:
@@ -152,18 +159,32 @@ def test_an_engine_env_that_names_spawn_keeps_a_spawned_engine_core(supervise: C
     assert IMPORT_S <= imports < cold_imports - 0.8 * IMPORT_S, (imports, cold_imports)
 
 
-def test_a_standby_for_another_command_is_not_used(supervise: Callable[..., Sup], tmp_path: Path) -> None:
-    """A reload that changes the engine's environment makes the waiting standby stale: the restart starts cold."""
-    sup = supervise({})
-    sup.wait_ready(30)
-    st = sup.wait_for(lambda s: s["next_start"]["standby"] is not None, 30, "a standby")
-    stale = st["next_start"]["standby"]["pid"]
-    text = sup.config.read_text().replace('env = {  }', 'env = { FAKE_VLLM_TOKEN_DELAY = "0.002" }')
-    assert text != sup.config.read_text()
-    sup.config.write_text(text)
-    assert cli("reload", "--config", str(sup.config)).returncode == 0
+def test_a_reload_that_changes_the_engines_environment_restarts_from_a_standby_imported_under_it(
+        supervise: Callable[..., Sup]) -> None:
+    """Issue 38, item 1: a reload that changes the engine's environment makes the waiting standby stale. The restart
+    used to start cold, every client held through vLLM's imports (35-45 s on the H200). Now a standby imports under
+    the new environment while the old engine serves, and the restart becomes it; the stale one is stopped."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_IMPORT_DELAY": str(IMPORT_S)}}})
+    first = sup.wait_ready(30)
+    stale = sup.wait_standby_imported(30)["next_start"]["standby"]["pid"]
+    text = sup.config.read_text()
+    marker = f'FAKE_VLLM_IMPORT_DELAY = "{IMPORT_S}"'
+    assert marker in text
+    sup.config.write_text(text.replace(marker, marker + ', FAKE_VLLM_TOKEN_DELAY = "0.002"'))
+    done = cli("reload", "--config", str(sup.config))
+    assert done.returncode == 0 and "once that start is prepared" in done.stdout, (done.stdout, done.stderr)
     st = sup.wait_for(lambda s: s["ready"] and s["start"] == 2, 30, "the restart after the reload")
-    assert sup.events("engine.spawned")[-1]["standby"] is False
+    spawned = sup.events("engine.spawned")[-1]
+    reloaded = sup.events("supervisor.reloaded")[-1]
+    draining = next(e for e in sup.events("engine.state_changed") if e.get("to") == "DRAINING")
+    (made, ) = [e for e in sup.events("standby.spawned") if at(reloaded) <= at(e) <= at(draining)]
+    assert spawned["standby"] is True and spawned["pid"] == made["pid"] == st["engine_pid"] != stale
+    assert psutil.Process(st["engine_pid"]).environ().get("FAKE_VLLM_TOKEN_DELAY") == "0.002"
+    assert st["timings"]["phases"]["interpreter and imports"] < 0.5 * IMPORT_S  # imported ahead
+    # The old engine served until the new standby had imported: it was asked to end after that, not at the reload.
+    assert at(draining) - at(reloaded) >= IMPORT_S, (reloaded, draining)
+    assert draining["reason"] == "restart" and first["engine_pid"] != st["engine_pid"]
+    assert st["restarts"] == 0 and st["last_failure"] is None
     sup.wait_for(lambda _: gone(stale), 10, "the stale standby gone")
 
 

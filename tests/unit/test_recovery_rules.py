@@ -250,3 +250,20 @@ def test_a_dying_engines_settled_verdict_wakes_the_spare_only_of_a_runtime_ooms_
         (K.HANG, [down], None),
     ]
     assert [wake_beside_the_dying(kind, below) for kind, below, _ in cases] == [want for _, _, want in cases]
+
+
+def test_a_planned_start_waits_for_vllm_imported_under_the_engine_config_in_force_or_for_none_to_be_had() -> None:
+    from supervisor.bounds import STANDBY_IMPORT_WAIT_S
+    from supervisor.recovery.standby import prepared
+
+    cases = [  # runnable, fits, imported, importing_s, failed -> may go now
+        (False, False, False, 0.0, False, True),  # standby off, or a launcher no standby can run: cold, as ever
+        (True, True, True, 20.0, False, True),  # imported for this config: the start becomes it
+        (True, True, False, 20.0, False, False),  # importing: the old engine serves on meanwhile
+        (True, True, False, STANDBY_IMPORT_WAIT_S, False, True),  # an import that hangs: cold, not held for ever
+        (True, False, True, 20.0, False, False),  # imported, but for the command a reload replaced: a new one
+        (True, False, False, 0.0, False, False),  # none yet (asked for)
+        (True, False, False, 0.0, True, True),  # its spawn failed: cold
+    ]
+    for *facts, ready in cases:
+        assert prepared(*facts) is ready, facts  # type: ignore[arg-type]
