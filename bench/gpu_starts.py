@@ -10,7 +10,9 @@ PART=sup    the supervisor on a fresh host of its own (another empty compile cac
             1. its first READY (what it compiles first is said as it goes);
             2. once the next standby has imported, a planned restart (`vllm-supervisor restart`): the command ->
                READY, what the clients waited, and the engine's spawn -> READY;
-            3. SECOND_AFTER_S (10) later, the seed's crash (another process takes all but 16 MiB and stays, the
+            3. a reload that changes the engine's environment (the standby waiting no longer fits): the command ->
+               READY, and what the clients were held (DRAINING -> READY);
+            4. SECOND_AFTER_S (10) later, the seed's crash (another process takes all but 16 MiB and stays, the
                long prompt through the gateway), with no spare (none fits beside the engine at 0.9): death -> READY
                and the restart's phases.
             Each against PART=plain's starts in the same machine: the first READY against vLLM's fresh-host cold
@@ -123,6 +125,7 @@ def part_sup() -> int:
         note(f"planned restart: the command -> READY {planned:.1f}s (spawn -> READY {spawn_ready:.1f}s, phases "
              f"{again['timings']['phases']}); clients meanwhile: {clients.latency(w0, time.time())}; built first: "
              f"{len(events_in(log, 'precompile.started'))} second engines in all so far")
+        reload_s, reload_outage = reload_env(cfg, clients, log)
         time.sleep(float(os.environ.get("SECOND_AFTER_S", "10")))
         hogs.append(seed_crash())
         crash = recovered(sup, 1, "the seed's crash, no spare")
@@ -135,7 +138,8 @@ def part_sup() -> int:
             note(f"starts: first READY {first_wall:.1f}s = {first_wall / fresh:.2f}x vLLM's fresh-host cold start "
                  f"({fresh:.1f}s; bound 1.3x); planned restart {planned:.1f}s = {planned / warm:.2f}x vLLM's "
                  f"warm-cache cold start ({warm:.1f}s; bound 1.2x); the seed's crash without a spare {crash:.1f}s = "
-                 f"{crash / warm:.3f}x (item 4's bound 0.15x)")
+                 f"{crash / warm:.3f}x (item 4's bound 0.15x); a reload of the engine's environment: the command "
+                 f"-> READY {reload_s:.1f}s, clients held {reload_outage:.1f}s = {reload_outage / warm:.2f}x")
     except Stop as why:
         note(f"STOPPED: {why}")
         return 1
@@ -143,6 +147,32 @@ def part_sup() -> int:
         wrapped_up(clients, hogs, sup, log, "starts",
                    ("gpu.utilization_adapted", "engine.failed", "start.building_first"))
     return 0
+
+
+def reload_env(cfg: Path, clients: Clients, log: Path) -> tuple[float, float]:
+    """A reload that changes the engine's environment (the standby waiting no longer fits): the command -> READY,
+    and how long the engine was out of READY (DRAINING -> READY: what the clients were held)."""
+    wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the next standby")
+    text = cfg.read_text()
+    cfg.write_text(text.replace('VLLM_NO_USAGE_STATS = "1"', 'VLLM_NO_USAGE_STATS = "1", BENCH_RELOADED = "1"', 1))
+    t0, w0 = time.monotonic(), time.time()
+    cmd = subprocess.run([sys.executable, "-m", "supervisor", "reload", "--config", str(cfg)],
+                         capture_output=True, text=True, cwd=ROOT)
+    said = (cmd.stdout + cmd.stderr).strip()[:300]
+    note(f"vllm-supervisor reload ([engine] env changed): rc {cmd.returncode} {said}")
+    st = wait(lambda s: s["ready"] and s["start"] >= 3, "READY after the reload")
+    if st is None:
+        raise Stop("no READY after the reload")
+    took = time.monotonic() - t0
+    changes = [e for e in events_in(log, "engine.state_changed") if at(e) >= w0]
+    left = next(at(e) for e in changes if e.get("to") == "DRAINING")
+    back = next(at(e) for e in changes if e.get("to") == "READY")
+    spawned = events_in(log, "engine.spawned")[-1]
+    time.sleep(2)
+    note(f"reload: the command -> READY {took:.1f}s; out of READY {back - left:.1f}s (DRAINING after {left - w0:.1f}s: "
+         f"the new standby's imports, the engine serving); from the standby {spawned.get('standby')}; phases "
+         f"{st['timings']['phases']}; clients meanwhile: {clients.latency(w0, time.time())}")
+    return took, back - left
 
 
 def main() -> int:
