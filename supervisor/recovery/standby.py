@@ -119,25 +119,24 @@ def start_env(env: Mapping[str, str], fork: bool,
     return out
 
 
-def prepared(runnable: bool, fits: bool, imported: bool, importing_s: float,
-             failed: bool) -> bool:
+def prepared(runnable: bool, fits: bool, imported: bool, waited_s: float, failed: bool) -> bool:
     """Whether a planned start may go now as far as the standby is concerned: it finds vLLM
     imported for the engine's command and environment in force, or never will (the standby is
-    off or cannot run this command: ``runnable`` false; its spawn ``failed``; or its imports took
-    past STANDBY_IMPORT_WAIT_S, so the start goes cold). Otherwise it waits, the old engine
-    serving: a reload that changed the engine's environment started cold, 35-45 s of imports
-    on the H200 with every client held, where it could have started from a standby in 14 s."""
-    if not runnable or failed:
+    off or cannot run this command: ``runnable`` false; its spawn ``failed``; or it has waited
+    STANDBY_IMPORT_WAIT_S for one, whose imports hang or which keeps dying: the start goes cold).
+    Otherwise it waits, the old engine serving: a reload that changed the engine's environment
+    started cold, 35-45 s of imports on the H200 with every client held, where it could have
+    started from a standby in 14 s."""
+    if not runnable or failed or waited_s >= STANDBY_IMPORT_WAIT_S:
         return True
-    return fits and (imported or importing_s >= STANDBY_IMPORT_WAIT_S)
+    return fits and imported
 
 
 class Standby:
     def __init__(self, child: Child, entry: Entry, key: str, directory: Path,
-                 vllm_env: Mapping[str, str], spawned_at: float = 0.0) -> None:
+                 vllm_env: Mapping[str, str]) -> None:
         self.child, self.entry, self.key, self.dir = child, entry, key, directory
         self.vllm_env = dict(vllm_env)
-        self.spawned_at = spawned_at  # monotonic
         self._import_s: float | None = None
 
     @classmethod
@@ -159,8 +158,7 @@ class Standby:
         child = await host.spawn(argv, env, stdin=True)
         publish(StandbySpawned(at=host.wall(), pid=child.pid, mode=entry.mode, target=entry.target,
                                vllm_env=tuple(sorted(vllm_env))))
-        return cls(child, entry, fingerprint(engine, vllm_env), directory, vllm_env,
-                   host.monotonic())
+        return cls(child, entry, fingerprint(engine, vllm_env), directory, vllm_env)
 
     @property
     def pid(self) -> int:
@@ -215,6 +213,7 @@ class StandbyPool:
         self._made = 0
         self._discarding: set[asyncio.Task[None]] = set()
         self._failed_for: str | None = None  # the fingerprint whose standby could not be spawned
+        self._waiting: tuple[str, float] | None = None  # what ``prepared`` waits for, since when
 
     def configure(self, cfg: Config) -> None:
         if fingerprint(cfg.engine) != fingerprint(self.cfg.engine):
@@ -252,14 +251,18 @@ class StandbyPool:
     def prepared(self) -> bool:
         """Whether a planned start may go now (``prepared``); asks for a standby of the engine
         config in force where none fits."""
-        s, runnable = self.standby, bool(self.cfg.recovery.standby
-                                         and entry_of(self.cfg.engine.argv_prefix))
+        s, key, now = self.standby, fingerprint(self.cfg.engine, self._env()), self.host.monotonic()
+        runnable = bool(self.cfg.recovery.standby and entry_of(self.cfg.engine.argv_prefix))
         fits = s is not None and self._fits(s)
         if runnable and not fits:
             self.want()
-        return prepared(runnable, fits, s is not None and s.import_s() is not None,
-                        0.0 if s is None else self.host.monotonic() - s.spawned_at,
-                        self._failed_for == fingerprint(self.cfg.engine, self._env()))
+        if self._waiting is None or self._waiting[0] != key:
+            self._waiting = (key, now)
+        ready = prepared(runnable, fits, s is not None and s.import_s() is not None,
+                         now - self._waiting[1], self._failed_for == key)
+        if ready:
+            self._waiting = None
+        return ready
 
     def take(self) -> Standby | None:
         """The standby for the start spawning now, if it still fits the engine config."""

@@ -256,14 +256,40 @@ def test_a_planned_start_waits_for_vllm_imported_under_the_engine_config_in_forc
     from supervisor.bounds import STANDBY_IMPORT_WAIT_S
     from supervisor.recovery.standby import prepared
 
-    cases = [  # runnable, fits, imported, importing_s, failed -> may go now
+    cases = [  # runnable, fits, imported, waited_s, failed -> may go now
         (False, False, False, 0.0, False, True),  # standby off, or a launcher no standby can run: cold, as ever
         (True, True, True, 20.0, False, True),  # imported for this config: the start becomes it
         (True, True, False, 20.0, False, False),  # importing: the old engine serves on meanwhile
         (True, True, False, STANDBY_IMPORT_WAIT_S, False, True),  # an import that hangs: cold, not held for ever
+        (True, False, False, STANDBY_IMPORT_WAIT_S, False, True),  # one that keeps dying: the same
         (True, False, True, 20.0, False, False),  # imported, but for the command a reload replaced: a new one
         (True, False, False, 0.0, False, False),  # none yet (asked for)
         (True, False, False, 0.0, True, True),  # its spawn failed: cold
     ]
     for *facts, ready in cases:
         assert prepared(*facts) is ready, facts  # type: ignore[arg-type]
+
+
+def test_a_planned_start_waits_for_a_standby_of_the_config_in_force_at_most_standby_import_wait_s(
+        tmp_path: Path) -> None:
+    from supervisor.bounds import STANDBY_IMPORT_WAIT_S
+
+    raw = {"engine": {"model": "m", "command": [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]},
+           "state": {"dir": str(tmp_path)}, "recovery": {"standby": True}}
+    clock = [100.0]
+    host = RealHost()
+    host.monotonic = lambda: clock[0]  # type: ignore[method-assign]
+    pool = StandbyPool(parse(raw), host, lambda _: None)
+    wanted: list[int] = []
+    pool.want = lambda: wanted.append(1)  # type: ignore[method-assign]
+    assert pool.prepared() is False and wanted  # none fits: one is asked for, and the start waits
+    clock[0] += STANDBY_IMPORT_WAIT_S - 1
+    assert pool.prepared() is False
+    # A reload changed the environment meanwhile: the wait is for another standby, counted from now.
+    pool.configure(parse({**raw, "engine": {**raw["engine"], "env": {"A": "2"}}}))
+    clock[0] += 2
+    assert pool.prepared() is False
+    clock[0] += STANDBY_IMPORT_WAIT_S  # whatever became of it (an import that hangs, one that keeps dying): cold
+    assert pool.prepared() is True
+    off = StandbyPool(parse({**raw, "recovery": {"standby": False}}), host, lambda _: None)
+    assert off.prepared() is True  # no standby to wait for: a start as ever
