@@ -1,7 +1,9 @@
 """On a lent H200: issue 38, item 1: the starts a user waits for, against vLLM's own, with the shipped defaults.
 
 MODEL (default ~/glm9b, ../shared/gpu/mkglm9b.py's GLM-4-9B shape) at 128k, UTIL (default 0.9, vLLM's own default),
-chunk 8192, 10 sequences, every other key at its default. Two parts, each one device call on the same machine:
+chunk 8192, 10 sequences, every other key at its default; HOG_BEFORE (default 0): a share of the card another
+process holds from before each part's first start and through it (the field report's shared card: 0.47 with
+UTIL=0.4). Two parts, each one device call on the same machine:
 PART=plain  vLLM alone (`python3 -m vllm.entrypoints.openai.api_server`, the supervisor's own engine arguments):
             a fresh-host cold start (an empty compile cache), then a warm-cache cold start on that cache; each
             spawn -> /health 200. Kept in /tmp/starts-plain.json for the next part.
@@ -34,10 +36,11 @@ from pathlib import Path
 
 from common import events_in
 from gpu_common import OUT, PORT, Stop, http, note, notes, run_supervisor, wait
-from gpu_proof import LOG, recovered, seed_crash
-from gpu_seed import GW, MAX_LEN, MODEL, Clients, at, ready, second_engines, toml, wrapped_up
+from gpu_proof import LOG, recovered, seed_crash, start_hog_share
+from gpu_seed import GW, MAX_LEN, MODEL, Clients, at, ended, ready, second_engines, toml, wrapped_up
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
+HOG_BEFORE = float(os.environ.get("HOG_BEFORE", "0"))
 PLAIN = Path("/tmp/starts-plain.json")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,6 +83,8 @@ def with_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 def part_plain() -> int:
     cache = Path("/tmp/vcache-plain")
     shutil.rmtree(cache, ignore_errors=True)
+    hog = start_hog_share(HOG_BEFORE)
+    note(f"utilization {UTIL}, another process holding {HOG_BEFORE:.0%} of the card from before the start")
     try:
         fresh = plain_start(cache, "a fresh-host cold start (empty compile cache)")
         warm = plain_start(cache, "a warm-cache cold start")
@@ -87,6 +92,7 @@ def part_plain() -> int:
         note(f"STOPPED: {why}")
         return 1
     finally:
+        ended([hog], None)
         (OUT / "summary-plain.txt").write_text("\n".join(notes) + "\n")
     PLAIN.write_text(json.dumps({"fresh_s": fresh, "warm_s": warm}))
     return 0
@@ -94,14 +100,15 @@ def part_plain() -> int:
 
 def part_sup() -> int:
     plain = json.loads(PLAIN.read_text()) if PLAIN.exists() else None
-    note(f"plain vLLM on this machine: {plain}")
+    note(f"plain vLLM on this machine: {plain}; utilization {UTIL}, another process holding {HOG_BEFORE:.0%}")
     cache, state, log = Path("/tmp/vcache-starts"), Path("/tmp/sup-state-starts"), LOG  # gpu_proof's helpers read it
     for stale in (cache, state):
         shutil.rmtree(stale, ignore_errors=True)
     cfg = Path("/tmp/sup-starts.toml")
     gateway = f'[gateway]\nlisten = "{GW}"\nmin_free_mib = 0\nforeign_growth_mib = 0\n'
     cfg.write_text(toml(state, cache, gateway, UTIL))  # spare = "auto", every order at its default
-    clients, sup, hogs = Clients(), run_supervisor(cfg, log), []
+    hogs = [start_hog_share(HOG_BEFORE)]
+    clients, sup = Clients(), run_supervisor(cfg, log)
     try:
         progress = second_engines(log, "engine.rung_precompiled", "spare.asleep")
         st = ready(sup, log, "the first READY on a fresh host", progress=progress)

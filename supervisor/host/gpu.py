@@ -221,39 +221,51 @@ class Release:
     ``earlier`` is what the supervisor last read of each device (``Nvml.seen``): the stop's
     release wait reads the card as the old engine goes, so by the time the restart's backoff is
     over, a card that has not grown since is known steady, and the start need not watch it for
-    another STEADY_S."""
+    another STEADY_S. ``outsiders(pids)`` says whether those holding the short devices' memory are
+    all live processes of others (``proctree.held_by_outsiders``): then a second read that did not
+    grow is steady too. A failure's first restart has no backoff, and the STEADY_S it watched the
+    seed's other process was 1.0 s of the 13 s of an H100's restart without a spare."""
 
-    def __init__(self, now: float, earlier: Mapping[int, tuple[float, int]] | None = None) -> None:
+    def __init__(self, now: float, earlier: Mapping[int, tuple[float, int]] | None = None,
+                 outsiders: Callable[[Collection[int]], bool] | None = None) -> None:
         self.since = {i: t for i, (t, _) in (earlier or {}).items()}
         self.best: dict[int, int] = {i: free for i, (_, free) in (earlier or {}).items()}
         self.grew_at = now
-        self._first = True
+        self.outsiders = outsiders
+        self.reads = 0
+        self.held_by_others = False
 
     def note(self, short: Sequence[DeviceSnapshot], now: float) -> None:
-        if self._first:
-            self._first = False
+        self.reads += 1
+        if self.reads == 1:
             self.grew_at = max((self.since.get(s.index, now) for s in short), default=now)
         for s in short:
             if s.free >= self.best.get(s.index, s.free) + RELEASE_STEP:
                 self.grew_at = now
             self.best[s.index] = max(self.best.get(s.index, 0), s.free)
+        self.held_by_others = (
+            self.reads > 1 and self.grew_at < now and self.outsiders is not None
+            and self.outsiders({pid for s in short for pid, _ in s.processes}))
 
     def steady(self, now: float) -> bool:
-        return now - self.grew_at >= STEADY_S
+        return self.held_by_others or now - self.grew_at >= STEADY_S
 
 
 async def wait_free(nvml: Nvml, devices: Sequence[Device] | None, fraction: float, headroom: int,
-                    timeout_s: float, poll_s: float = 0.25) -> list[DeviceSnapshot]:
+                    timeout_s: float, poll_s: float = 0.25,
+                    outsiders: Callable[[Collection[int]], bool] | None = None,
+                    ) -> list[DeviceSnapshot]:
     """Wait until each device has ``fraction`` of its memory (+ headroom) free; returns those still
     short.
 
-    Returns early, short, once the shortfall is steady (nothing grew for STEADY_S): memory
-    another process holds is not coming back by waiting, and ``timeout_s`` bounds only a release
-    that is under way."""
+    Returns early, short, once the shortfall is steady (nothing grew for STEADY_S, or for one
+    read where ``outsiders`` says every holder is another's live process): memory another
+    process holds is not coming back by waiting, and ``timeout_s`` bounds only a release that is
+    under way."""
     if not nvml.available:
         return []
     loop = asyncio.get_running_loop()
-    release = Release(loop.time(), dict(nvml.seen))
+    release = Release(loop.time(), dict(nvml.seen), outsiders)
     short: list[DeviceSnapshot] = []
 
     def still(snaps: list[DeviceSnapshot]) -> bool:

@@ -73,7 +73,8 @@ class RealHost:
 
     async def wait_gpu_free(self, devices: Sequence[Device] | None, fraction: float, headroom: int,
                             timeout_s: float) -> list[DeviceSnapshot]:
-        return await gpu.wait_free(self.nvml, devices, fraction, headroom, timeout_s)
+        return await gpu.wait_free(self.nvml, devices, fraction, headroom, timeout_s,
+                                   outsiders=proctree.held_by_outsiders)
 
     async def dump_stacks(self, pids: Collection[int], timeout_s: float = 20.0) -> dict[int, str]:
         """py-spy stacks of each PID when py-spy is installed; {} otherwise."""

@@ -697,3 +697,27 @@ def test_a_climbs_spare_the_card_cannot_hold_awake_beside_the_engine_is_woken_af
     woken = order[1][1]
     assert order[0][1]["release_waited"] is True  # the start needed the old engine's memory for this wake
     assert woken["beside"] is False and woken["pid"] == built["pid"] == st["engine_pid"], (woken, st["engine_pid"])
+
+
+def test_a_restart_beside_another_process_holding_the_card_starts_without_watching_it_a_second(
+        supervise: Callable[..., Sup], card: Path) -> None:
+    """The seed's crash with no spare: another process takes all but 16 MiB and stays. The first restart has no
+    backoff, and its GPU gate watched that process's memory for the whole steady window (1.0 s of a 13 s restart on
+    the H100) to learn it was not coming back. Held by another's live process (not one of the supervisor's, which
+    may be on its way out), the card's second read that did not grow is enough."""
+    sup = supervise({"recovery": {"spare": "off"}, "gpu": {"free_wait_s": 120.0}})  # its default
+    hog = None
+    try:
+        sup.wait_ready(60)
+        hog = hold(card, free_mib(card) - 16)
+        assert send_long_prompt(sup) == 500  # the engine dies of a (stand-in) runtime OOM
+        st = sup.wait_ready(30, restarts=1)
+        adapted = sup.events("gpu.utilization_adapted")
+        assert len(adapted) == 1 and f"pid {hog.pid}" in adapted[0]["evidence"], adapted
+        assert "after waiting 0.0s" in adapted[0]["evidence"], adapted[0]["evidence"]
+        assert st["timings"]["phases"]["gates"] < 0.5, st["timings"]["phases"]
+        assert st["profile"]["max_num_batched_tokens"] == 6144 and st["profile"]["gpu_memory_utilization"] < 0.9
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()

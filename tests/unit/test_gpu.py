@@ -176,6 +176,84 @@ async def test_a_card_already_seen_steady_before_the_restart_is_not_watched_agai
     assert time.monotonic() - t0 >= 0.5
 
 
+async def test_memory_held_by_another_live_process_is_steady_at_the_second_read_that_did_not_grow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure's first restart has no backoff: the start watched the seed's other process for the whole steady
+    window, 1.0 s of a 13 s restart on the H100. Held by others alive (proctree.held_by_outsiders), the second read
+    that did not grow ends the wait; held by ours, or growing, the window is watched as before."""
+    import time
+
+    from supervisor.host import gpu
+
+    monkeypatch.setattr(gpu, "STEADY_S", 0.5)
+    asked: list[set[int]] = []
+
+    def others(pids: Any) -> bool:
+        asked.append(set(pids))
+        return True
+
+    held = ScriptedNvml([40 * GIB])
+    t0 = time.monotonic()
+    short = await wait_free(held, None, 0.5, 0, timeout_s=60.0, poll_s=0.02,  # type: ignore[arg-type]
+                            outsiders=others)
+    assert short and held.calls == 2 and time.monotonic() - t0 < 0.2
+    assert asked == [{777}]  # the short device's holders, asked once the second read did not grow
+    # Ours (a spare, a throwaway being stopped) or not known: the whole window, as before.
+    ours = ScriptedNvml([40 * GIB])
+    t0 = time.monotonic()
+    assert await wait_free(ours, None, 0.5, 0, timeout_s=60.0, poll_s=0.02,  # type: ignore[arg-type]
+                           outsiders=lambda pids: False)
+    assert time.monotonic() - t0 >= 0.5
+    # Still growing (an exiting process letting go), whoever holds it: waited for until it fits.
+    releasing = ScriptedNvml([(30 + i) * GIB for i in range(25)])
+    assert await wait_free(releasing, None, 0.5, 0, timeout_s=60.0, poll_s=0.02,  # type: ignore[arg-type]
+                           outsiders=others) == []
+    assert releasing.calls == 21
+
+
+def test_only_live_processes_of_others_hold_the_card_steadily(tmp_path: Any) -> None:
+    """proctree.held_by_outsiders, against real processes: another's process whose session leader lives, the
+    supervisor's own child, an orphan of a session whose leader is gone, a dead PID, and nobody."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from supervisor.host.proctree import held_by_outsiders
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    # Another's: a session whose leader (a shell) lives on, orphaned from us at once (its parent shell exits).
+    pidfile = tmp_path / "other.pid"
+    subprocess.run(["sh", "-c", f"setsid sh -c 'sleep 60 >/dev/null 2>&1 & echo $! > {pidfile}.tmp; "
+                    f"mv {pidfile}.tmp {pidfile}; wait' >/dev/null 2>&1 &"], check=True)
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other = int(pidfile.read_text())
+    leader = os.getsid(other)
+    try:
+        assert os.getpid() not in [a.pid for a in psutil.Process(leader).parents()]  # not ours: the test holds
+        assert held_by_outsiders({other})
+        assert not held_by_outsiders({child.pid})  # ours: it may be on its way out
+        assert not held_by_outsiders({other, child.pid})
+        assert not held_by_outsiders(set())  # NVML saw no PIDs: not known
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        assert not held_by_outsiders({gone.pid})
+        os.kill(leader, signal.SIGKILL)  # the session's leader gone: its orphan may be going too
+        deadline = time.monotonic() + 10
+        while held_by_outsiders({other}) and time.monotonic() < deadline:  # until the kill has landed
+            time.sleep(0.01)
+        assert not held_by_outsiders({other})
+        assert psutil.Process(other).is_running()
+    finally:
+        child.kill()
+        child.wait()
+        os.kill(other, signal.SIGKILL)
+
+
 def test_the_nvml_adapter_remembers_what_it_last_read_of_each_device() -> None:
     nv = Nvml(FakeNvml())
     snaps = nv.snapshot()
