@@ -437,6 +437,17 @@ class GatewayDrained(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatewayHandedOver(Event):
+    """The engine drains for a planned start whose engine is awake beside it: new requests go to
+    that one from now on, not held through the drain, the stop and the warm-up."""
+
+    name = "gateway.handed_over"
+    pid: int  # the successor (a climb's spare, woken)
+    waiting: int  # requests held until now, sent to it
+    in_flight: int  # still at the draining engine, finishing there
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlertOutcome(Event):
     """What became of one alert on one hook: sent, failed (after the retries), suppressed,
     dropped."""
@@ -662,6 +673,7 @@ class SpareWoken(Event):
     canary: Mapping[str, Any] | None = None
     # woken for a climb while the engine it replaces still drained (not after that engine's stop)
     beside: bool = False
+    url: str = ""  # where it answers
 
 
 @dataclass(frozen=True, kw_only=True)

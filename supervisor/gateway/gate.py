@@ -83,6 +83,9 @@ class Blamed(Blame):
 
 # quarantine keys whose strikes are remembered for a client that sends them again
 STRUCK_KEPT = 4096
+# a planned start's states through which requests handed over to its successor keep going to it
+HANDED_OVER_STATES = (EngineState.DRAINING, EngineState.STOPPING, EngineState.STARTING,
+                      EngineState.WARMING)
 
 
 class Refused(Exception):
@@ -113,6 +116,9 @@ class EngineGate:
         self.suspects: list[Flight] = []  # each goes alone, in turn; none goes in a batch
         # at the engine when it was told to stop unplanned (``stopping``)
         self._dead_batch: list[Flight] = []
+        # the generation sent to the engine's successor, awake beside it while it drains
+        # (``hand_over``), until that successor is READY or the hand-over ends
+        self.handed_over: int | None = None
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -142,23 +148,57 @@ class EngineGate:
     def on_state(self, old: EngineState, new: EngineState) -> None:
         self.state = new
         if new is EngineState.READY:
+            self.handed_over = None
             self.generation += 1
             self.open = not self.closing
             self.ready_at = self.clock()
             if self.suspects and self.solo_after_s > 0:
                 # the control is over
                 asyncio.get_running_loop().call_later(self.solo_after_s, self._notify)
-        else:
+        elif self.handed_over is None or new not in HANDED_OVER_STATES:
+            self.handed_over = None
             self.open = False
         self._notify()
+
+    def hand_over(self) -> bool:
+        """The engine drains for a planned start whose engine is already awake beside it (a
+        climb's spare, woken and its canary answered): new requests go to that one now, while
+        those at the draining engine finish there, instead of waiting for the drain, the stop
+        and the warm-up (the caller points the proxy at it first). True when handed over: only
+        while DRAINING, once."""
+        if self.state is not EngineState.DRAINING or self.closing or self.handed_over is not None:
+            return False
+        self.generation += 1
+        self.handed_over = self.generation
+        self.open = True
+        self._notify()
+        return True
+
+    def take_back(self) -> None:
+        """The successor requests were handed to will not be this start's engine (it was dropped,
+        or another was spawned): hold new requests again until READY; those at it fail over as
+        at any engine that left."""
+        if self.handed_over is not None:
+            self.handed_over = None
+            self.open = False
+            self._notify()
+
+    def _replaced(self) -> list[Flight]:
+        """What is at the engine being replaced: everything, unless requests were handed over
+        to its successor (those sent since are at that one)."""
+        cut = self.handed_over
+        return [f for f in self.at_engine.values() if cut is None or f.generation < cut]
 
     def stopping(self, planned: bool) -> None:
         """Told by the lifecycle, synchronously, before it writes STOPPING: nothing more goes to
         this engine, and an unplanned stop's dead batch is what is at the engine now (a
         planned one drained first: nobody's death). Never learned from the event stream: its
-        queue may deliver the edge after the verdict is asked for."""
-        self.open = False
-        self._dead_batch = [] if planned else list(self.at_engine.values())
+        queue may deliver the edge after the verdict is asked for. A planned stop whose
+        successor took the requests handed over keeps sending to that one."""
+        self._dead_batch = [] if planned else self._replaced()
+        if not planned or self.handed_over is None:
+            self.handed_over = None
+            self.open = False
         self._notify()
 
     @property
@@ -339,11 +379,12 @@ class EngineGate:
 
     async def drained(self, timeout: float) -> int:
         """Stop sending to the engine and wait for what is there to finish; how many were still
-        there."""
-        self.open = False
+        there. What was handed over to its successor meanwhile is not waited for."""
+        if self.handed_over is None:
+            self.open = False
         self._notify()
-        await self._until(lambda: not self.at_engine, timeout)
-        return len(self.at_engine)
+        await self._until(lambda: not self._replaced(), timeout)
+        return len(self._replaced())
 
     def shutdown(self) -> None:
         """Admit nothing more; those waiting get 503 now."""

@@ -23,10 +23,14 @@ from supervisor.decide import admission
 from supervisor.engine_states import Blame, FailureKind
 from supervisor.event_stream import (
     AcceptFailed,
+    EngineSpawned,
     Event,
     GatewayDrained,
+    GatewayHandedOver,
     RequestQuarantined,
     SheddingChanged,
+    SpareDropped,
+    SpareWoken,
     StateChanged,
 )
 from supervisor.gateway import intake, pressure, quarantine_store
@@ -74,9 +78,10 @@ class Gateway:
             self.quarantine, self.answers, self.client, vocab=self.g.vocab_size
             or _vocab_of(cfg.engine.model) or DEFAULT_VOCAB)
         self.watch = pressure.PressureWatch(self.g, host, self.client, cfg.engine.devices(),
-                                            lambda: self.view().pids, lambda: self.gate.open,
+                                            lambda: self.view().pids, self._serving,
                                             self.busy, self._shedding_changed)
         self._watch_task: asyncio.Task[None] | None = None
+        self._successor: int | None = None  # the pid requests were handed over to
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.path.handle)
         self.port = listener.PublicPort(app, listener.Limits.of(self.g), CLOSE_S,
@@ -89,6 +94,11 @@ class Gateway:
         self._watch_task = asyncio.create_task(self.watch.run(), name="gateway:pressure")
         log.info("gateway.listening", listen=self.g.listen,
                  quarantined=len(self.quarantine.entries))
+
+    def _serving(self) -> bool:
+        """READY and open: the memory rules watch the engine; not through a hand-over, where the
+        successor woke beside it (no other process's growth)."""
+        return self.gate.open and self.gate.handed_over is None
 
     def busy(self) -> bool:
         """A client request is at the engine now."""
@@ -150,6 +160,27 @@ class Gateway:
                 self.client.base_url = event.ready.engine_url or self.cfg.engine.base_url
                 self.path.proven_tokens = max(event.ready.warmup_prompts, default=0)
             self.gate.on_state(event.old, event.new)
+            if self.gate.handed_over is None:
+                self._successor = None
+        elif isinstance(event, SpareWoken) and event.beside and event.url:
+            self._hand_over(event)
+        elif ((isinstance(event, SpareDropped) and event.pid == self._successor)
+              or (isinstance(event, EngineSpawned) and self._successor not in (None, event.pid))):
+            # not this start's engine after all: new requests wait for READY again
+            self._successor = None
+            self.gate.take_back()
+
+    def _hand_over(self, woken: SpareWoken) -> None:
+        """A climb's spare woke beside the draining engine: new requests go to it now."""
+        before = self.client.base_url
+        self.client.base_url = woken.url  # before the gate opens
+        if not self.gate.hand_over():
+            self.client.base_url = before
+            return
+        self._successor = woken.pid
+        self.publish(GatewayHandedOver(at=self.host.wall(), pid=woken.pid,
+                                       waiting=self.gate.waiting,
+                                       in_flight=len(self.gate.at_engine)))
 
     def stopping(self, planned: bool) -> None:
         """Told by the lifecycle before the engine stops: the gate takes what is at the engine

@@ -260,7 +260,7 @@ class SpareKeeper:
         spare.woken = True
         self.publish(
             SpareWoken(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
-                       took_s=took, canary=checked, beside=beside))
+                       took_s=took, canary=checked, beside=beside, url=spare.url))
         return True
 
     async def _check_canary(self, spare: Spare) -> dict[str, Any] | None:

@@ -663,6 +663,38 @@ def test_a_climbs_spare_built_beside_is_woken_while_the_engine_it_replaces_drain
     assert st["engine_pid"] == woken["pid"] and st["timings"]["start_to_ready_s"] < 0.5, st["timings"]
 
 
+def test_a_climb_hands_new_requests_to_its_woken_spare_while_the_old_engine_drains_a_long_stream(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 2: a climb holds clients no longer than a failover. Its spare woke beside the draining engine,
+    yet new requests were held until the drain ended, for as long as the longest request at the old engine ran (up
+    to drain_timeout_s, 30 s): on the H100 the drain of 16 short ones made the climb's 1.11 s, 1.35x the failover.
+    Now, once the spare is awake and its canary answered, new requests go to it (``gateway.handed_over``) while the
+    stream of 6,000 tokens (12 s) finishes at the old engine."""
+    sup = after_a_failover(supervise, tmp_path, {})
+    assert sup.gateway is not None
+    gateway, streamed, short = sup.gateway, [], []
+    with ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(long_stream, gateway, 6000, streamed)
+        sup.wait_for(lambda s: s["gateway"]["in_flight"] >= 1, 10, "the stream at the engine")
+        assert cli("reset-profile", "--config", str(sup.config)).returncode == 0
+        sup.wait_for(lambda s: s["state"] == "DRAINING", 60, "the climb's drain, its spare built beside")
+        asking = pool.submit(http_json, gateway + "/v1/completions",
+                             {"model": "fake-model", "prompt": "hello", "max_tokens": 4}, timeout=60)
+        short.append(asking.result())
+        answered_while_streaming = not streaming.done()
+        streaming.result()
+    st = sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, 60, "the climb")
+    assert short[0][0] == 200, short
+    assert answered_while_streaming, "the new request waited for the old engine's drain"
+    assert streamed and streamed[0][0] == 200 and "[DONE]" in streamed[0][1], streamed  # not cut
+    (handed, ) = sup.events("gateway.handed_over")
+    woken = [e for e in sup.events("spare.woken") if e["beside"] and e["profile"]["max_num_batched_tokens"] == 8192]
+    assert woken and handed["pid"] == woken[-1]["pid"] == st["engine_pid"], (handed, woken, st["engine_pid"])
+    assert handed["in_flight"] == 1, handed  # the stream, left to finish at the old engine
+    (drained, ) = sup.events("gateway.drained")
+    assert drained["in_flight"] == 1 and drained["cut"] == 0, drained
+
+
 def test_a_climbs_spare_the_card_cannot_hold_awake_beside_the_engine_is_woken_after_its_stop(
         supervise: Callable[..., Sup], tmp_path: Path, card: Path) -> None:
     """The other side of the wake beside the drain: another process took the card's room after the climb's spare fell

@@ -457,3 +457,67 @@ def test_a_batch_is_judged_by_its_longest_prompt_and_token_ids_are_counted_witho
                       ("responses", deep)):
         odd = parsing.parse(kind, raw)
         assert isinstance(odd, Parsed) and odd.longest is None and odd.digest, kind
+
+
+async def test_a_hand_over_sends_new_requests_to_the_successor_and_waits_only_for_the_old_engines() -> None:
+    """A climb's spare awake beside the draining engine takes new requests (gate.hand_over); the drain waits only
+    for what was at the old engine, and the planned stop and the start keep sending to the successor."""
+    gate = EngineGate(max_held=10)
+    assert gate.hand_over() is False  # only while DRAINING
+    gate.on_state(S.WARMING, S.READY)
+    old = flight("old")
+    await gate.admit(old, 1.0)
+    gate.on_state(S.READY, S.DRAINING)
+    draining = asyncio.create_task(gate.drained(5.0))
+    held = asyncio.create_task(gate.admit(flight("held"), 5.0))
+    await asyncio.sleep(0)
+    assert not held.done() and not gate.open
+    assert gate.hand_over() is True and gate.hand_over() is False  # once
+    assert await held is True  # the held request goes to the successor now
+    new = flight("new")
+    assert await gate.admit(new, 1.0) is False
+    await asyncio.sleep(0)
+    assert not draining.done()  # the old engine's request still runs
+    gate.leave(new)
+    gate.leave(old)
+    assert await draining == 0
+    gate.stopping(planned=True)
+    for state in (S.STOPPING, S.STARTING, S.WARMING):
+        gate.on_state(gate.state, state)
+        assert gate.open and await gate.admit(flight(f"at {state.value}"), 1.0) is False
+    gate.on_state(S.WARMING, S.READY)
+    assert gate.open and gate.handed_over is None
+
+
+@pytest.mark.parametrize("ending", ["death of the old engine", "successor dropped", "backoff"])
+async def test_a_hand_over_ends_when_the_successor_will_not_be_the_engine(ending: str) -> None:
+    """The old engine died during its drain (the restart is a failure's: its dead batch is only what was at it), the
+    successor was dropped (gate.take_back), or the start failed: new requests are held again until READY, and
+    those at the successor count as at an engine that left (they are sent again)."""
+    gate = EngineGate(max_held=10)
+    gate.on_state(S.WARMING, S.READY)
+    old = flight("old", 30000)
+    await gate.admit(old, 1.0)
+    gate.on_state(S.READY, S.DRAINING)
+    assert gate.hand_over()
+    new = flight("new")
+    await gate.admit(new, 1.0)
+    if ending == "death of the old engine":
+        gate.stopping(planned=False)
+        gate.on_state(S.DRAINING, S.STOPPING)
+        gate.leave(old)
+        gate.leave(new)
+        blamed = gate.on_failure(FailureKind.RUNTIME_OOM, None)
+        assert blamed.proven is True and gate.solo is old  # alone at the engine that died: not the successor's
+    elif ending == "successor dropped":
+        gate.take_back()
+    else:
+        gate.stopping(planned=True)
+        gate.on_state(S.DRAINING, S.STOPPING)
+        gate.on_state(S.STOPPING, S.STARTING)
+        assert gate.open
+        gate.on_state(S.STARTING, S.BACKOFF)
+    assert not gate.open and gate.handed_over is None
+    assert await gate.engine_left(new, 0.1)  # sent again to the next engine
+    with pytest.raises(Refused):
+        await gate.admit(flight("later"), 0.05)
