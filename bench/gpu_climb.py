@@ -68,7 +68,8 @@ def main() -> int:
         return 1
     finally:
         wrapped_up(clients, hogs, sup, LOG, "climb",
-                   ("engine.failed", "spare.asleep", "spare.woken", "spare.dropped", "engine.spawned"))
+                   ("engine.failed", "spare.asleep", "spare.woken", "spare.dropped", "engine.spawned",
+                    "gateway.handed_over"))
     return 0
 
 
