@@ -81,7 +81,7 @@ class Gateway:
                                             lambda: self.view().pids, self._serving,
                                             self.busy, self._shedding_changed)
         self._watch_task: asyncio.Task[None] | None = None
-        self._successor: int | None = None  # the pid requests were handed over to
+        self._successor: int | None = None  # the pid requests were last handed over to
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.path.handle)
         self.port = listener.PublicPort(app, listener.Limits.of(self.g), CLOSE_S,
@@ -160,14 +160,12 @@ class Gateway:
                 self.client.base_url = event.ready.engine_url or self.cfg.engine.base_url
                 self.path.proven_tokens = max(event.ready.warmup_prompts, default=0)
             self.gate.on_state(event.old, event.new)
-            if self.gate.handed_over is None:
-                self._successor = None
         elif isinstance(event, SpareWoken) and event.beside and event.url:
             self._hand_over(event)
         elif ((isinstance(event, SpareDropped) and event.pid == self._successor)
               or (isinstance(event, EngineSpawned) and self._successor not in (None, event.pid))):
-            # not this start's engine after all: new requests wait for READY again
-            self._successor = None
+            # not this start's engine after all: new requests wait for READY again (a no-op once
+            # the hand-over ended, whatever ``_successor`` still names)
             self.gate.take_back()
 
     def _hand_over(self, woken: SpareWoken) -> None:
