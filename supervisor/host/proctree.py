@@ -146,23 +146,21 @@ def session_members(sid: int) -> list[psutil.Process]:
     return out
 
 
-def held_by_outsiders(pids: Collection[int]) -> bool:
+def held_by_outsiders(pids: Collection[int], ours: Collection[int]) -> bool:
     """Whether every one of ``pids`` is a live process that is none of the supervisor's: not its
-    descendant, in a session whose leader lives and is not its descendant either (a killed engine's
-    orphans keep their dead leader's session). Such a holder of GPU memory is not letting go, and
-    a start need not watch the card to learn so. No PIDs (NVML cannot see them: another PID
-    namespace) is not known: False."""
+    descendant, and not in a session it started (``ours``: its engines', whose orphans keep their
+    killed leader's session). Such a holder of GPU memory is not letting go, and a start need not
+    watch the card to learn so. No PIDs (NVML cannot see them: another PID namespace) is not
+    known: False."""
     if not pids:
         return False
     me = os.getpid()
     try:
         for pid in pids:
             p = psutil.Process(pid)
-            leader = psutil.Process(os.getsid(pid))
-            for q in (p, leader):
-                if q.status() == psutil.STATUS_ZOMBIE or q.pid == me or me in (
-                        a.pid for a in q.parents()):
-                    return False
+            if (p.status() == psutil.STATUS_ZOMBIE or pid == me or os.getsid(pid) in ours
+                    or me in (a.pid for a in p.parents())):
+                return False
     except (OSError, psutil.Error):
         return False
     return True

@@ -26,6 +26,7 @@ class RealHost:
 
     def __init__(self, nvml: Nvml | None = None) -> None:
         self.nvml = nvml if nvml is not None else Nvml()
+        self.sessions: set[int] = set()  # every engine session this run started or swept: its own
 
     def monotonic(self) -> float:
         return time.monotonic()
@@ -38,7 +39,9 @@ class RealHost:
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
                     stdin: bool = False) -> Child:
-        return await proctree.spawn(argv, env, stdin)
+        child = await proctree.spawn(argv, env, stdin)
+        self.sessions.add(child.sid)
+        return child
 
     async def terminate_tree(self, child: Child, grace_s: float, kill_wait_s: float) -> StopReport:
         return await proctree.terminate_tree(child, grace_s, kill_wait_s)
@@ -48,6 +51,7 @@ class RealHost:
 
     async def stop_leftover(self, sid: int, born: Birth, grace_s: float,
                             kill_wait_s: float) -> list[int]:
+        self.sessions.add(sid)
         seen, _, _ = await proctree.stop_session(sid, grace_s, kill_wait_s, born=born)
         return seen
 
@@ -73,8 +77,11 @@ class RealHost:
 
     async def wait_gpu_free(self, devices: Sequence[Device] | None, fraction: float, headroom: int,
                             timeout_s: float) -> list[DeviceSnapshot]:
+        def outsiders(pids: Collection[int]) -> bool:
+            return proctree.held_by_outsiders(pids, self.sessions)
+
         return await gpu.wait_free(self.nvml, devices, fraction, headroom, timeout_s,
-                                   outsiders=proctree.held_by_outsiders)
+                                   outsiders=outsiders)
 
     async def dump_stacks(self, pids: Collection[int], timeout_s: float = 20.0) -> dict[int, str]:
         """py-spy stacks of each PID when py-spy is installed; {} otherwise."""

@@ -212,8 +212,9 @@ async def test_memory_held_by_another_live_process_is_steady_at_the_second_read_
 
 
 def test_only_live_processes_of_others_hold_the_card_steadily(tmp_path: Any) -> None:
-    """proctree.held_by_outsiders, against real processes: another's process whose session leader lives, the
-    supervisor's own child, an orphan of a session whose leader is gone, a dead PID, and nobody."""
+    """proctree.held_by_outsiders, against real processes: another's process (its session's leader alive or gone:
+    CI's harness may have left its own), the supervisor's own child, an orphan of an engine session the supervisor
+    started whose leader was killed, a dead PID, and nobody."""
     import os
     import signal
     import subprocess
@@ -223,35 +224,48 @@ def test_only_live_processes_of_others_hold_the_card_steadily(tmp_path: Any) -> 
     import psutil
     from supervisor.host.proctree import held_by_outsiders
 
+    def orphan_in_new_session(name: str) -> tuple[int, int]:
+        """A sleeper in a new session led by a shell, orphaned from us at once (its parent shell exits)."""
+        pidfile = tmp_path / name
+        subprocess.run(["sh", "-c", f"setsid sh -c 'sleep 60 >/dev/null 2>&1 & echo $! > {pidfile}.tmp; "
+                        f"mv {pidfile}.tmp {pidfile}; wait' >/dev/null 2>&1 &"], check=True)
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = int(pidfile.read_text())
+        return pid, os.getsid(pid)
+
+    def kill_leader(sid: int, member: int) -> None:
+        os.kill(sid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(sid) and psutil.Process(sid).status() != psutil.STATUS_ZOMBIE \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert psutil.Process(member).is_running()
+
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-    # Another's: a session whose leader (a shell) lives on, orphaned from us at once (its parent shell exits).
-    pidfile = tmp_path / "other.pid"
-    subprocess.run(["sh", "-c", f"setsid sh -c 'sleep 60 >/dev/null 2>&1 & echo $! > {pidfile}.tmp; "
-                    f"mv {pidfile}.tmp {pidfile}; wait' >/dev/null 2>&1 &"], check=True)
-    deadline = time.monotonic() + 10
-    while not pidfile.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    other = int(pidfile.read_text())
-    leader = os.getsid(other)
+    other, other_sid = orphan_in_new_session("other.pid")
+    engine, engine_sid = orphan_in_new_session("engine.pid")  # as an EngineCore in the session of an engine
+    ours = {child.pid, engine_sid}
     try:
-        assert os.getpid() not in [a.pid for a in psutil.Process(leader).parents()]  # not ours: the test holds
-        assert held_by_outsiders({other})
-        assert not held_by_outsiders({child.pid})  # ours: it may be on its way out
-        assert not held_by_outsiders({other, child.pid})
-        assert not held_by_outsiders(set())  # NVML saw no PIDs: not known
+        assert os.getpid() not in [a.pid for a in psutil.Process(other_sid).parents()]  # not ours: the test holds
+        assert held_by_outsiders({other}, ours)
+        assert not held_by_outsiders({child.pid}, ours)  # ours: it may be on its way out
+        assert not held_by_outsiders({other, child.pid}, ours)
+        assert not held_by_outsiders(set(), ours)  # NVML saw no PIDs: not known
         gone = subprocess.Popen(["true"])
         gone.wait()
-        assert not held_by_outsiders({gone.pid})
-        os.kill(leader, signal.SIGKILL)  # the session's leader gone: its orphan may be going too
-        deadline = time.monotonic() + 10
-        while held_by_outsiders({other}) and time.monotonic() < deadline:  # until the kill has landed
-            time.sleep(0.01)
-        assert not held_by_outsiders({other})
-        assert psutil.Process(other).is_running()
+        assert not held_by_outsiders({gone.pid}, ours)
+        kill_leader(other_sid, other)  # another's session whose leader is gone: still another's
+        assert held_by_outsiders({other}, ours)
+        kill_leader(engine_sid, engine)  # an engine's API server killed: its orphaned EngineCore may be going too
+        assert not held_by_outsiders({engine}, ours)
+        assert held_by_outsiders({engine}, {child.pid})  # the same process, were its session not one we started
     finally:
         child.kill()
         child.wait()
-        os.kill(other, signal.SIGKILL)
+        for pid in (other, engine):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_nvml_adapter_remembers_what_it_last_read_of_each_device() -> None:
