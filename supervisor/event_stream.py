@@ -618,12 +618,13 @@ class StandbySpawned(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class StandbyUnavailable(Event):
-    """A standby could not be made (``spawn_failed``) or was gone when the start wanted it
-    (``lost``)."""
+    """A standby could not be made (``spawn_failed``), was gone when the start wanted it
+    (``lost``), or one found that importing the engine's modules ahead starts CUDA
+    (``engine_imports_refused``: ``error`` names the module; later standbys import vLLM alone)."""
 
     name = "standby.unavailable"
     level = "warning"
-    what: str  # spawn_failed | lost
+    what: str  # spawn_failed | lost | engine_imports_refused
     error: str
     pid: int | None = None
     hint: str = "this start is cold"

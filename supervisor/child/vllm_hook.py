@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -24,6 +25,12 @@ from typing import Any
 MAX_DATAGRAM = 60_000
 VLLM_ENV_KIND = "vllm_env"  # the one datagram that is not a log record (vllm_env_event)
 MAX_MSG = 16_000
+MODULES_ENV = "VLLMSUP_ENGINE_MODULES"  # the file an engine process keeps its imports' names in
+MODULES_TICK_S = 0.5
+MODULES_STABLE_S = 30.0  # no new import for this long: the watch ends
+# Modules made at run time under content hashes (inductor's and triton's generated code): no
+# later process imports them by name.
+_GENERATED = re.compile(r"(?:^|\.)(?:__|[a-z0-9_]{32,}(?:\.|$))")
 _ALLOC = re.compile(r"[Tt]ried to allocate [\d.]+ ?(?:[KMGT]i?B|bytes)")
 
 
@@ -37,6 +44,7 @@ class SupervisorEventHandler(logging.Handler):
         self._pid = -1
         allow_supervisor_ptrace()
         guard_control_routes()
+        watch_modules()
         try:
             event = vllm_env_event()
             if event is not None:
@@ -180,6 +188,78 @@ def vllm_env_event() -> dict[str, object] | None:
         return None
     changed = {k: v for k, v in os.environ.items() if started.get(k) != v}
     return {"v": 1, "kind": VLLM_ENV_KIND, "ts": time.time(), "pid": os.getpid(), "env": changed}
+
+
+_watched: set[int] = set()  # the processes whose imports a thread keeps
+_fork_watch = [False]  # whether forked children watch theirs (os.register_at_fork, once)
+
+
+def watch_modules() -> None:
+    """In every engine process but its root (vLLM's EngineCore and workers, spawned or forked):
+    keep the names of the modules it imported in the file ``VLLMSUP_ENGINE_MODULES`` names (in
+    the supervisor's run directory), until none came for ``MODULES_STABLE_S``.
+
+    The next standby imports them ahead (vllm_standby.py ``import_engine_modules``): the API
+    server imports only part of vLLM, and the EngineCore forked from a standby imported the rest
+    (its model runner, attention backends, torch.compile's machinery) on the restart's path. The
+    root is left out: the standby is the root, its imports are made already. Never raises."""
+    try:
+        if not _fork_watch[0]:
+            _fork_watch[0] = True
+            os.register_at_fork(after_in_child=watch_modules)
+        path, supervisor = os.environ.get(MODULES_ENV, ""), os.environ.get("VLLMSUP_PID", "")
+        if (not path or not supervisor.isdigit() or os.getppid() == int(supervisor)
+                or os.getpid() in _watched):
+            return
+        _watched.add(os.getpid())
+        threading.Thread(target=_keep_watching, args=(path,), name="vllm-supervisor-modules",
+                         daemon=True).start()
+    except Exception:  # noqa: BLE001 - see module docstring
+        pass
+
+
+def _keep_watching(path: str) -> None:
+    written, quiet = -1, 0.0
+    while quiet < MODULES_STABLE_S:
+        time.sleep(MODULES_TICK_S)
+        count = len(sys.modules)
+        if count == written:
+            quiet += MODULES_TICK_S
+            continue
+        quiet = 0.0
+        try:
+            keep_modules(path, importable_modules())
+        except Exception:  # noqa: BLE001 - see module docstring
+            return
+        written = count
+
+
+def importable_modules() -> list[str]:
+    """The names of this process's modules that another process can import by name, in the order
+    they were imported."""
+    return [name for name, module in list(sys.modules.items())
+            if getattr(module, "__spec__", None) is not None and not _GENERATED.search(name)]
+
+
+MAX_MODULES = 20_000
+
+
+def keep_modules(path: str, names: list[str]) -> None:
+    """Add the ``names`` the file at ``path`` lacks (one per line, the first seen first); the file
+    is replaced whole, so that a standby never reads half of it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            kept = f.read().split()
+    except OSError:
+        kept = []
+    known = set(kept)
+    new = [n for n in names if n not in known][:max(0, MAX_MODULES - len(kept))]
+    if not new:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(kept + new) + "\n")
+    os.replace(tmp, path)
 
 
 def msg_of(event: dict[str, object]) -> str:

@@ -7,13 +7,15 @@ runs in vLLM's own interpreter. Usage::
     python vllm_supervisor_standby.py script   /path/to/server.py                 [PRELOAD...]
     python vllm_supervisor_standby.py function vllm.entrypoints.cli.main:main     [PRELOAD...]
 
-It imports the target (module-level code only: nothing under ``if __name__ == "__main__"``) and the
-PRELOAD modules, touches the file named by ``VLLMSUP_STANDBY_READY`` with the seconds that took, and
-waits for one JSON line on stdin: ``{"argv": [...], "env": {...}}``. It then takes that environment
-as its own, re-applies vLLM's logging config from it (the start's event socket), and runs the target
-as ``__main__`` with that argv. End of stdin before the line (the supervisor is gone) exits quietly.
-Nothing here initialises CUDA: importing torch does not. What the imports made is frozen for the
-garbage collector (``freeze_imports``), so the collections of vLLM's start skip it.
+It imports the target (module-level code only: nothing under ``if __name__ == "__main__"``), the
+PRELOAD modules and what the last engine's processes imported beyond them
+(``import_engine_modules``), touches the file named by ``VLLMSUP_STANDBY_READY`` with the seconds
+that took, and waits for one JSON line on stdin: ``{"argv": [...], "env": {...}}``. It then takes
+that environment as its own, re-applies vLLM's logging config from it (the start's event socket),
+and runs the target as ``__main__`` with that argv. End of stdin before the line (the supervisor
+is gone) exits quietly. Nothing here initialises CUDA: importing torch does not, and an engine
+module that would is refused. What the imports made is frozen for the garbage collector
+(``freeze_imports``), so the collections of vLLM's start skip it.
 
 Three things keep a forked engine process the same as the new interpreter vLLM would have started.
 Always, ``prepare_titles`` (see there); and when the start's environment says
@@ -44,6 +46,102 @@ from typing import Any
 
 MP_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 OMP_ENV = ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY", "OMP_PLACES", "KMP_AFFINITY")
+MODULES_ENV = "VLLMSUP_ENGINE_MODULES"  # vllm_hook.MODULES_ENV: the engines' module list
+REFUSED = ".refused"  # beside that list: a standby found an import that initialises CUDA
+MODULES_DONE = "engine-modules.json"  # beside the READY file: what import_engine_modules did
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+EXIT_CUDA = 3
+
+
+class ImportedEngineModules:
+    """What ``import_engine_modules`` did: counts, seconds, and the environment those imports
+    changed (``apply_after``)."""
+
+    def __init__(self, imported: int, failed: int, seconds: float,
+                 before: dict[str, str], after: dict[str, str]) -> None:
+        self.imported, self.failed, self.seconds = imported, failed, seconds
+        self.before = before
+        self.changed = {k: after.get(k) for k in before.keys() | after.keys()
+                        if before.get(k) != after.get(k) and k != NVML_CHECK}
+
+    def record(self) -> dict[str, object]:
+        return {"imported": self.imported, "failed": self.failed, "seconds": round(self.seconds, 3),
+                "env": sorted(self.changed)}
+
+    def apply_after(self, env: dict[str, str]) -> None:
+        """A module that changes the environment at import did so in the engine process that
+        imported it; here it did so in the standby's, which the start's replaced. Each such change
+        is made again where the start gives the variable the value the import saw."""
+        for key, value in self.changed.items():
+            if env.get(key) != self.before.get(key):
+                continue
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def import_engine_modules(path: str) -> ImportedEngineModules | None:
+    """Import what the last engine's processes imported beyond the API server (the file at
+    ``path``, kept by the IPC hook's ``watch_modules``), so that an EngineCore forked from this
+    standby finds it done; None when there is no list, or an earlier standby refused it.
+
+    A module that initialises CUDA at import must not be imported here: the EngineCore would then
+    be spawned, not forked (vLLM's rule), and import everything again. Torch's CUDA start is refused
+    while these imports run (``torch.cuda.is_available`` asks NVML meanwhile, which starts nothing);
+    if any import asked for it, this standby exits (``EXIT_CUDA``) without reporting itself ready,
+    and leaves ``path`` + ``.refused`` naming the module, so that the next imports vLLM alone. A
+    module that cannot be imported here is passed over: the EngineCore imports it as before."""
+    if not path or os.path.exists(path + REFUSED):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = [n for n in f.read().split() if n not in sys.modules]
+    except OSError:
+        return None
+    t0 = time.monotonic()
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    start_cuda = getattr(cuda, "_lazy_init", None)
+    asked: list[str] = []
+    importing = [""]
+
+    def refuse_cuda() -> None:
+        asked.append(importing[0])
+        raise RuntimeError("vllm-supervisor standby: CUDA is not started before the engine forks")
+
+    nvml_check = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    before = dict(os.environ)
+    if start_cuda is not None:
+        cuda._lazy_init = refuse_cuda  # type: ignore[union-attr]
+    imported = failed = 0
+    try:
+        for name in names:
+            if name in sys.modules:
+                continue
+            importing[0] = name
+            try:
+                importlib.import_module(name)
+                imported += 1
+            except (Exception, SystemExit):  # noqa: BLE001 - the EngineCore imports it as before
+                failed += 1
+    finally:
+        if start_cuda is not None:
+            cuda._lazy_init = start_cuda  # type: ignore[union-attr]
+    after = dict(os.environ)
+    if nvml_check is None:
+        os.environ.pop(NVML_CHECK, None)
+    else:
+        os.environ[NVML_CHECK] = nvml_check
+    initialised = getattr(cuda, "is_initialized", lambda: False)()
+    if asked or initialised:
+        module = asked[0] if asked else importing[0]
+        with open(path + REFUSED, "w", encoding="utf-8") as f:
+            f.write(f"{module}\n")
+        print(f"vllm-supervisor standby: importing {module} ahead starts CUDA; this standby exits "
+              "and the next imports vLLM alone", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CUDA)
+    return ImportedEngineModules(imported, failed, time.monotonic() - t0, before, after)
 
 
 def preload(mode: str, target: str, extra: list[str]) -> None:
@@ -193,9 +291,14 @@ def main() -> None:
     mode, target, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     t0 = time.monotonic()
     preload(mode, target, extra)
+    engine_modules = import_engine_modules(os.environ.get(MODULES_ENV, ""))
     freeze_imports()
     ready = os.environ.get("VLLMSUP_STANDBY_READY")
     if ready:
+        if engine_modules is not None:
+            with open(os.path.join(os.path.dirname(ready), MODULES_DONE), "w",
+                      encoding="utf-8") as f:
+                json.dump(engine_modules.record(), f)
         with open(ready, "w", encoding="utf-8") as f:
             f.write(f"{time.monotonic() - t0:.3f}\n")
     line = sys.stdin.readline()
@@ -206,6 +309,8 @@ def main() -> None:
     prepare_titles()
     os.environ.clear()
     os.environ.update(env)
+    if engine_modules is not None:
+        engine_modules.apply_after(env)
     apply_logging(env)
     if env.get(MP_METHOD) == "fork":
         bind_forks(started)

@@ -25,6 +25,9 @@ from supervisor.child import vllm_hook
 from supervisor.host import routes
 
 SOCKET_NAME = "events.sock"  # in each start's (or second engine's) own directory
+# One per supervisor, beside the starts' directories: the modules its engine processes imported
+# (vllm_hook.watch_modules), for the next standby to import ahead.
+ENGINE_MODULES = "engine-modules.txt"
 
 log = structlog.get_logger("supervisor.engine.ipc")
 HOOK_MODULE = "vllm_supervisor_hook"
@@ -64,7 +67,8 @@ def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO",
                       dev_mode: bool = False) -> dict[str, str]:
     """Write the hook module and logging config under ``run_dir``; return the env vars to add.
     ``dev_mode``: the engine serves vLLM's dev routes, which the hook then guards
-    (``control_guard_env``)."""
+    (``control_guard_env``). ``run_dir`` is a directory in the supervisor's run directory, which
+    holds the engines' module list (``ENGINE_MODULES``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(vllm_hook.__file__, run_dir / f"{HOOK_MODULE}.py")
     cfg = run_dir / "vllm-logging.json"
@@ -75,6 +79,7 @@ def prepare_child_env(run_dir: Path, socket_path: str, level: str = "INFO",
         "VLLMSUP_EVENTS": socket_path,
         "VLLMSUP_PID": str(os.getpid()),  # the hook lets us (and py-spy) read stacks under Yama
         "_VLLMSUP_HOOK_DIR": str(run_dir),
+        vllm_hook.MODULES_ENV: str(run_dir.parent / ENGINE_MODULES),
         **(control_guard_env() if dev_mode else {}),
     }
 

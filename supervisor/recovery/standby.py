@@ -142,8 +142,10 @@ class Standby:
     @classmethod
     async def start(cls, host: Host, engine: EngineConfig, directory: Path,
                     publish: Callable[[Event], None], vllm_env: Mapping[str, str] | None = None,
-                    withheld: Sequence[str] = ()) -> Standby | None:
-        """``vllm_env``: what vLLM set for the last engine's EngineCore (see ``start_env``)."""
+                    withheld: Sequence[str] = (), engine_imports: bool = True) -> Standby | None:
+        """``vllm_env``: what vLLM set for the last engine's EngineCore (see ``start_env``);
+        ``engine_imports``: it also imports what the last engine's processes imported
+        (``[recovery] standby_engine_imports``)."""
         entry = entry_of(engine.argv_prefix)
         if entry is None:
             return None
@@ -154,6 +156,8 @@ class Standby:
         env = start_env(launch.build_env(engine, ipc_env, str(directory), withheld=withheld), False,
                         vllm_env)
         env["VLLMSUP_STANDBY_READY"] = str(directory / READY_FILE)
+        if not engine_imports:
+            env.pop(vllm_standby.MODULES_ENV, None)
         argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
         child = await host.spawn(argv, env, stdin=True)
         publish(StandbySpawned(at=host.wall(), pid=child.pid, mode=entry.mode, target=entry.target,
@@ -175,6 +179,15 @@ class Standby:
             except (OSError, ValueError):
                 pass
         return self._import_s
+
+    def engine_modules(self) -> dict[str, Any] | None:
+        """What it imported of the last engine's modules (vllm_standby.py
+        ``import_engine_modules``), once its imports are done; None before, or without a list."""
+        try:
+            done = json.loads((self.dir / vllm_standby.MODULES_DONE).read_text())
+        except (OSError, ValueError):
+            return None
+        return done if isinstance(done, dict) else None
 
     def fits(self, engine: EngineConfig, vllm_env: Mapping[str, str]) -> bool:
         return self.alive() and self.key == fingerprint(engine, vllm_env)
@@ -213,6 +226,7 @@ class StandbyPool:
         self._made = 0
         self._discarding: set[asyncio.Task[None]] = set()
         self._failed_for: str | None = None  # the fingerprint whose standby could not be spawned
+        self._refusal_said = False
         self._waiting: tuple[str, float] | None = None  # what ``prepared`` waits for, since when
 
     def configure(self, cfg: Config) -> None:
@@ -237,16 +251,29 @@ class StandbyPool:
         old, self.standby = self.standby, None
         if old is not None:
             await old.discard(self.host)
+        self._refused()
         self._made += 1
         try:
             self.standby = await Standby.start(self.host, self.cfg.engine,
                                                self.dir / f"standby-{self._made}", self.publish,
-                                               self._env(), self.cfg.withheld_env())
+                                               self._env(), self.cfg.withheld_env(),
+                                               self.cfg.recovery.standby_engine_imports)
         except OSError as exc:
             self._failed_for = fingerprint(self.cfg.engine, self._env())
             self.publish(
                 StandbyUnavailable(at=self.host.wall(), what="spawn_failed", error=str(exc),
                                    hint="restarts start cold"))
+
+    def _refused(self) -> None:
+        """Said once: a standby found that importing the engine's modules ahead starts CUDA."""
+        marker = self.dir / (ipc.ENGINE_MODULES + vllm_standby.REFUSED)
+        if self._refusal_said or not marker.exists():
+            return
+        self._refusal_said = True
+        self.publish(StandbyUnavailable(
+            at=self.host.wall(), what="engine_imports_refused",
+            error=f"importing {marker.read_text().strip()[:200]} starts CUDA",
+            hint="the standbys import vLLM alone from now on: the EngineCore imports the rest"))
 
     def prepared(self) -> bool:
         """Whether a planned start may go now (``prepared``); asks for a standby of the engine
@@ -292,8 +319,8 @@ class StandbyPool:
 
     def status(self) -> dict[str, Any] | None:
         s = self.standby
-        return {"pid": s.pid, "imported_s": s.import_s(), "vllm_env": sorted(s.vllm_env)} \
-            if s is not None and s.alive() else None
+        return {"pid": s.pid, "imported_s": s.import_s(), "vllm_env": sorted(s.vllm_env),
+                "engine_modules": s.engine_modules()} if s is not None and s.alive() else None
 
     async def close(self) -> None:
         await cancel_and_wait(self._spawning)

