@@ -252,6 +252,7 @@ class StandbyPool:
         if old is not None:
             await old.discard(self.host)
         self._refused()
+        self._sweep_module_writes()
         self._made += 1
         try:
             self.standby = await Standby.start(self.host, self.cfg.engine,
@@ -274,6 +275,15 @@ class StandbyPool:
             at=self.host.wall(), what="engine_imports_refused",
             error=f"importing {marker.read_text().strip()[:200]} starts CUDA",
             hint="the standbys import vLLM alone from now on: the EngineCore imports the rest"))
+
+    def _sweep_module_writes(self) -> None:
+        """Remove the module list's half-written copies whose writer is gone: an engine process
+        (a throwaway compiling a rung, an EngineCore killed by a death) killed between writing
+        ``engine-modules.txt.<pid>.tmp`` and renaming it leaves one behind."""
+        for tmp in self.dir.glob(ipc.ENGINE_MODULES + ".*.tmp"):
+            pid = tmp.name[len(ipc.ENGINE_MODULES) + 1:-len(".tmp")]
+            if pid.isdigit() and not self.host.path_exists(f"/proc/{pid}"):
+                tmp.unlink(missing_ok=True)
 
     def prepared(self) -> bool:
         """Whether a planned start may go now (``prepared``); asks for a standby of the engine

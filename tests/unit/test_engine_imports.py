@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 from supervisor.child import vllm_hook, vllm_standby
+from supervisor.config_file import parse
 from supervisor.engine import ipc
+from supervisor.host.real import RealHost
+from supervisor.recovery.standby import StandbyPool
 
 CHILD_DIR = str(Path(vllm_hook.__file__).parent)
 
@@ -138,3 +141,26 @@ def test_a_standby_whose_engine_modules_start_cuda_exits_and_the_next_imports_vl
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["imported"] == []
     assert not (tmp_path / "standby" / vllm_standby.MODULES_DONE).exists()
+
+
+KILLED_WRITING = """
+import os, signal, sys
+with open(f"{sys.argv[1]}.{os.getpid()}.tmp", "w") as f:  # as keep_modules names its copy
+    f.write("vllm\\n")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # a throwaway engine killed before its rename
+"""
+
+
+def test_a_half_written_list_is_removed_once_its_writer_is_gone_and_a_live_writers_is_left(tmp_path: Path) -> None:
+    path = tmp_path / ipc.ENGINE_MODULES
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITING, str(path)], timeout=60)
+    assert killed.returncode == -9
+    live = tmp_path / f"{ipc.ENGINE_MODULES}.{os.getpid()}.tmp"
+    live.write_text("vllm\n")
+    assert len(list(tmp_path.glob("*.tmp"))) == 2
+    pool = StandbyPool(parse({"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}}), RealHost(),
+                       lambda _: None)
+    pool.dir = tmp_path
+    pool._sweep_module_writes()
+    assert list(tmp_path.glob("*.tmp")) == [live]
