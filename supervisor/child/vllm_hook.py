@@ -244,6 +244,11 @@ def importable_modules() -> list[str]:
 MAX_MODULES = 20_000
 
 
+def copy_path(path: str, pid: int | str) -> str:
+    """Where process ``pid`` writes its copy of the list at ``path`` before renaming it over."""
+    return f"{path}.{pid}.tmp"
+
+
 def keep_modules(path: str, names: list[str]) -> None:
     """Add the ``names`` the file at ``path`` lacks (one per line, the first seen first); the file
     is replaced whole, so that a standby never reads half of it."""
@@ -256,7 +261,7 @@ def keep_modules(path: str, names: list[str]) -> None:
     new = [n for n in names if n not in known][:max(0, MAX_MODULES - len(kept))]
     if not new:
         return
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = copy_path(path, os.getpid())
     with open(tmp, "w", encoding="utf-8") as f:
         f.write("\n".join(kept + new) + "\n")
     os.replace(tmp, path)

@@ -36,7 +36,7 @@ from typing import Any
 
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import STANDBY_IMPORT_WAIT_S, STANDBY_STOP_S
-from supervisor.child import vllm_standby
+from supervisor.child import vllm_hook, vllm_standby
 from supervisor.config import Config, EngineConfig
 from supervisor.engine import ipc, launch
 from supervisor.event_stream import Event, StandbySpawned, StandbyUnavailable
@@ -280,8 +280,8 @@ class StandbyPool:
         """Remove the module list's half-written copies whose writer is gone: an engine process
         (a throwaway compiling a rung, an EngineCore killed by a death) killed between writing
         ``engine-modules.txt.<pid>.tmp`` and renaming it leaves one behind."""
-        for tmp in self.dir.glob(ipc.ENGINE_MODULES + ".*.tmp"):
-            pid = tmp.name[len(ipc.ENGINE_MODULES) + 1:-len(".tmp")]
+        for tmp in self.dir.glob(vllm_hook.copy_path(ipc.ENGINE_MODULES, "*")):
+            pid = tmp.name.split(".")[-2]
             if pid.isdigit() and not self.host.path_exists(f"/proc/{pid}"):
                 tmp.unlink(missing_ok=True)
 

@@ -145,7 +145,9 @@ def test_a_standby_whose_engine_modules_start_cuda_exits_and_the_next_imports_vl
 
 KILLED_WRITING = """
 import os, signal, sys
-with open(f"{sys.argv[1]}.{os.getpid()}.tmp", "w") as f:  # as keep_modules names its copy
+sys.path.insert(0, sys.argv[2])
+import vllm_hook
+with open(vllm_hook.copy_path(sys.argv[1], os.getpid()), "w") as f:  # the copy keep_modules renames
     f.write("vllm\\n")
     f.flush()
     os.kill(os.getpid(), signal.SIGKILL)  # a throwaway engine killed before its rename
@@ -154,9 +156,9 @@ with open(f"{sys.argv[1]}.{os.getpid()}.tmp", "w") as f:  # as keep_modules name
 
 def test_a_half_written_list_is_removed_once_its_writer_is_gone_and_a_live_writers_is_left(tmp_path: Path) -> None:
     path = tmp_path / ipc.ENGINE_MODULES
-    killed = subprocess.run([sys.executable, "-c", KILLED_WRITING, str(path)], timeout=60)
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITING, str(path), CHILD_DIR], timeout=60)
     assert killed.returncode == -9
-    live = tmp_path / f"{ipc.ENGINE_MODULES}.{os.getpid()}.tmp"
+    live = Path(vllm_hook.copy_path(str(path), os.getpid()))
     live.write_text("vllm\n")
     assert len(list(tmp_path.glob("*.tmp"))) == 2
     pool = StandbyPool(parse({"engine": {"model": "m"}, "state": {"dir": str(tmp_path)}}), RealHost(),
