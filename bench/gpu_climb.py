@@ -6,7 +6,8 @@ at its default, the gateway in front with its memory rules off as in the field, 
 READY on, in one device call:
   1. the first READY, then a spare asleep beside the engine;
   2. CRASH_AFTER_S (5) later the seed's crash (another process takes all but 16 MiB, the long prompt through the
-     gateway): the failover, death -> READY, at the rung below (the spare woken);
+     gateway): the failover, death -> READY, at the rung below (the spare woken); then the window a second death
+     would meet: that READY -> the next spare asleep (built at once, from a standby of its own);
   3. the other process gone, then the operator's climb back: `vllm-supervisor reset-profile` while READY. Its
      rung's spare is built beside the serving engine while it serves, and the climb wakes it: the command ->
      READY at the configured rung, the engine's own outage (READY left -> READY), and what the clients waited
@@ -54,6 +55,7 @@ def main() -> int:
         time.sleep(float(os.environ.get("CRASH_AFTER_S", "5")))
         hogs.append(seed_crash())
         failover = recovered(sup, 1, "the seed's crash (the failover)")
+        window_after_failover()
         time.sleep(2)  # the long prompt answered on the lower rung
         for hog in hogs:
             hog.kill()
@@ -71,6 +73,22 @@ def main() -> int:
                    ("engine.failed", "spare.asleep", "spare.woken", "spare.dropped", "engine.spawned",
                     "gateway.handed_over"))
     return 0
+
+
+def window_after_failover() -> None:
+    """The window a second death would find no spare asleep in: the failover's READY -> the next spare asleep (built
+    at READY, from a standby of its own where one had imported), and where each spare of the run came from."""
+    back = [e for e in events_in(LOG, "engine.state_changed") if e.get("to") == "READY"]
+    st = wait(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", "the next spare asleep")
+    if st is None or not back:
+        note("the next spare after the failover: none asleep")
+        return
+    asleep = events_in(LOG, "spare.asleep")
+    note(f"window after the failover: READY -> the next spare asleep {at(asleep[-1]) - at(back[-1]):.1f}s; every "
+         f"spare so far (rung, spawn -> asleep s, sleep s, from a standby): "
+         f"{[(e['profile']['max_num_batched_tokens'], e['took_s'], e['sleep_s'], e.get('standby')) for e in asleep]}")
+    note(f"standbys spawned (role, s after the first READY): "
+         f"{[(e.get('role'), round(at(e) - at(back[0]), 1)) for e in events_in(LOG, 'standby.spawned')]}")
 
 
 def climb(cfg: Path, clients: Clients, failover: float) -> None:
@@ -93,8 +111,10 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
     out_s, since = at(back[-1]) - at(left[0]), at(left[0])
     spawned = [e for e in events_in(LOG, "engine.spawned") if at(e) >= w0]
     built = [e for e in events_in(LOG, "spare.asleep") if at(e) >= w0]
+    from_standby = [e.get("standby") for e in events_in(LOG, "precompile.started") if at(e) >= w0]
     note(f"climb: the command -> READY at {st['profile']} {took:.1f}s; its spare built beside the serving engine "
-         f"{[(e['profile'], e['took_s']) for e in built]}; the engine's outage (READY left -> READY) {out_s:.2f}s "
+         f"{[(e['profile'], e['took_s']) for e in built]} (from a standby: {from_standby}); the engine's outage "
+         f"(READY left -> READY) {out_s:.2f}s "
          f"(spawned {[(e.get('pid'), e.get('spare')) for e in spawned]}); the failover in this run {failover:.2f}s")
     parts = [(e.get("waited_s"), e.get("in_flight"), e.get("cut")) for e in events_in(LOG, "gateway.drained")
              if at(e) >= w0]

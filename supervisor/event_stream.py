@@ -614,6 +614,8 @@ class StandbySpawned(Event):
     mode: str
     target: str
     vllm_env: tuple[str, ...]  # names only
+    # "engine": the next start's; "spare": the next spare's build (recovery/standby.py)
+    role: str = "engine"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -635,6 +637,7 @@ class PrecompileStarted(Event):
     name = "precompile.started"
     profile: Profile
     port: int
+    standby: bool = False  # a spare's standby became it (vLLM imported ahead), not a cold spawn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -659,6 +662,7 @@ class SpareAsleep(Event):
     profile: Profile
     took_s: float  # spawn -> asleep
     sleep_s: float
+    standby: bool = False  # started from a standby of its own (vLLM imported ahead)
     held_awake_mib: int  # what its processes held on the card awake, and asleep (NVML)
     held_asleep_mib: int
 

@@ -35,7 +35,7 @@ from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
 from supervisor.recovery.spare import Spare, take_bound_s, wake_beside_the_dying
-from supervisor.recovery.standby import Standby, StandbyPool, vllm_env_of
+from supervisor.recovery.standby import SPARE, Standby, StandbyPool, vllm_env_of
 
 TICK_S = 1.0
 
@@ -45,7 +45,10 @@ class Recovery:
                  next_rungs: Callable[[Profile], list[Profile]]) -> None:
         self.host = host
         self.pool = StandbyPool(cfg, host, publish)
+        # the next spare's build starts from a standby of its own (vLLM imported ahead)
+        self.spare_pool = StandbyPool(cfg, host, publish, role=SPARE)
         self.ahead = Ahead(cfg, host, publish, next_rungs)
+        self.ahead.builder.spare_standby = self.spare_pool.take_imported
         # the READY engine's profile, its vLLM version, and whether its start was a failure's
         self._serving: tuple[Profile, str | None, bool] | None = None
         self._idle_since: float | None = None
@@ -57,10 +60,11 @@ class Recovery:
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
-        self.pool.dir = self.ahead.builder.launcher.dir = directory
+        self.pool.dir = self.spare_pool.dir = self.ahead.builder.launcher.dir = directory
 
     def configure(self, cfg: Config) -> None:
         self.pool.configure(cfg)
+        self.spare_pool.configure(cfg)
         self.ahead.configure(cfg)
 
     # ---- the subscriber ------------------------------------------------------------------------
@@ -69,6 +73,7 @@ class Recovery:
             if not event.second_engine:
                 self._engine_reported = True
                 self.pool.engine_env(vllm_env_of(dict(event.env)))
+                self.spare_pool.engine_env(vllm_env_of(dict(event.env)))
                 if self._early_standby():
                     self.pool.want()
             elif self.ahead.building_first and not self._engine_reported:
@@ -182,6 +187,8 @@ class Recovery:
                 idle_for = now - self._idle_since if self._idle_since is not None else 0.0
                 await self.ahead.tick(profile, version, idle_for, now - self._ready_since,
                                       after_failure)
+                if self._serving is not None and self.ahead.spare_standby_wanted():
+                    self.spare_pool.want()
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""
@@ -190,16 +197,20 @@ class Recovery:
     def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
         """What runs besides the engine, for /status: (role, its session's leader, its URL, its
         rung)."""
-        standby = self.pool.standby
-        out: list[tuple[str, Child, str | None, Profile | None]] = \
-            [("standby", standby.child, None, None)] if standby is not None else []
+        out: list[tuple[str, Child, str | None, Profile | None]] = [
+            (role, s.child, None, None)
+            for role, s in (("standby", self.pool.standby),
+                            ("spare standby", self.spare_pool.standby)) if s is not None
+        ]
         return out + self.ahead.processes()
 
     def status(self) -> dict[str, Any]:
-        return {"standby": self.pool.status(), **self.ahead.status()}
+        return {"standby": self.pool.status(), "spare_standby": self.spare_pool.status(),
+                **self.ahead.status()}
 
     async def close(self) -> None:
         await cancel_and_wait(self._ticker)
         await cancel_and_wait(self._wake_ahead)
         await self.ahead.close()
         await self.pool.close()
+        await self.spare_pool.close()

@@ -218,6 +218,18 @@ class Ahead:
             self.first.step("spare", 1, 1)
         return self.keeper.spare is not None
 
+    def spare_standby_wanted(self) -> bool:
+        """Whether the next spare's build should find vLLM imported in a standby of its own
+        (recovery/standby.py, role "spare"): spares are not off, on a GPU host, and the last
+        decision found one fits beside the engine, or one is built or kept in this run. Not at
+        vLLM's default 0.9, where none fits beside: a standby nobody takes holds host memory."""
+        r = self.cfg.recovery
+        if r.spare == "off" or not r.standby or not self.gpu_host:
+            return False
+        step = self.step
+        return bool((step is not None and step.spare_fits) or self.builder.spare_since is not None
+                    or self.keeper.last_build_s is not None)
+
     @property
     def gpu_host(self) -> bool:
         """NVML saw a device when last asked (a planned start asks before its spawn)."""

@@ -6,7 +6,7 @@ it is remembered (``FailedRungs``) and published."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from supervisor.config import Config
 from supervisor.engine import gates
@@ -17,6 +17,7 @@ from supervisor.recovery.precompile import Precompiler
 from supervisor.recovery.progress import FirstBuilds
 from supervisor.recovery.sizing import CompileFirst
 from supervisor.recovery.spare import SpareKeeper
+from supervisor.recovery.standby import Standby
 from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
 
 
@@ -26,6 +27,9 @@ class Builder:
         self.cfg, self.host, self.publish, self.failed = cfg, host, publish, failed
         self.precompiler, self.keeper = precompiler, keeper
         self.launcher = Launcher(cfg, host, publish)
+        # a spare's build takes a standby of its own from here (recovery/standby.py, role
+        # "spare"), once its imports are done; None: spares start cold
+        self.spare_standby: Callable[[], Awaitable[Standby | None]] | None = None
         self.spare_since: float | None = None  # a spare being built since (monotonic)
         # while compiling first: the processes of the throwaways stopped
         self.stopped: set[int] | None = None
@@ -53,10 +57,12 @@ class Builder:
         """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep
         mode, not niced: it may become the engine) is then kept asleep, a precompile's
         throwaway stopped."""
-        t0 = self.host.monotonic()
+        standby = await self.spare_standby() if spare and self.spare_standby else None
+        t0 = self.host.monotonic()  # the spawn, or the standby told its argv: took_s from here
         try:
             t = await self.launcher.launch(rung, "real" if spare else "dummy", sleep_mode=spare,
-                                           niced=not spare, version=version, kv_bytes=kv_bytes)
+                                           niced=not spare, version=version, kv_bytes=kv_bytes,
+                                           standby=standby)
         except OSError as exc:
             self.failed.add(rung, "precompile")
             self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,

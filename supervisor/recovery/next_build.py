@@ -110,6 +110,9 @@ class Step:
     compile_why: str | None = None
     # BEFORE_START: the rung to compile beside the engine the moment it is READY
     at_ready: Profile | None = None
+    # READY: a spare fits beside the engine now, built now or once precompile_idle_s is over (its
+    # standby imports meanwhile)
+    spare_fits: bool = False
 
 
 def next_step(f: Facts) -> Step:
@@ -148,10 +151,13 @@ def _while_serving(f: Facts) -> Step:
                 spare_why = (f"{spare_why}; at READY, not after precompile_idle_s: the engine "
                              "serves after a failure's restart")
             return Step(Action.SPARE, spare_why,
-                        rung=f.targets[0].with_(gpu_memory_utilization=util), spare_why=spare_why)
+                        rung=f.targets[0].with_(gpu_memory_utilization=util), spare_why=spare_why,
+                        spare_fits=True)
     if wait > 0:
+        soon = (not spare_now and bool(f.targets) and not f.spare_kept
+                and _spare_beside(f, f.targets[0])[0] is not None)
         return Step(Action.WAIT, f"asked in {wait:.0f}s (precompile_idle_s)", wait_s=wait,
-                    spare_why=spare_why, compile_why=compile_why)
+                    spare_why=spare_why, compile_why=compile_why, spare_fits=soon)
     todo = [p for p in f.targets if f.to_compile(p)]
     if todo:
         ok, compile_why = _throwaway_fits(f, todo[0])
@@ -188,7 +194,7 @@ def _climb(f: Facts, target: Profile) -> Step:
         why = (f"the climb to ({knobs}): its spare first, beside the serving engine (so that the "
                f"climb holds clients only for a wake): {why}")
         return Step(Action.SPARE, why, rung=target.with_(gpu_memory_utilization=util),
-                    spare_why=why)
+                    spare_why=why, spare_fits=True)
     if util is not None:
         why = f"no more than the engine's {now:g} fits beside it"
     return Step(Action.CLIMB, f"the climb to ({knobs}) is a start: no spare of its rung: {why}")

@@ -184,7 +184,7 @@ class SpareKeeper:
             SpareAsleep(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
                         took_s=round(now - spawned_at, 3), sleep_s=round(now - t0, 3),
                         held_awake_mib=sum(spare.awake.values()) // MIB,
-                        held_asleep_mib=sum(spare.asleep.values()) // MIB))
+                        held_asleep_mib=sum(spare.asleep.values()) // MIB, standby=spare.standby))
         return True
 
     async def take(self, profile: Profile, keep_for: Profile | None = None) -> Spare | None:

@@ -19,7 +19,10 @@ with them, so its imports read what a new engine process would, and the activate
 only when vLLM's platform then changes nothing but the method (vllm_standby.py).
 
 ``StandbyPool`` keeps at most one: made after each READY unless a fitting one exists, taken by
-the next start at its spawn, discarded when the engine's command or environment changed.
+the next start at its spawn, discarded when the engine's command or environment changed. A second
+pool (``role`` "spare") keeps one for the next spare's build (recovery/throwaway.py): a spare is a
+whole vLLM server too, and started cold it imported for 20 s of its build on the H100, the window
+in which a failure finds no spare asleep.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ MP_METHOD = vllm_standby.MP_METHOD
 OWN_ENV = ("PYTHONPATH", "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", MP_METHOD)
 OWN_PREFIXES = ("VLLMSUP_", "_VLLMSUP_", "VLLM_SUPERVISOR", "_VLLM_SUPERVISOR")
 MAX_VLLM_ENV = 200
+ENGINE, SPARE = "engine", "spare"  # a pool's role: whose start its standby becomes
+TAKE_POLL_S = 0.2  # how often a spare's build looks whether its standby finished importing
 
 
 @dataclass(frozen=True)
@@ -142,10 +147,11 @@ class Standby:
     @classmethod
     async def start(cls, host: Host, engine: EngineConfig, directory: Path,
                     publish: Callable[[Event], None], vllm_env: Mapping[str, str] | None = None,
-                    withheld: Sequence[str] = (), engine_imports: bool = True) -> Standby | None:
+                    withheld: Sequence[str] = (), engine_imports: bool = True,
+                    role: str = ENGINE) -> Standby | None:
         """``vllm_env``: what vLLM set for the last engine's EngineCore (see ``start_env``);
         ``engine_imports``: it also imports what the last engine's processes imported
-        (``[recovery] standby_engine_imports``)."""
+        (``[recovery] standby_engine_imports``); ``role``: whose start it becomes."""
         entry = entry_of(engine.argv_prefix)
         if entry is None:
             return None
@@ -161,7 +167,7 @@ class Standby:
         argv = [entry.python, str(directory / SCRIPT), entry.mode, entry.target, *entry.preload]
         child = await host.spawn(argv, env, stdin=True)
         publish(StandbySpawned(at=host.wall(), pid=child.pid, mode=entry.mode, target=entry.target,
-                               vllm_env=tuple(sorted(vllm_env))))
+                               vllm_env=tuple(sorted(vllm_env)), role=role))
         return cls(child, entry, fingerprint(engine, vllm_env), directory, vllm_env)
 
     @property
@@ -215,10 +221,12 @@ class Standby:
 
 
 class StandbyPool:
-    """``[recovery] standby`` and ``standby_fork``: one standby kept for the next start."""
+    """``[recovery] standby`` and ``standby_fork``: one standby kept for the next start (``role``
+    "engine") or for the next spare's build ("spare")."""
 
-    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None]) -> None:
-        self.cfg, self.host, self.publish = cfg, host, publish
+    def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
+                 role: str = ENGINE) -> None:
+        self.cfg, self.host, self.publish, self.role = cfg, host, publish, role
         self.dir = Path()
         self.standby: Standby | None = None
         self.vllm_env: dict[str, str] = {}  # what vLLM set for the last reporting EngineCore
@@ -255,10 +263,11 @@ class StandbyPool:
         self._sweep_module_writes()
         self._made += 1
         try:
+            name = "standby" if self.role == ENGINE else f"{self.role}-standby"
             self.standby = await Standby.start(self.host, self.cfg.engine,
-                                               self.dir / f"standby-{self._made}", self.publish,
+                                               self.dir / f"{name}-{self._made}", self.publish,
                                                self._env(), self.cfg.withheld_env(),
-                                               self.cfg.recovery.standby_engine_imports)
+                                               self.cfg.recovery.standby_engine_imports, self.role)
         except OSError as exc:
             self._failed_for = fingerprint(self.cfg.engine, self._env())
             self.publish(
@@ -268,7 +277,7 @@ class StandbyPool:
     def _refused(self) -> None:
         """Said once: a standby found that importing the engine's modules ahead starts CUDA."""
         marker = self.dir / (ipc.ENGINE_MODULES + vllm_standby.REFUSED)
-        if self._refusal_said or not marker.exists():
+        if self.role != ENGINE or self._refusal_said or not marker.exists():
             return
         self._refusal_said = True
         self.publish(StandbyUnavailable(
@@ -308,6 +317,23 @@ class StandbyPool:
             self._later(s.discard(self.host))
             return None
         return s
+
+    async def take_imported(self) -> Standby | None:
+        """For a spare's build: the standby once its imports are done, where one fits the engine
+        config in force; None where there is none (the build starts cold). One still importing is
+        waited for: what is left of its import is shorter than a cold spawn's whole one. One
+        that dies meanwhile, or imports for STANDBY_IMPORT_WAIT_S, is not."""
+        t0 = self.host.monotonic()
+        while True:
+            s = self.standby
+            if s is None or not self.cfg.recovery.standby or not self._fits(s):
+                return None
+            if s.import_s() is not None:
+                self.standby = None
+                return s
+            if self.host.monotonic() - t0 >= STANDBY_IMPORT_WAIT_S:
+                return None
+            await self.host.sleep(TAKE_POLL_S)
 
     def lost(self, s: Standby, error: str) -> None:
         """The start found its standby gone: it starts cold, and the standby's remains are

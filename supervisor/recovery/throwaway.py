@@ -33,6 +33,7 @@ from supervisor.host import Host, compile_cache, leftovers
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
+from supervisor.recovery.standby import Standby
 
 log = structlog.get_logger("supervisor.recovery.throwaway")
 
@@ -73,6 +74,7 @@ class Throwaway:
     cache_used: list[str] = field(default_factory=list)
     # the [engine] it was started from (a reload may replace it: recovery/spare.py ``outdated``)
     engine: EngineConfig | None = None
+    standby: bool = False  # a standby of its own became it (vLLM imported ahead)
 
     @property
     def pid(self) -> int:
@@ -158,9 +160,11 @@ class Launcher:
         self.cfg = cfg
 
     async def launch(self, rung: Profile, weights: Weights, sleep_mode: bool, niced: bool,
-                     version: str | None = None, kv_bytes: int | None = None) -> Throwaway:
+                     version: str | None = None, kv_bytes: int | None = None,
+                     standby: Standby | None = None) -> Throwaway:
         """Spawn a second engine at ``rung`` (with a KV cache of ``kv_bytes`` when given, instead
-        of what vLLM's memory profiling finds); OSError when it cannot be started."""
+        of what vLLM's memory profiling finds), or make ``standby`` (vLLM imported, not niced)
+        become it; OSError when it cannot be started."""
         e = self.cfg.engine
         args = {**e.args, **(DUMMY_WEIGHTS_ARGS if weights == "dummy" else {})}
         if sleep_mode:
@@ -182,13 +186,24 @@ class Launcher:
         used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)
         tail = LogTail(TAIL_LINES, redact=lambda line: redact(line, secrets),
                        on_line=lambda line: _cache_used(line, used))
-        self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port))
-        ear = await self._listen(work / ipc.SOCKET_NAME)
+        if niced:
+            standby = None  # a standby runs at the supervisor's own priority
+        self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port,
+                                       standby=standby is not None))
+        ear: ipc.EventServer | None = None
+        child: Child | None = None
         try:
-            child = await self._spawn(argv, env)
+            ear = await self._listen(work / ipc.SOCKET_NAME)
+            if standby is not None:
+                child, standby = await self._activate(standby, argv, env), None
+            from_standby = child is not None
+            if child is None:
+                child = await self._spawn(argv, env)
         except BaseException:
             if ear is not None:
                 ear.close()
+            if standby is not None:  # taken from its pool, never told its argv
+                await standby.discard(self.host)
             raise
         taken = {t.record for t in self.current}
         record = next(n for n in map(leftovers.precompile_record, range(len(taken) + 1))
@@ -196,7 +211,7 @@ class Launcher:
         t = Throwaway(child, rung, engine.base_url, work, tail, [],
                       EngineClient(engine.base_url, e.api_key(), ipc.control_token(env)), self.host,
                       self.cfg.state.dir, tuple(masked(argv, secrets)), version, record, ear, used,
-                      e)
+                      e, from_standby)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
         t.drains += [
             asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s
@@ -231,6 +246,24 @@ class Launcher:
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await self.host.terminate_tree(await spawning, THROWAWAY_STOP_S, THROWAWAY_STOP_S)
+            raise
+
+    async def _activate(self, standby: Standby, argv: list[str],
+                        env: dict[str, str]) -> Child | None:
+        """``standby`` given this second engine's argv and environment; None when it is gone (the
+        caller spawns cold). Cancelled meanwhile, the standby is stopped: told its argv, it would
+        be a second engine nobody holds."""
+        activating = asyncio.ensure_future(
+            standby.activate(argv, env, self.cfg.recovery.standby_fork))
+        try:
+            return await asyncio.shield(activating)
+        except OSError as exc:
+            log.info("spare.standby_lost", pid=standby.pid, error=str(exc))
+            await standby.discard(self.host)
+            return None
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self.host.terminate_tree(standby.child, THROWAWAY_STOP_S, THROWAWAY_STOP_S)
             raise
 
     def done(self, t: Throwaway) -> None:

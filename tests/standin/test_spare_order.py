@@ -185,28 +185,30 @@ def test_where_the_spare_fits_beside_the_engine_the_order_stays_beside(supervise
 
 def test_status_tells_each_vllm_on_the_card_apart_by_role_session_and_memory(supervise: Callable[..., Sup],
                                                                           tmp_path: Path) -> None:
-    """Issue 39, item 4: on-call meets several vLLMs in nvidia-smi (the engine, the spare asleep, the standby). Each
+    """Issue 39, item 4: on-call meets several vLLMs in nvidia-smi (the engine, the spare asleep, the standbys). Each
     is one row of /status `processes`: its role, its session (what `ps -o sid=` prints for any of its processes,
     the EngineCore nvidia-smi lists included), its live pids and the GPU memory they hold."""
     sup = supervise({"profile": {"gpu_memory_utilization": 0.4},
                      "recovery": {"precompile_idle_s": 0.2, "standby": True}})
     sup.wait_ready(60)
     st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep"
-                      and s["next_start"]["standby"] is not None and not s["next_start"]["precompiling"]
+                      and s["next_start"]["standby"] is not None and s["next_start"]["spare_standby"] is not None
+                      and not s["next_start"]["precompiling"]
                       and any(r["role"] == "spare" and r["gpu_bytes"] for r in s["processes"]), 60,
-                      "a spare asleep, a standby, and a GPU poll since (every 10 s)")
+                      "a spare asleep, the standbys, and a GPU poll since (every 10 s)")
     rows = {r["role"]: r for r in st["processes"]}
-    assert set(rows) == {"engine", "spare", "standby"}, st["processes"]
+    assert set(rows) == {"engine", "spare", "standby", "spare standby"}, st["processes"]
     assert rows["engine"]["session"] == st["engine_pid"] and rows["engine"]["url"] == st["engine_url"]
     assert rows["spare"]["session"] == st["next_start"]["spare"]["pid"]
     assert rows["standby"]["session"] == st["next_start"]["standby"]["pid"]
+    assert rows["spare standby"]["session"] == st["next_start"]["spare_standby"]["pid"]
     for role, row in rows.items():
         members = sorted(p.pid for p in psutil.process_iter() if _sid(p.pid) == row["session"])
         assert row["pids"] == members, role
     # The engine's and the spare's EngineCore hold the card's memory (the fake NVML's per-process records); the
-    # standby only imported, and holds none.
+    # standbys only imported, and hold none.
     assert rows["engine"]["gpu_bytes"] > rows["spare"]["gpu_bytes"] > 0, st["processes"]
-    assert rows["standby"]["gpu_bytes"] == 0
+    assert rows["standby"]["gpu_bytes"] == 0 and rows["spare standby"]["gpu_bytes"] == 0
     assert len(rows["engine"]["pids"]) >= 2  # the API server and its EngineCore
     text = cli("status", "--config", str(sup.config)).stdout
     for role, row in rows.items():
@@ -567,6 +569,39 @@ def test_after_a_failures_restart_the_next_spare_is_built_at_ready_not_after_pre
                       "the next spare, built at READY")
     (spare, ) = sup.events("spare.asleep")
     assert spare["profile"]["max_num_batched_tokens"] < 6144, spare
+
+
+def test_each_spare_is_built_from_a_standby_of_its_own_the_first_and_the_one_after_a_failover(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 4: the window without a spare asleep is the spare's build, and a cold spare spent 20 s of its
+    83 s build on the H100 importing vLLM. Where a spare fits beside the engine (0.5), a standby of its own imports
+    while the engine serves (here during precompile_idle_s), and the spare's build starts from it: spawn -> asleep
+    shorter than the imports alone. After the failover that woke it, the next spare (built at READY) comes from the
+    next such standby. Before, every spare was a cold spawn that imported first."""
+    imports = 4.0
+    overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
+                            "env": {"FAKE_VLLM_IMPORT_DELAY": str(imports)}},
+                 "profile": {"gpu_memory_utilization": 0.5},
+                 "recovery": {"spare": "auto", "standby": True, "precompile_idle_s": imports + 4}}
+    sup = supervise(overrides)
+    sup.wait_ready(60)
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60, "the first spare")
+    (first, ) = sup.events("spare.asleep")
+    assert first["standby"] is True and first["took_s"] < imports, first
+    started = [e for e in sup.events("precompile.started") if e["standby"]]
+    assert len(started) == 1 and started[0]["profile"] == first["profile"], sup.events("precompile.started")
+    assert [e["role"] for e in sup.events("standby.spawned")].count("spare") >= 2  # the next one imports already
+    sup.wait_for(lambda s: (s["next_start"]["spare_standby"] or {}).get("imported_s") is not None, 30,
+                 "the next spare's standby imported")
+
+    send_long_prompt(sup)  # the seed's crash: the failover wakes the spare
+    st = sup.wait_ready(30, restarts=1)
+    assert st["engine_pid"] == first["pid"] and sup.events("spare.woken"), st
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 60,
+                      "the next spare, built at READY")
+    second = sup.events("spare.asleep")[-1]
+    assert second["pid"] != first["pid"] and second["standby"] is True and second["took_s"] < imports, second
+    assert second["profile"]["max_num_batched_tokens"] < first["profile"]["max_num_batched_tokens"]
 
 
 def test_a_climb_asked_while_another_second_engine_is_built_stops_it_instead_of_waiting(

@@ -251,3 +251,28 @@ def test_a_climbs_spare_starts_at_what_fits_beside_never_above_the_climbs_own_ut
     up = next_step(facts(READY, 0.5, serving(0.5), engine=rung(4096, 0.5), climb=rung(8192, 0.5)))
     assert up.rung is not None and up.rung.compile_key() == rung(8192, 0.5).compile_key()
     assert up.rung.gpu_memory_utilization is not None and up.rung.gpu_memory_utilization <= 0.5
+
+
+# (case, facts, whether the next spare's standby should import now)
+SPARE_SOON: list[tuple[str, Facts, bool]] = [
+    ("the H200 at 0.5, READY 10 s of precompile_idle_s: the spare is built in 20 s, its standby imports now",
+     facts(READY, 0.5, serving(0.5), waited_s=10.0), True),
+    ("the H200 at 0.5, precompile_idle_s over: the spare is built now", facts(READY, 0.5, serving(0.5)), True),
+    ("the H200 at 0.9: no spare fits beside, so no standby for one", facts(READY, 0.9, serving(0.9), waited_s=10.0),
+     False),
+    ("the shared card at 0.4: none fits beside", facts(READY, 0.4, serving(0.4, other_gib=66), waited_s=10.0), False),
+    ('[recovery] spare = "off"', facts(READY, 0.5, serving(0.5), waited_s=10.0, recovery=RecoveryConfig(spare="off")),
+     False),
+    ("a spare kept: none to build", facts(READY, 0.5, serving(0.5), waited_s=10.0, spare_kept=True), False),
+    ("a climb's spare fits beside the engine", facts(READY, 0.5, serving(0.5), engine=rung(4096, 0.5),
+                                                      climb=rung(8192, 0.5)), True),
+]
+
+
+@pytest.mark.parametrize(("case", "f", "soon"), SPARE_SOON, ids=[c[0] for c in SPARE_SOON])
+def test_the_next_spares_standby_is_asked_where_a_spare_fits_beside_the_engine(case: str, f: Facts,
+                                                                              soon: bool) -> None:
+    """Issue 38, item 4: a spare's build starts from a standby of its own, which imports while the engine has not
+    yet been READY precompile_idle_s; where no spare fits beside (vLLM's default 0.9, the shared card) none is
+    made: a standby nobody takes holds host memory."""
+    assert next_step(f).spare_fits is soon, case
