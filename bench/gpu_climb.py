@@ -6,9 +6,9 @@ at its default, the gateway in front with its memory rules off as in the field, 
 READY on, in one device call:
   1. the first READY, then a spare asleep beside the engine;
   2. CRASH_AFTER_S (5) later the seed's crash (another process takes all but 16 MiB, the long prompt through the
-     gateway): the failover, death -> READY, at the rung below (the spare woken); then the window a second death
-     would meet: that READY -> the next spare asleep (built at once, from a standby of its own);
-  3. the other process gone, then the operator's climb back: `vllm-supervisor reset-profile` while READY. Its
+     gateway): the failover, death -> READY, at the rung below (the spare woken); the other process gone, the window
+     a second death would meet: that READY -> the next spare asleep (built at once, from a standby of its own);
+  3. then the operator's climb back: `vllm-supervisor reset-profile` while READY. Its
      rung's spare is built beside the serving engine while it serves, and the climb wakes it: the command ->
      READY at the configured rung, the engine's own outage (READY left -> READY), and what the clients waited
      in that outage, set beside the failover's death -> READY of step 2 in the same run.
@@ -55,13 +55,13 @@ def main() -> int:
         time.sleep(float(os.environ.get("CRASH_AFTER_S", "5")))
         hogs.append(seed_crash())
         failover = recovered(sup, 1, "the seed's crash (the failover)")
-        window_after_failover()
         time.sleep(2)  # the long prompt answered on the lower rung
         for hog in hogs:
             hog.kill()
             hog.wait()
         hogs = []
         note("the other process is gone")
+        window_after_failover()
         climb(cfg, clients, failover)
         time.sleep(5)  # ordinary traffic on the climbed engine
         note(clients.finish())
