@@ -160,6 +160,34 @@ def clamp_to_configured(saved: Profile, configured: Profile,
     return out
 
 
+# Deaths that restart the rung they died at: none of them says the rung was short of memory.
+SAME_RUNG_DEATHS = frozenset({FailureKind.ENGINE_DEAD, FailureKind.SIGNAL, FailureKind.HANG})
+
+
+def into_sleeping_spare(decision: Decision, spare: Profile | None,
+                        ladder: LadderConfig) -> Decision:
+    """A death that would restart the rung it died at (the engine dead with no memory cause, a
+    signal, a hang), while a spare of the rung below sleeps beside it, restarts into the spare's
+    rung instead: a wake (0.8 s on the H100) rather than a start of the same rung (9-15 s). The
+    ladder's climb takes the engine back up after ``climb_after_s``, as after any step down; where
+    climbing is off (0) the engine would stay lower for good, so the rung is kept. ``spare`` is the
+    sleeping spare's rung only where the next one is built beside the engine again (a spare built
+    first, at vLLM's default 0.9, is kept for the memory failure it was built for). A memory
+    failure already goes to the spare's rung, a device's fault keeps nothing on the card, and a
+    configuration error is not restarted."""
+    kind = decision.failure.kind
+    if (not decision.restart or spare is None or kind not in SAME_RUNG_DEATHS
+            or ladder.climb_after_s <= 0 or spare.compile_key() == decision.profile.compile_key()
+            or spare.chunk() > decision.profile.chunk()):
+        return decision
+    into = spare.with_(gpu_memory_utilization=decision.profile.gpu_memory_utilization)
+    return replace(
+        decision, profile=into,
+        reason=f"{decision.reason}; into the rung of the spare asleep beside it "
+        f"(max_num_batched_tokens {spare.chunk()}): a wake, not a start; the climb takes it back "
+        f"up after climb_after_s ({ladder.climb_after_s:g}s)")
+
+
 @dataclass
 class Policy:
     """The supervisor's memory of failures; every decision is a pure function of it and the

@@ -208,7 +208,8 @@ class Lifecycle:
         detected_after = round(trigger.at_mono - self.state_since, 3)
         self.failures.detected(trigger, self.state)
         verdict = await self._stop(run, trigger, planned=False)
-        decision = await self.failures.judge(verdict, self.profile, served_s, detected_after)
+        decision = await self.failures.judge(verdict, self.profile, served_s, detected_after,
+                                             run.standby)
         if not decision.restart:
             # STOPPING -> FATAL
             self.change_state(S.FATAL, reason=decision.reason, exit_code=int(decision.exit_code))

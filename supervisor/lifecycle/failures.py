@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor.config import Config
-from supervisor.decide.policy import Decision, floor_of
+from supervisor.decide.policy import Decision, floor_of, into_sleeping_spare
+from supervisor.engine.origin import PreparedSource
 from supervisor.engine.run import Verdict
 from supervisor.engine.steps import Trigger
 from supervisor.engine_states import Blame, EngineState, Failure
@@ -34,16 +35,19 @@ class Failures(Part):
             self.tally.outage.first_failure = trigger.at_mono
 
     async def judge(self, verdict: Verdict, before: Profile, served_s: float,
-                    detected_after: float) -> Decision:
+                    detected_after: float, source: PreparedSource | None = None) -> Decision:
         """The stopped run's verdict judged at profile ``before`` (READY ``served_s``): the
-        gateway's blame, the policy's decision, the incident bundle, the failure remembered
-        and published."""
+        gateway's blame, the policy's decision (into the rung of the spare asleep beside the
+        engine, ``source.sleeping_spare()``, where the death would restart the same rung:
+        ``into_sleeping_spare``), the incident bundle, the failure remembered and published."""
         trigger, found = verdict.trigger, verdict.failure
         assert found is not None
         at_floor = floor_of(before, self.cfg.ladder) == before
         blame = Blame() if self.front is None else \
             await self.front.blame(found.kind, found.suspect_request, at_floor, before.chunk())
-        decision = self.policy.judge(found, before, self.host.monotonic(), blame, served_s)
+        decision = into_sleeping_spare(
+            self.policy.judge(found, before, self.host.monotonic(), blame, served_s),
+            source.sleeping_spare() if source is not None else None, self.cfg.ladder)
         failure = decision.failure
         path = await write_incident(self.cfg, self.host, self.publish, verdict, failure, before,
                                     decision.profile, decision.reason, detected_after)

@@ -135,6 +135,17 @@ class Recovery:
         it."""
         return await self.ahead.spare_for(profile)
 
+    def sleeping_spare(self) -> Profile | None:
+        """The rung of the spare asleep beside the engine, where a failure that would restart the
+        same rung may restart into it instead (decide/policy.py ``into_sleeping_spare``): one
+        built beside the serving engine, whose successor is built beside again at the next
+        READY. None for one built first (at 0.9 the next memory failure needs it, and no other
+        is built before a planned start) or woken already, and after a device's fault."""
+        spare = self.ahead.keeper.spare
+        if spare is None or spare.woken or spare.built_first or self.ahead.device_fault:
+            return None
+        return spare.profile
+
     def _wake_spare(self, target: Profile) -> None:
         if self._wake_ahead is None or self._wake_ahead.done():
             self._wake_ahead = asyncio.create_task(self.ahead.keeper.wake_ahead(target),

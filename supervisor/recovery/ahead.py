@@ -214,6 +214,7 @@ class Ahead:
         self.first.step("spare", 0, 1)
         await self.builder.build(rung, self.version, True)
         if self.keeper.spare is not None:
+            self.keeper.spare.built_first = True
             self.first.times.note("spare", self.keeper.last_build_s)
             self.first.step("spare", 1, 1)
         return self.keeper.spare is not None

@@ -67,6 +67,7 @@ class Spare(Throwaway):
     wakes: int = 0  # how often a check woke it (``spare_check_every_s``)
     checked_at: float = 0.0  # when it fell asleep or was last checked (monotonic)
     woken: bool = False  # awake again for a climb, beside the engine it replaces (``wake_ahead``)
+    built_first: bool = False  # built before a planned start's engine (none fitted beside it)
 
     def serves(self, profile: Profile) -> bool:
         """It can be the engine at ``profile``: the same rung (the compile key: every knob but the

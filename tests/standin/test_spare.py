@@ -274,26 +274,31 @@ def test_a_spare_that_cannot_serve_the_start_is_stopped_and_the_start_is_cold(
     assert gone(third["pid"])
 
 
-def test_a_death_that_restarts_the_same_rung_leaves_the_spare_asleep_for_the_next_memory_failure(
+def test_a_death_that_restarts_its_rung_wakes_the_spare_below_and_the_climb_takes_the_engine_back_up(
         supervise: Callable[..., Sup]) -> None:
-    """The engine (8192) is SIGKILLed: a death that is not memory's restarts at 8192, which the spare (6144) cannot
-    serve. It stays asleep, since 6144 is still the rung the next runtime OOM picks (at 0.9 no spare starts beside a
-    serving engine, so a spare dropped here was lost until a planned start); that OOM then wakes it."""
-    sup = supervise()
+    """Issue 38, item 4: the engine (8192) is SIGKILLed while the spare of 6144 sleeps beside it. A death that is not
+    memory's restarts its own rung: a start (the stand-in's COLD_S; 9-15 s on the H100 and H200), with the spare
+    left asleep. Since the next spare is built beside the engine again at READY, the restart goes into the spare's
+    rung instead: a wake. The ladder's climb takes the engine back to 8192 after climb_after_s. (Where the spare was
+    built first, at 0.9, it is kept for the memory failure: tests/standin/test_spare_order.py.)"""
+    sup = supervise({"ladder": {"climb_after_s": 4.0}})
     first = sup.wait_ready(30)
     spare = asleep(sup)
     os.kill(first["engine_pid"], signal.SIGKILL)
     st = sup.wait_ready(30, restarts=1)
-    assert st["last_failure"]["kind"] == "signal" and st["profile"]["max_num_batched_tokens"] == 8192
-    assert st["engine_pid"] not in (first["engine_pid"], spare["pid"])
-    assert sup.events("spare.dropped") == [] and psutil.pid_exists(spare["pid"])
-    assert asleep(sup)["pid"] == spare["pid"]
-
-    assert send_long_prompt(sup) == 500  # a (stand-in) runtime OOM
-    st = sup.wait_ready(30, restarts=2)
-    assert st["engine_pid"] == spare["pid"] and st["profile"]["max_num_batched_tokens"] == 6144
+    assert st["last_failure"]["kind"] == "signal", st["last_failure"]
+    assert st["engine_pid"] == spare["pid"] and st["profile"]["max_num_batched_tokens"] == 6144, st
     assert [e["pid"] for e in sup.events("spare.woken")] == [spare["pid"]]
     assert st["timings"]["start_to_ready_s"] < COLD_S / 2, st["timings"]
+    (lowered, ) = sup.events("engine.profile_lowered")
+    assert lowered["kind"] == "signal" and lowered["diff"]["max_num_batched_tokens"] == [8192, 6144], lowered
+    backoff = [e for e in sup.events("engine.state_changed") if e["to"] == "BACKOFF"]
+    assert "into the rung of the spare asleep" in backoff[-1]["reason"], backoff
+    assert sup.gateway is not None and complete(sup.gateway) == 200
+
+    st = sup.wait_for(lambda s: s["ready"] and s["profile"]["max_num_batched_tokens"] == 8192, 60,
+                      "the climb back to 8192")
+    assert st["last_failure"]["kind"] == "signal" and st["restarts"] >= 1, st
 
 
 def test_a_spare_left_by_a_sigkilled_supervisor_is_stopped_by_the_next_one(

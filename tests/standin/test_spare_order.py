@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -151,6 +152,32 @@ def test_where_no_spare_fits_beside_the_engine_it_is_built_first_and_woken_by_th
             if p is not None:
                 p.kill()
                 p.wait()
+
+
+def test_a_death_that_restarts_its_rung_leaves_a_spare_built_first_asleep_for_the_next_memory_failure(
+        supervise: Callable[..., Sup], card: Path) -> None:
+    """At 0.9 no spare fits beside the serving engine: one built first (`spare_order = "auto"`) is the only one until
+    the next planned start. The engine (8192) is SIGKILLed: a death that is not memory's restarts 8192 and leaves that
+    spare asleep, and the memory failure it was built for then wakes it. (A spare built beside the engine, whose
+    successor is built beside again, is woken by such a death instead: tests/standin/test_spare.py.)"""
+    sup = supervise(deep_merge(SPARE_FIRST, {"ladder": {"climb_after_s": 4.0}}))
+    first = sup.wait_ready(60)
+    spare = first["next_start"]["spare"]
+    assert spare["state"] == "asleep" and spare["order"]["order"] == "first", spare
+    os.kill(first["engine_pid"], signal.SIGKILL)
+    st = sup.wait_ready(60, restarts=1)
+    assert st["last_failure"]["kind"] == "signal" and st["profile"]["max_num_batched_tokens"] == 8192, st
+    assert st["engine_pid"] != spare["pid"] and not sup.events("spare.woken") and not sup.events("spare.dropped")
+    assert st["next_start"]["spare"]["pid"] == spare["pid"] and psutil.pid_exists(spare["pid"])
+
+    hog = hold(card, free_mib(card) - 16)
+    try:
+        assert send_long_prompt(sup) == 500  # the (stand-in) runtime OOM it was built for
+        st = sup.wait_ready(30, restarts=2)
+        assert st["engine_pid"] == spare["pid"] and st["profile"]["max_num_batched_tokens"] == 6144, st
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def test_a_first_start_imports_its_engine_while_the_spare_is_built_first(supervise: Callable[..., Sup]) -> None:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from supervisor.config import LadderConfig, RestartConfig
-from supervisor.decide.policy import Policy, backoff_delay, clamp_to_configured, step_down, step_up
+from supervisor.decide.policy import (
+    Decision,
+    Policy,
+    backoff_delay,
+    clamp_to_configured,
+    into_sleeping_spare,
+    step_down,
+    step_up,
+)
 from supervisor.engine_states import ExitCode, Failure, FailureKind
 from supervisor.profile import Knob, Profile
 
@@ -302,3 +312,45 @@ def test_judge_sends_a_memory_death_to_the_floor_when_the_gateway_asks_and_a_rel
     assert p.configured.max_num_seqs == 8 and p.restart.max_restarts == 3 and p.rung_failures == failed
     p.forget_failed_rungs()
     assert p.rung_failures == {}
+
+
+# ---- a death that restarts its own rung, while a spare of the rung below sleeps beside it (issue 38, item 4) ----
+ENGINE = Profile(max_num_batched_tokens=8192, max_num_seqs=10, gpu_memory_utilization=0.5)
+SPARE_6144 = Profile(max_num_batched_tokens=6144, max_num_seqs=10, gpu_memory_utilization=0.47)
+
+
+def restart(kind: FailureKind, profile: Profile = ENGINE) -> Decision:
+    return Decision(True, profile, Failure(kind, "x"), 0.5, f"{kind.value}: restart with the same profile")
+
+
+# (case, the policy's decision, the sleeping spare's rung, climb_after_s, the chunk the restart goes to)
+INTO_SPARE: list[tuple[str, Decision, Profile | None, float, int]] = [
+    ("EngineCore SIGKILLed: a wake, not a start of 8192", restart(FailureKind.SIGNAL), SPARE_6144, 1800.0, 6144),
+    ("engine dead with no memory cause", restart(FailureKind.ENGINE_DEAD), SPARE_6144, 1800.0, 6144),
+    ("a hang", restart(FailureKind.HANG), SPARE_6144, 1800.0, 6144),
+    ("no spare asleep: the same rung", restart(FailureKind.SIGNAL), None, 1800.0, 8192),
+    ("climbing off: the engine would stay lower for good", restart(FailureKind.SIGNAL), SPARE_6144, 0.0, 8192),
+    ("a device's fault keeps nothing on the card", restart(FailureKind.DEVICE_FATAL), SPARE_6144, 1800.0, 8192),
+    ("a runtime OOM goes to the spare's rung by the policy already",
+     restart(FailureKind.RUNTIME_OOM, SPARE_6144.with_(gpu_memory_utilization=0.5)), SPARE_6144, 1800.0, 6144),
+    ("a spare of a rung above the restart's (after the ladder stepped lower) is no step down",
+     restart(FailureKind.SIGNAL, Profile(max_num_batched_tokens=4096, max_num_seqs=10)), SPARE_6144, 1800.0, 4096),
+    ("given up: no restart to redirect", replace(restart(FailureKind.SIGNAL), restart=False), SPARE_6144, 1800.0,
+     8192),
+]
+
+
+@pytest.mark.parametrize(("case", "decided", "spare", "climb_after_s", "chunk"), INTO_SPARE,
+                         ids=[c[0] for c in INTO_SPARE])
+def test_a_death_that_restarts_its_rung_goes_into_the_sleeping_spares_rung(
+        case: str, decided: Decision, spare: Profile | None, climb_after_s: float, chunk: int) -> None:
+    d = into_sleeping_spare(decided, spare, LadderConfig(climb_after_s=climb_after_s))
+    assert d.profile.chunk() == chunk, case
+    assert d.delay_s == decided.delay_s and d.restart == decided.restart
+    if chunk != decided.profile.chunk():
+        # the spare serves it: its rung, at no more than the utilization the engine had
+        assert d.profile.compile_key() == SPARE_6144.compile_key()
+        assert d.profile.gpu_memory_utilization == ENGINE.gpu_memory_utilization
+        assert "into the rung of the spare asleep" in d.reason
+    else:
+        assert d == decided
