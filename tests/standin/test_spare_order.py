@@ -605,7 +605,7 @@ def test_each_spare_is_built_from_a_standby_of_its_own_the_first_and_the_one_aft
     while the engine serves (here during precompile_idle_s), and the spare's build starts from it: spawn -> asleep
     shorter than the imports alone. After the failover that woke it, the next spare (built at READY) comes from the
     next such standby. Before, every spare was a cold spawn that imported first."""
-    imports = 4.0
+    imports = 5.0
     overrides = {"engine": {"model": str(model_dir(tmp_path, weights_gib=4)),
                             "env": {"FAKE_VLLM_IMPORT_DELAY": str(imports)}},
                  "profile": {"gpu_memory_utilization": 0.5},
