@@ -72,8 +72,9 @@ class Recovery:
         if isinstance(event, EngineEnvReported):
             if not event.second_engine:
                 self._engine_reported = True
-                self.pool.engine_env(vllm_env_of(dict(event.env)))
-                self.spare_pool.engine_env(vllm_env_of(dict(event.env)))
+                reported = vllm_env_of(dict(event.env))
+                self.pool.engine_env(reported)
+                self.spare_pool.engine_env(reported)
                 if self._early_standby():
                     self.pool.want()
             elif self.ahead.building_first and not self._engine_reported:

@@ -186,8 +186,6 @@ class Launcher:
         used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)
         tail = LogTail(TAIL_LINES, redact=lambda line: redact(line, secrets),
                        on_line=lambda line: _cache_used(line, used))
-        if niced:
-            standby = None  # a standby runs at the supervisor's own priority
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port,
                                        standby=standby is not None))
         ear: ipc.EventServer | None = None
@@ -251,20 +249,14 @@ class Launcher:
     async def _activate(self, standby: Standby, argv: list[str],
                         env: dict[str, str]) -> Child | None:
         """``standby`` given this second engine's argv and environment; None when it is gone (the
-        caller spawns cold). Cancelled meanwhile, the standby is stopped: told its argv, it would
+        caller spawns cold). Cancelled meanwhile, ``launch`` discards it: told its argv, it would
         be a second engine nobody holds."""
-        activating = asyncio.ensure_future(
-            standby.activate(argv, env, self.cfg.recovery.standby_fork))
         try:
-            return await asyncio.shield(activating)
+            return await standby.activate(argv, env, self.cfg.recovery.standby_fork)
         except OSError as exc:
             log.info("spare.standby_lost", pid=standby.pid, error=str(exc))
             await standby.discard(self.host)
             return None
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await self.host.terminate_tree(standby.child, THROWAWAY_STOP_S, THROWAWAY_STOP_S)
-            raise
 
     def done(self, t: Throwaway) -> None:
         """``t`` is stopped or kept: no longer one being started."""

@@ -9,22 +9,13 @@ from supervisor.decide.liveness import Liveness
 from supervisor.engine.monitor import START_HEALTH_POLL_S, Monitor
 from supervisor.engine_states import TriggerKind
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from tests.helpers.clock import VirtualClock
 
 
 class Engine:
     """/health 200 from ``healthy_at`` on (a refused connection, None, before)."""
 
-    def __init__(self, clock: Clock, healthy_at: float) -> None:
+    def __init__(self, clock: VirtualClock, healthy_at: float) -> None:
         self.clock, self.healthy_at = clock, healthy_at
 
     async def health(self, timeout: float) -> int | None:
@@ -32,7 +23,7 @@ class Engine:
 
 
 def seen_after(healthy_at: float, start_timeout_s: float = 600.0) -> tuple[object, float]:
-    clock = Clock()
+    clock = VirtualClock()
     monitor = Monitor(HealthConfig(), clock, Engine(clock, healthy_at), lambda _: None,  # type: ignore[arg-type]
                       Liveness(HealthConfig(), start_timeout_s, 0.0), "canary")
     fired = asyncio.run(monitor.until_healthy())

@@ -12,23 +12,14 @@ from supervisor.bounds import STANDBY_IMPORT_WAIT_S
 from supervisor.config_file import parse
 from supervisor.recovery.standby import SPARE, StandbyPool
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from tests.helpers.clock import VirtualClock
 
 
 class Standby:
     """An interpreter importing vLLM until ``imported_at`` (never, when None); ``fits``: made for the engine config
     in force."""
 
-    def __init__(self, clock: Clock, imported_at: float | None, fits: bool = True) -> None:
+    def __init__(self, clock: VirtualClock, imported_at: float | None, fits: bool = True) -> None:
         self.clock, self.imported_at, self._fits = clock, imported_at, fits
 
     def import_s(self) -> float | None:
@@ -39,7 +30,7 @@ class Standby:
         return self._fits
 
 
-def taken(standby: Standby | None, clock: Clock, standby_on: bool = True) -> tuple[object, float, object]:
+def taken(standby: Standby | None, clock: VirtualClock, standby_on: bool = True) -> tuple[object, float, object]:
     """What the build got, when (virtual seconds), and what the pool still holds."""
     cfg = parse({"engine": {"model": "m"}, "recovery": {"standby": standby_on}})
     pool = StandbyPool(cfg, clock, lambda _: None, role=SPARE)  # type: ignore[arg-type]
@@ -64,7 +55,7 @@ CASES: list[tuple[str, float | None, bool, bool, bool, float, bool]] = [
 def test_a_spares_build_takes_its_standby_once_imported(case: str, imported_at: float | None, fits: bool,
                                                         standby_on: bool, is_taken: bool, at: float,
                                                         left: bool) -> None:
-    clock = Clock()
+    clock = VirtualClock()
     standby = Standby(clock, imported_at, fits)
     got, when, kept = taken(standby, clock, standby_on)
     assert (got is standby) is is_taken, case
@@ -73,5 +64,5 @@ def test_a_spares_build_takes_its_standby_once_imported(case: str, imported_at: 
 
 
 def test_no_standby_is_a_cold_spawn_at_once() -> None:
-    clock = Clock()
+    clock = VirtualClock()
     assert taken(None, clock) == (None, 0.0, None)
