@@ -10,8 +10,11 @@ READY on, in one device call:
      a second death would meet: that READY -> the next spare asleep (built at once, from a standby of its own);
   3. then the operator's climb back: `vllm-supervisor reset-profile` while READY. Its
      rung's spare is built beside the serving engine while it serves, and the climb wakes it: the command ->
-     READY at the configured rung, the engine's own outage (READY left -> READY), and what the clients waited
-     in that outage, set beside the failover's death -> READY of step 2 in the same run.
+     READY at the configured rung, the engine's own outage (READY left -> READY), how long new requests were held
+     (READY left -> the hand-over to the woken spare), and what the clients waited in that outage, set beside the
+     failover's death -> READY of step 2 in the same run;
+  4. once the spare of the rung below sleeps beside the climbed engine, the EngineCore SIGKILLed (a death that is not
+     memory's): death -> READY, and whether it woke that spare.
 $OUT gets summary-climb.txt and events-climb.jsonl. Usage: `python3 bench/gpu_climb.py`.
 """
 
@@ -24,12 +27,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from common import events_in
 from gpu_common import OUT, Stop, note, run_supervisor, status, wait
-from gpu_proof import CACHE, LOG, STATE, first_start, recovered, seed_crash
+from gpu_proof import CACHE, LOG, STATE, first_start, kill_engine_core, recovered, seed_crash
 from gpu_seed import GW, Clients, at, toml, wrapped_up
 
 UTIL = float(os.environ.get("UTIL", "0.5"))
@@ -64,6 +68,7 @@ def main() -> int:
         window_after_failover()
         climb(cfg, clients, failover)
         time.sleep(5)  # ordinary traffic on the climbed engine
+        death_beside_a_spare(sup, failover)
         note(clients.finish())
     except Stop as why:
         note(f"STOPPED: {why}")
@@ -120,14 +125,38 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
              if at(e) >= w0]
     stops = [(e.get("kill_s"), e.get("drain_s"), e.get("gpu_release_s"), e.get("at_once"), e.get("returncode"))
              for e in events_in(LOG, "engine.stopped") if at(e) >= w0]
-    woken = [(e.get("took_s"), (e.get("canary") or {}).get("took_s"), e.get("beside"))
+    woken = [(e.get("took_s"), (e.get("canary") or {}).get("took_s"), e.get("warmup_s"), e.get("beside"))
              for e in events_in(LOG, "spare.woken") if at(e) >= w0]
+    handed = [e for e in events_in(LOG, "gateway.handed_over") if at(e) >= w0]
+    # item 2's measure: how long new requests were held, the engine left READY -> the hand-over (or READY)
+    held_s = (at(handed[0]) if handed else at(back[-1])) - since
     note(f"climb: the drain (waited_s, in flight, cut) {parts}; the stop (kill_s, pipes_s, gpu_release_s, at "
-         f"once, rc) {stops}; the wake (took_s, canary s, beside the draining engine) {woken}; READY's phases "
-         f"{st['timings'].get('phases')}")
+         f"once, rc) {stops}; the wake (took_s, canary s, warm-up s, beside the draining engine) {woken}; READY's "
+         f"phases {st['timings'].get('phases')}")
     note(f"clients: over the whole climb {clients.latency(w0, time.time())}; those answered within 20 s after the "
          f"engine left READY {clients.latency(since, since + 20)}")
-    note(f"climb: outage {out_s:.2f}s = {out_s / failover:.2f}x the failover with a spare ({failover:.2f}s)")
+    note(f"climb: outage {out_s:.2f}s = {out_s / failover:.2f}x the failover with a spare ({failover:.2f}s); new "
+         f"requests held (READY left -> {'hand-over' if handed else 'READY'}) {held_s:.2f}s = "
+         f"{held_s / failover:.2f}x the failover")
+
+
+def death_beside_a_spare(sup: Any, failover: float) -> None:
+    """Step 4: a death that is not memory's while the spare of the rung below sleeps beside the engine (built at the
+    climb's READY): the EngineCore SIGKILLed, death -> READY, and whether the restart woke that spare
+    (decide/policy.py ``into_sleeping_spare``) or started the same rung again."""
+    st = wait(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", "the spare after the climb")
+    if st is None:
+        note("death beside a spare: no spare asleep after the climb; step 4 skipped")
+        return
+    spare, w0 = st["next_start"]["spare"], time.time()
+    note(f"SIGKILL to the EngineCore, the spare at {spare['profile']} asleep beside: {kill_engine_core()}")
+    took = recovered(sup, int(st["restarts"]) + 1, "the EngineCore SIGKILLed beside a sleeping spare")
+    after = status() or {}
+    lowered = [e.get("reason") for e in events_in(LOG, "engine.state_changed")
+               if e.get("to") == "BACKOFF" and at(e) >= w0]
+    note(f"death beside a spare: death -> READY {took:.3f}s = {took / failover:.2f}x the failover; "
+         f"the engine is the spare: {after.get('engine_pid') == spare['pid']}; why {lowered}; spawned "
+         f"{[(e.get('pid'), e.get('spare')) for e in events_in(LOG, 'engine.spawned') if at(e) >= w0]}")
 
 
 def tree() -> list[tuple[int, int, int, int, str]]:

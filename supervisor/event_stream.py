@@ -679,6 +679,8 @@ class SpareWoken(Event):
     # woken for a climb while the engine it replaces still drained (not after that engine's stop)
     beside: bool = False
     url: str = ""  # where it answers
+    # woken beside: its warm-up, done before it takes requests (its start then has none to do)
+    warmup_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,6 +57,7 @@ class Woken(Protocol):
     work: Path
     argv: tuple[str, ...]
     version: str | None
+    warmed: Any  # its warm-up already done (woken beside the engine it replaces), or None
 
     async def hand_over(self) -> Child: ...
 

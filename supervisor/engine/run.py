@@ -239,11 +239,13 @@ class EngineRun:
         """Mid-length prompts before traffic (a failure is a startup failure); the READY record."""
         w = self.cfg.warmup
         sizes = warmup.plan(self.profile, w)
-        if self.origin.spare is not None:
+        spare = self.origin.spare
+        if spare is not None:
             w = warmup.after_wake(w, sizes)
         try:
-            warmed = await self.steps.within(w.timeout_s + STEP_SLACK_S,
-                                             warmup.run(self.client, sizes, w))
+            warmed = await self.steps.within(
+                w.timeout_s + STEP_SLACK_S,
+                warmup.run(self.client, [] if spare and spare.warmed else sizes, w))
         except warmup.WarmupFailed as exc:
             return self.steps.trigger(TriggerKind.WARMUP_FAILED, str(exc))
         if isinstance(warmed, Trigger):

@@ -732,7 +732,7 @@ def test_a_climb_hands_new_requests_to_its_woken_spare_while_the_old_engine_drai
     to drain_timeout_s, 30 s): on the H100 the drain of 16 short ones made the climb's 1.11 s, 1.35x the failover.
     Now, once the spare is awake and its canary answered, new requests go to it (``gateway.handed_over``) while the
     stream of 6,000 tokens (12 s) finishes at the old engine."""
-    sup = after_a_failover(supervise, tmp_path, {})
+    sup = after_a_failover(supervise, tmp_path, {"engine": {"args": {"enable_log_requests": True}}})
     assert sup.gateway is not None
     gateway, streamed, short = sup.gateway, [], []
     with ThreadPoolExecutor(2) as pool:
@@ -755,6 +755,20 @@ def test_a_climb_hands_new_requests_to_its_woken_spare_while_the_old_engine_drai
     assert handed["in_flight"] == 1, handed  # the stream, left to finish at the old engine
     (drained, ) = sup.events("gateway.drained")
     assert drained["in_flight"] == 1 and drained["cut"] == 0, drained
+    # Its warm-up was done at the wake, before requests were handed to it (``spare.woken`` is published once it is
+    # over, and the hand-over follows it; the H100's climb warmed it after the old engine's stop: 0.66 s of a 1.43 s
+    # outage, with the clients' requests already there), and not again once its start adopted it: its log, relayed
+    # from then on, shows the clients' requests and no warm-up.
+    order = [e["event"] for e in log_events(sup.log_path) if e.get("event") in ("spare.woken", "gateway.handed_over")]
+    assert (woken[-1].get("warmup_s") or 0) > 0 and order[-2:] == ["spare.woken", "gateway.handed_over"], (woken, order)
+    assert http_json(gateway + "/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+    def at_spare() -> list[str]:
+        return [line for line in sup.log_path.read_text(errors="replace").splitlines()
+                if "Received request cmpl-" in line and f"pid={handed['pid']})" in line]
+
+    sup.wait_for(lambda _: bool(at_spare()), 10, "the request after READY in the adopted spare's log")
+    assert not [line for line in at_spare() if "cmpl-warmup-" in line], at_spare()
 
 
 def test_a_climbs_spare_the_card_cannot_hold_awake_beside_the_engine_is_woken_after_its_stop(

@@ -374,6 +374,14 @@ def test_warmup_plan_spans_a_quarter_to_a_half_of_the_chunk_and_fits_the_model()
     assert plan(Profile(), WarmupConfig(prompt_tokens=(10, 20))) == [10, 20]
 
 
+def test_a_woken_spares_warmup_is_its_prompts_in_one_round_of_one_token_each() -> None:
+    from supervisor.config import WarmupConfig
+    from supervisor.engine.warmup import after_wake
+
+    woken = after_wake(WarmupConfig(concurrency=2, max_tokens=8, timeout_s=30.0), [1, 2, 3, 4])
+    assert (woken.concurrency, woken.max_tokens, woken.timeout_s) == (4, 1, 30.0)
+
+
 async def test_recovery_time_counts_from_the_first_failure_of_an_outage(tmp_path: Path) -> None:
     arb, host, _ = make(tmp_path, profile={"gpu_memory_utilization": 0.5}, restart={"backoff_jitter": 0.0})
     run = asyncio.create_task(arb.run())
