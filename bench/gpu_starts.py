@@ -122,6 +122,7 @@ def part_sup() -> int:
         note(f"first READY on a fresh host: {first_wall:.1f}s after the supervisor started (the engine's spawn -> "
              f"READY {first:.1f}s); precompile {json.dumps(st['next_start']['precompile'])[:400]}; spare "
              f"{json.dumps(st['next_start']['spare'])[:600]}")
+        answers = [("first READY", greedy())]
         clients.start()
         standby = wait(lambda s: (s["next_start"]["standby"] or {}).get("imported_s") is not None, "the next standby")
         if standby is not None:
@@ -139,12 +140,15 @@ def part_sup() -> int:
         note(f"planned restart: the command -> READY {planned:.1f}s (spawn -> READY {spawn_ready:.1f}s, phases "
              f"{again['timings']['phases']}); clients meanwhile: {clients.latency(w0, time.time())}; built first: "
              f"{len(events_in(log, 'precompile.started'))} second engines in all so far")
+        answers.append(("planned restart", greedy()))
         reload_s, reload_outage, on = reload_env(cfg, clients, log)
+        answers.append(("reload", greedy()))
         time.sleep(float(os.environ.get("SECOND_AFTER_S", "10")))
         hogs.append(seed_crash())
         crash = recovered(sup, 1, "the seed's crash, no spare")
         crash_phases = [e.get("phases") for e in events_in(log, "engine.state_changed") if e.get("to") == "READY"]
         note(f"the crash's restart phases: {crash_phases[-1]}")
+        answers.append(("the crash's restart", greedy()))
         compare = os.environ.get("COMPARE", "1")
         if compare in ("1", "beside"):
             # Side by side with the reload above, the same kind of start: its standby imported vLLM's API server
@@ -154,6 +158,7 @@ def part_sup() -> int:
                     "reload with the compiled model loaded after the weights")
             off = reload_env(cfg, clients, log, start=5, engine_imports=compare != "1",
                              beside=compare != "beside", what=what)[2]
+            answers.append((what, greedy()))
             note(f"{'the engine modules imported ahead' if compare == '1' else 'the compiled model beside the weights'}"
                  " (reload 1) against not (reload 2), vLLM's phases after the "
                  "imports, s: " + ", ".join(f"{k} {on.get(k)} / {off.get(k)}" for k in off if k != "gates")
@@ -161,6 +166,8 @@ def part_sup() -> int:
                  f"{sum(v for k, v in off.items() if k != 'gates'):.2f}")
         time.sleep(5)
         note(clients.finish())
+        note("the same greedy prompt after each start (tokens, equal to the first READY's): "
+             + "; ".join(f"{what} {toks} {toks == answers[0][1]}" for what, toks in answers))
         if plain:
             fresh, warm = plain["fresh_s"], plain["warm_s"]
             note(f"starts: first READY {first_wall:.1f}s = {first_wall / fresh:.2f}x vLLM's fresh-host cold start "
@@ -177,6 +184,14 @@ def part_sup() -> int:
         wrapped_up(clients, hogs, sup, log, "starts",
                    ("gpu.utilization_adapted", "engine.failed", "start.building_first"))
     return 0
+
+
+def greedy() -> list[str] | None:
+    """A fixed prompt answered greedily through the gateway (16 tokens): a start whose compiled model came another
+    way must answer it as the first READY did."""
+    code, doc, _ = http(f"http://{GW}/v1/completions", {"model": "m", "prompt": "The field report says the engine",
+                                                        "max_tokens": 16, "temperature": 0, "logprobs": 1}, 120)
+    return list(doc["choices"][0]["logprobs"]["tokens"]) if code == 200 and isinstance(doc, dict) else None
 
 
 def reload_env(cfg: Path, clients: Clients, log: Path, start: int = 3, engine_imports: bool = True,
