@@ -294,7 +294,11 @@ def load_compiled_beside_weights() -> bool:
             module.compilation_config.local_cache_dir = cache_dir  # as __call__ sets them first
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor_cache")
             os.makedirs(os.environ["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
-            fn = try_load(module, path)
+            # grad mode is per thread, and the first forward runs in inference mode: loaded with
+            # grad on (a new thread's), vLLM's backend wrapped the graphs for autograd, and the
+            # first forward failed ("Inference tensors cannot be saved for backward", the H100)
+            with torch.inference_mode():
+                fn = try_load(module, path)
         except Exception as exc:  # noqa: BLE001 - vLLM loads it at the first forward
             fn = None
             print(f"vllm-supervisor: loading the compiled model beside the weights failed: {exc}",

@@ -5,6 +5,7 @@ the same module and path. vLLM's modules here are stand-ins with the names and t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -57,6 +58,7 @@ class FakeVllm:
 
         def try_load(model: Any, path: str) -> Any:
             fake.loads.append((model, path, threading.current_thread().name))
+            fake.modes.append(getattr(fake.inference, "on", False))
             fake.loading.set()
             return load(model, path) if load else ("compiled", path)
 
@@ -68,6 +70,8 @@ class FakeVllm:
                 return "weights"
 
         self.overlapped = False
+        self.inference = threading.local()  # torch's grad mode is per thread
+        self.modes: list[bool] = []  # for each load: in inference mode
         self.wait_s = 0.0  # how long the weights wait for vLLM's loader to be entered beside them
         modules: dict[str, dict[str, Any]] = {
             "vllm.compilation.decorators": {"_try_load_aot_compiled_fn": try_load,
@@ -77,7 +81,7 @@ class FakeVllm:
             "vllm.envs": {"VLLM_CACHE_ROOT": str(root), "VLLM_USE_AOT_COMPILE": True,
                           "VLLM_DISABLE_COMPILE_CACHE": False},
             "vllm.platforms": {"current_platform": SimpleNamespace(is_cuda_alike=lambda: cuda)},
-            "torch": {"cuda": SimpleNamespace(is_available=lambda: False)},
+            "torch": {"cuda": SimpleNamespace(is_available=lambda: False), "inference_mode": self.inference_mode},
         }
         for name, attrs in modules.items():
             module = ModuleType(name)
@@ -86,6 +90,14 @@ class FakeVllm:
         self.decorators = sys.modules["vllm.compilation.decorators"]
         self.loader = DefaultModelLoader
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-before"))
+
+    @contextlib.contextmanager
+    def inference_mode(self) -> Iterator[None]:
+        self.inference.on = True
+        try:
+            yield
+        finally:
+            self.inference.on = False
 
     def first_forward(self, module: Any, path: Path) -> Any:
         """What ``__call__`` does at the model's first forward: vLLM's loader, by its module-level name."""
@@ -117,6 +129,9 @@ def test_the_compiled_model_loads_in_a_thread_while_the_weights_load_and_the_fir
     assert sys.getswitchinterval() == switch  # the GIL's interval is given back
     ((loaded_for, loaded_path, thread), ) = vllm.loads
     assert loaded_for is module and loaded_path == str(path) and thread != vllm.weights_threads[0], vllm.loads
+    # in inference mode, as the first forward is: grad on (a new thread's), vLLM wrapped the graphs for autograd and
+    # the first forward failed on the H100 ("Inference tensors cannot be saved for backward")
+    assert vllm.modes == [True]
     # What __call__ sets before its own load was set before the thread's.
     cache_dir = path.parent.parent
     assert module.compilation_config.local_cache_dir == str(cache_dir)
