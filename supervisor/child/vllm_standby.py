@@ -53,7 +53,8 @@ REFUSED = ".refused"  # beside that list: a standby found an import that initial
 MODULES_DONE = "engine-modules.json"  # beside the READY file: what import_engine_modules did
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 EXIT_CUDA = 3
-BESIDE_WEIGHTS_ENV = "VLLMSUP_COMPILED_BESIDE_WEIGHTS"  # "0": vLLM loads its compiled model as ever
+# "1": the compiled model loads beside the weights on CUDA, "any": on every platform; off otherwise
+BESIDE_WEIGHTS_ENV = "VLLMSUP_COMPILED_BESIDE_WEIGHTS"
 SWITCH_BESIDE_S = 0.0005  # the GIL's switch interval while the compiled model loads beside weights
 
 
@@ -256,10 +257,16 @@ def load_compiled_beside_weights() -> bool:
     gets what the thread loaded only for the same module and path; otherwise vLLM's own load runs,
     as without this. Nothing else of vLLM's is changed. Where a name is missing, the platform is
     not CUDA's, AOT compile or the cache is off, or the load fails, vLLM loads at the first forward
-    as before. Off with ``VLLMSUP_COMPILED_BESIDE_WEIGHTS=0`` in the engine's environment;
-    ``any`` tries it on every platform (the CPU tests).
+    as before.
+
+    Off unless the engine's environment has ``VLLMSUP_COMPILED_BESIDE_WEIGHTS=1`` (``any``: on
+    every platform, the CPU tests). On the H100 (docs/recovery.md §2, step 7) the load beside the
+    weights worked once it ran in inference mode, but before that fix its load in grad mode left
+    graphs in vLLM's compile cache that failed every later start, a plain cold one too: a thread
+    whose state differs from the first forward's in anything vLLM's cache keys on writes the
+    cache for everyone. One start is not enough to turn that on for every user.
     """
-    if os.environ.get(BESIDE_WEIGHTS_ENV, "1") == "0":
+    if os.environ.get(BESIDE_WEIGHTS_ENV, "0") not in ("1", "any"):
         return False
     # only what this standby imported already: importing more here could start CUDA before the fork
     decorators: Any = sys.modules.get("vllm.compilation.decorators")

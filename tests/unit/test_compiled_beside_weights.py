@@ -105,7 +105,8 @@ class FakeVllm:
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(vllm_standby.BESIDE_WEIGHTS_ENV, "1")  # turned on, as the engine's environment would
     return tmp_path / "vllm-cache"
 
 
@@ -186,18 +187,22 @@ def test_a_failed_load_in_the_thread_leaves_the_first_forward_to_vllm(
 
 
 @pytest.mark.parametrize(("setting", "cuda", "ahead"), [
-    ("0", True, False),  # turned off in the engine's environment: not even installed
+    (None, True, False),  # the default: off, not even installed
+    ("0", True, False),
     ("1", False, False),  # not CUDA's platform: vLLM's own order
     ("any", False, True),  # every platform (the CPU tests)
-    ("1", True, True),  # the default, on CUDA
+    ("1", True, True),  # on, on CUDA
 ])
-def test_the_setting_and_the_platform_decide(monkeypatch: pytest.MonkeyPatch, root: Path, setting: str, cuda: bool,
-                                             ahead: bool) -> None:
-    monkeypatch.setenv(vllm_standby.BESIDE_WEIGHTS_ENV, setting)
+def test_the_setting_and_the_platform_decide(monkeypatch: pytest.MonkeyPatch, root: Path, setting: str | None,
+                                             cuda: bool, ahead: bool) -> None:
+    if setting is None:
+        monkeypatch.delenv(vllm_standby.BESIDE_WEIGHTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_standby.BESIDE_WEIGHTS_ENV, setting)
     vllm = FakeVllm(monkeypatch, root, cuda=cuda)
     module, _ = compiled_in_cache(root)
     installed = vllm_standby.load_compiled_beside_weights()
-    assert installed is (setting != "0")
+    assert installed is (setting in ("1", "any"))
     vllm.loader().load_weights(Model(module), None)
     assert bool(vllm.loads) is ahead, vllm.loads
 
