@@ -598,9 +598,10 @@ def test_gateway_continues_a_stream_whose_worker_is_killed_mid_generation(sup: S
     (usage,) = [e["usage"] for e in chunks if e.get("usage")]
     assert usage["completion_tokens"] == STREAM_TOKENS, usage  # counted once: the tokens before the death and after it
     # One chunk a token, except where vLLM merged tokens into one chunk: its API server does when it falls behind
-    # its engine, as the next engine's does on a loaded machine (2026-12-05, one busy process beside: 3,278 chunks).
-    # Half still shows that the gateway relays chunk by chunk.
-    assert STREAM_TOKENS * 0.5 <= len([c for e in chunks for c in e["choices"]]) <= STREAM_TOKENS
+    # its engine, as the next engine's does on a loaded machine (2026-12-05, one busy process beside: 3,278 chunks;
+    # 2026-12-07, a fresh-clone CI run alone on the 2 cores: 1,921). A quarter still shows that the gateway relays
+    # chunk by chunk: holding the stream would give one.
+    assert STREAM_TOKENS * 0.25 <= len([c for e in chunks for c in e["choices"]]) <= STREAM_TOKENS
     st = sup.wait_ready(START_S, restarts=restarts)
     assert st["gateway"]["streams_continued"] >= 1 and st["gateway"]["streams_broken"] == 0
     assert sup.events("gateway.stream_continued")[-1]["tokens_sent"] >= 10
