@@ -266,7 +266,8 @@ def load_compiled_beside_weights() -> bool:
     whose state differs from the first forward's in anything vLLM's cache keys on writes the
     cache for everyone. One start is not enough to turn that on for every user.
     """
-    if os.environ.get(BESIDE_WEIGHTS_ENV, "0") not in ("1", "any"):
+    setting = os.environ.get(BESIDE_WEIGHTS_ENV, "0")
+    if setting not in ("1", "any"):
         return False
     # only what this standby imported already: importing more here could start CUDA before the fork
     decorators: Any = sys.modules.get("vllm.compilation.decorators")
@@ -333,7 +334,7 @@ def load_compiled_beside_weights() -> bool:
         threads: list[threading.Thread] = []
         switch = sys.getswitchinterval()
         try:
-            if ((platform.is_cuda_alike() or os.environ.get(BESIDE_WEIGHTS_ENV) == "any")
+            if ((setting == "any" or platform.is_cuda_alike())
                     and envs.VLLM_USE_AOT_COMPILE and not envs.VLLM_DISABLE_COMPILE_CACHE):
                 threads = [t for t in map(beside, model.modules()) if t is not None]
         except Exception as exc:  # noqa: BLE001 - vLLM loads it at the first forward
