@@ -57,6 +57,8 @@ class FailureKind(enum.Enum):
     SIGNAL = "signal"
     DEVICE_FATAL = "device_fatal"
     CONFIG_ERROR = "config_error"
+    # vLLM's compiled model, as its compile cache holds it, fails at the start's first forward
+    COMPILE_CACHE = "compile_cache"
 
     # What each kind means to the policy and to the gateway, decided here once.
     @property

@@ -260,6 +260,19 @@ class DeathSettled(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CompileCacheSetAside(Event):
+    """After a ``compile_cache`` failure: vLLM's torch.compile cache renamed (kept for a person to
+    look at or remove), so that the restart compiles anew; ``moved_to`` None where it could not be
+    moved (``error`` says why) or did not exist."""
+
+    name = "compile_cache.set_aside"
+    level = "warning"
+    cache: str
+    moved_to: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class FailureClassified(Event):
     name = "engine.failed"
     level = "warning"

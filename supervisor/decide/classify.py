@@ -41,6 +41,13 @@ DEVICE_FATAL_PATTERNS = [
     re.compile(r"cudaErrorIllegalAddress"),
 ]
 
+# A start whose compiled model, loaded from vLLM's compile cache, cannot run its first forward: the
+# cache holds graphs traced with autograd on (run 9 on the H100: one engine loaded the artifact with
+# grad mode on, and every later engine on that cache, cold ones too, died so). vLLM's own record.
+COMPILE_CACHE_PATTERNS = [
+    re.compile(r"Inference tensors cannot be saved for backward"),
+]
+
 # Startup-memory messages that point at one knob, with the value vLLM suggests where it says one.
 MAX_LEN_ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
 MAX_LEN_NEEDED = re.compile(r"To serve at least one request with the model's max seq len \((\d+)\)")
@@ -147,6 +154,11 @@ def classify(
     found = _first(corpus, DEVICE_FATAL_PATTERNS)
     if found:
         return Failure(FailureKind.DEVICE_FATAL, found)
+
+    if phase is Phase.LOADING:  # no request has reached this engine: nothing a client sent
+        found = _first(corpus, COMPILE_CACHE_PATTERNS)
+        if found:
+            return Failure(FailureKind.COMPILE_CACHE, found)
 
     memory = _memory_failure(corpus, phase, suspect)
     if memory:

@@ -40,6 +40,8 @@ class Decision:
     delay_s: float = 0.0
     reason: str = ""
     exit_code: ExitCode = ExitCode.OK
+    # vLLM's compile cache is moved aside before the restart (a ``compile_cache`` failure, once)
+    set_aside_compile_cache: bool = False
 
 
 def backoff_delay(consecutive: int, cfg: RestartConfig, rand: Callable[[], float]) -> float:
@@ -202,6 +204,7 @@ class Policy:
     consecutive: int = 0  # for the backoff; reset after a stable period
     in_a_row: int = 0  # failures since the last READY
     device_fatals: int = 0
+    compile_cache_set_aside: bool = False  # once per supervisor: a second time it is not the cache
     _last_unexplained: tuple[str, int | str] | None = None
 
     def on_failure(self, failure: Failure, profile: Profile, now: float, proven: bool = False,
@@ -230,6 +233,14 @@ class Policy:
 
         nxt = profile
         reason = f"{kind.value}: restart with the same profile"
+        aside = kind is FailureKind.COMPILE_CACHE and not self.compile_cache_set_aside
+        if aside:
+            self.compile_cache_set_aside = True
+            reason = (f"{kind.value}: vLLM's compile cache moved aside, the restart compiles anew "
+                      "at the same profile")
+        elif kind is FailureKind.COMPILE_CACHE:
+            reason = (f"{kind.value}: again on the cache compiled anew since it was moved aside: "
+                      "restart with the same profile")
         if kind.memory:
             if failure.rung_at_fault:
                 self.rung_failures[profile.key()] = self.rung_failures.get(profile.key(), 0) + 1
@@ -263,7 +274,7 @@ class Policy:
         self.restarts.append(now)
         self.consecutive += 1
         delay = after_serving(backoff_delay(self.consecutive, self.restart, self.rand), served_s)
-        return Decision(True, nxt, failure, delay, reason)
+        return Decision(True, nxt, failure, delay, reason, set_aside_compile_cache=aside)
 
     def forgive(self, n: int) -> None:
         """``n`` earlier failures turned out to be one request's doing (proven later): their
@@ -346,8 +357,10 @@ class Policy:
                           self.restart.max_consecutive_failures - 1 - self.in_a_row))
 
     def on_ready(self) -> None:
-        """The engine became READY: a crash loop, if there was one, is over."""
+        """The engine became READY: a crash loop, if there was one, is over (and a compile cache
+        spoiled again later is moved aside again)."""
         self.in_a_row = 0
+        self.compile_cache_set_aside = False
 
     def on_stable(self) -> None:
         """The engine served for a stable period: later failures start the backoff from scratch."""

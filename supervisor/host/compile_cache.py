@@ -105,6 +105,19 @@ def read(cache_root: Path) -> dict[str, list[str]]:
     return out
 
 
+def set_aside(cache_root: Path, stamp: str) -> Path | None:
+    """Rename vLLM's torch.compile cache under ``cache_root`` to ``<subdir>.set-aside-<stamp>`` (a
+    ``compile_cache`` failure: its graphs cannot run); the new path, or None where there was none.
+    Raises OSError where it cannot be renamed. Renamed, not removed: a person may want to see it,
+    and a rename is instant where removing gigabytes is not."""
+    cache = cache_root / SUBDIR
+    if not cache.is_dir():
+        return None
+    moved = cache_root / f"{SUBDIR}.set-aside-{stamp}"
+    cache.rename(moved)
+    return moved
+
+
 def _read(path: Path) -> dict[str, list[str]]:
     try:
         doc = files.read_json(path)

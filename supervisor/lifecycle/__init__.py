@@ -217,7 +217,7 @@ class Lifecycle:
             self.learned()
             return decision.exit_code
         self.change_profile(decision.profile, decision.reason, failure=decision.failure)
-        self.failures.restarting()
+        self.failures.restarting(decision)
         self.learned()
         # STOPPING -> BACKOFF
         self.change_state(S.BACKOFF, delay_s=round(decision.delay_s, 3), reason=decision.reason)

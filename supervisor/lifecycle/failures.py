@@ -4,6 +4,7 @@ state and the profile it changes are the lifecycle's to write."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +14,14 @@ from supervisor.engine.origin import PreparedSource
 from supervisor.engine.run import Verdict
 from supervisor.engine.steps import Trigger
 from supervisor.engine_states import Blame, EngineState, Failure
-from supervisor.event_stream import Event, FailureClassified, FailureDetected, Fatal
-from supervisor.host import Host
+from supervisor.event_stream import (
+    CompileCacheSetAside,
+    Event,
+    FailureClassified,
+    FailureDetected,
+    Fatal,
+)
+from supervisor.host import Host, compile_cache
 from supervisor.host.gpu import GpuLost
 from supervisor.lifecycle.ports import Part
 from supervisor.lifecycle.records import Outage
@@ -66,6 +73,20 @@ class Failures(Part):
                               caused_by_request=blame.proven))
         return decision
 
+    def set_aside_compile_cache(self) -> None:
+        """vLLM's compile cache moved aside before the restart of a ``compile_cache`` failure
+        (its graphs cannot run, and every start on that cache would die so); what the supervisor
+        knew compiled there is forgotten with it (the recovery's part, on the event)."""
+        root = compile_cache.root(self.cfg.engine.environment())
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.host.wall()))
+        try:
+            moved, error = compile_cache.set_aside(root, stamp), None
+        except OSError as exc:
+            moved, error = None, f"{exc}: move or remove it by hand before the next start"
+        self.publish(CompileCacheSetAside(
+            at=self.host.wall(), cache=str(root / compile_cache.SUBDIR),
+            moved_to=str(moved) if moved else None, error=error))
+
     def gave_up(self, decision: Decision) -> None:
         """The policy's FATAL: published, and remembered until a later supervisor is READY."""
         self.publish(
@@ -73,7 +94,11 @@ class Failures(Part):
                   failure=decision.failure))
         self.remembered.gave_up(decision, self.host.wall())
 
-    def restarting(self) -> None:
+    def restarting(self, decision: Decision) -> None:
+        """A restart the policy decided: counted; vLLM's compile cache moved aside first where the
+        decision says so."""
+        if decision.set_aside_compile_cache:
+            self.set_aside_compile_cache()
         self.tally.restarts += 1
         self.remembered.restarts_total += 1
 

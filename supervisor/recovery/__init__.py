@@ -24,6 +24,7 @@ from supervisor.aio import cancel_and_wait
 from supervisor.config import Config
 from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import (
+    CompileCacheSetAside,
     DeathSettled,
     EngineEnvReported,
     EngineIdle,
@@ -112,6 +113,8 @@ class Recovery:
             # until the next READY: the restarts of an outage build no spare first
             self.ahead.planned = False
             self.ahead.device_fault = event.kind is FailureKind.DEVICE_FATAL
+        elif isinstance(event, CompileCacheSetAside) and event.moved_to is not None:
+            self.ahead.precompiler.forget_compiled()
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 

@@ -115,6 +115,13 @@ class Precompiler:
         keys += [k for k in unknown if k not in keys]
         self._save()
 
+    def forget_compiled(self) -> None:
+        """vLLM's compile cache was moved aside (a ``compile_cache`` failure): nothing is compiled
+        any more, for this supervisor or a later one on this state directory."""
+        self.compiled.clear()
+        self._unnoted.clear()
+        self._save()
+
     def _save(self) -> None:
         try:
             files.write_private(self.record, json.dumps(self.compiled, indent=1))

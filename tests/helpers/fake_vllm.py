@@ -15,7 +15,9 @@ is steered by env vars:
                           (fake_vllm_pkg/vllm/model_runner.py); with either set, the EngineCore logs where its
                           imports were made ("engine imports: ...")
   FAKE_VLLM_START_DELAY   seconds before /health turns 200 (default 0.2)
-  FAKE_VLLM_COMPILE_S     with VLLM_CACHE_ROOT set: seconds a start compiles when vLLM's cache lacks its rung
+  FAKE_VLLM_COMPILE_S     with VLLM_CACHE_ROOT set: seconds a start compiles when vLLM's cache lacks its rung; a
+                          file `spoiled-by-a-test` in its torch_compile_cache: every start dies in its first forward
+                          as vLLM 0.26 did on a spoiled cache ("Inference tensors cannot be saved for backward")
   FAKE_VLLM_DELAY_FILE    a file: when it exists at a start, its number is that start's delay instead (a slow
                           restart after a fast first start)
   FAKE_VLLM_SLOW_ONCE_FILE  a file: the first start that finds it takes it (removes it) and its number is that
@@ -181,6 +183,9 @@ def _take_once(path: str | None) -> float | None:
         return float(f.read())
 
 
+SPOILED = "spoiled-by-a-test"  # a file in the compile cache: every start on it dies in its first forward
+
+
 def compile_into_cache(args: argparse.Namespace, log: logging.Logger) -> None:
     """With VLLM_CACHE_ROOT set, vLLM's torch.compile cache: one directory per hash of the config (the rung's flags
     but the utilization and the load format; sleep mode is in it), named in vLLM's words (the H200's log:
@@ -200,6 +205,10 @@ def compile_into_cache(args: argparse.Namespace, log: logging.Logger) -> None:
     else:
         log.info("Directly load the compiled graph(s) for compile range (1, %d) from the cache",
                  args.max_num_batched_tokens)
+    if os.path.exists(os.path.join(root, "torch_compile_cache", SPOILED)):
+        # vLLM 0.26's first forward on graphs traced with autograd on (run 9 on the H100)
+        raise RuntimeError("Inference tensors cannot be saved for backward. Please do not use Tensors created in "
+                           "inference mode in computation tracked by autograd.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,9 +247,9 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
             time.sleep(float(delay_in.read()))
     else:
         time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0.2")))
-    compile_into_cache(args, logging.getLogger("vllm.compilation.backends"))
     gpu = fake_gpu()
     try:
+        compile_into_cache(args, logging.getLogger("vllm.compilation.backends"))
         if gpu is not None and gpu.free_bytes() < wanted_bytes(gpu, args):
             gib, total = gpu.free_bytes() / 2**30, gpu._card()["total_mib"] / 1024
             raise ValueError(
@@ -260,7 +269,7 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
                 "cache is needed, which is larger than the available KV cache memory (0.25 GiB). Based on the "
                 f"available memory, the estimated maximum model length is {kv}. Try increasing "
                 "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
-    except (ValueError, AssertionError):
+    except (ValueError, AssertionError, RuntimeError):
         log.exception("EngineCore failed to start.")
         f.write(b'{"startup_failed": true}\n')
         sys.exit(1)

@@ -266,6 +266,31 @@ def throwaways(sup: Sup) -> list[list[str]]:
     return [p.info["cmdline"] for p in throwaway_processes(sup)]
 
 
+def test_a_start_on_a_spoiled_compile_cache_moves_the_cache_aside_and_compiles_anew(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Run 9 on the H100: a compile cache spoiled by one engine killed every later start in its first forward,
+    cold ones too ("Inference tensors cannot be saved for backward"); the supervisor called it engine_dead five times
+    and went FATAL. Now it is `compile_cache`: the cache is renamed aside (kept for a person), what the supervisor
+    knew compiled there is forgotten, and the restart at the same profile compiles anew and serves."""
+    cache, state = tmp_path / "vllm-cache", tmp_path / "state"
+    (cache / "torch_compile_cache").mkdir(parents=True)
+    (cache / "torch_compile_cache" / "spoiled-by-a-test").write_text("")
+    state.mkdir()
+    (state / "compiled.json").write_text(json.dumps({"0.26.0:x:{}": ["--max-num-batched-tokens 6144"]}))
+    sup = supervise({"engine": {"env": {"VLLM_CACHE_ROOT": str(cache)}}, "state": {"dir": str(state)}})
+    st = sup.wait_ready(60, restarts=1)
+    (failed,) = sup.events("engine.failed")
+    assert failed["kind"] == "compile_cache" and failed["phase"] == "loading", failed
+    assert failed["evidence"].startswith("Inference tensors cannot be saved for backward")
+    (aside,) = sup.events("compile_cache.set_aside")
+    assert aside["cache"] == str(cache / "torch_compile_cache") and aside["error"] is None
+    assert (Path(aside["moved_to"]) / "spoiled-by-a-test").exists()  # kept, renamed
+    assert st["profile"]["max_num_batched_tokens"] == 8192  # not the rung's fault
+    assert st["last_failure"]["kind"] == "compile_cache"
+    keys = [k for ks in json.loads((state / "compiled.json").read_text()).values() for k in ks]
+    assert keys and not any("--max-num-batched-tokens 6144" in k for k in keys), keys  # forgotten with the cache
+
+
 def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
         supervise: Callable[..., Sup]) -> None:
     sup = supervise({"recovery": {"precompile": "on", "precompile_idle_s": 0.5}})

@@ -42,6 +42,27 @@ def test_real_vllm_logs_classify(log: str, rc: int, phase: Phase, kind: FailureK
     assert evidence in f.evidence
 
 
+def test_a_start_whose_compiled_model_from_the_cache_cannot_run_is_the_compile_cache() -> None:
+    """Run 9 on the H100: a cold start (no thread of ours) on a compile cache an earlier engine spoiled died in its
+    first forward; before this it was `engine_dead` ("EngineCore failed to start"), five times, then FATAL."""
+    log = lines("h100-vllm0.26-supervised-startup-spoiled-compile-cache.log")
+    assert not any("compiled model was loaded beside the weights" in x for x in log)
+    f = classify(events=[], lines=log, exit=ExitInfo(1), phase=Phase.LOADING)
+    assert f.kind is FailureKind.COMPILE_CACHE
+    assert f.evidence.startswith("Inference tensors cannot be saved for backward")
+
+
+def test_the_compile_cache_is_never_read_from_a_serving_engines_output() -> None:
+    """A serving engine's output can carry a client's text (its stop strings in a scheduler dump, a prompt echoed in
+    an exception): the cache's verdict is a start's alone, and a serving engine's death is judged as any other."""
+    text = ("(EngineCore pid=7) ERROR 12-07 01:35:46 [core.py:1330] RuntimeError: Inference tensors cannot be saved "
+            "for backward.")
+    f = classify(events=[], lines=[text, "EngineCore encountered a fatal error"], exit=ExitInfo(0),
+                 phase=Phase.SERVING)
+    assert f.kind is FailureKind.ENGINE_DEAD
+    assert classify(events=[], lines=[text], exit=ExitInfo(1), phase=Phase.LOADING).kind is FailureKind.COMPILE_CACHE
+
+
 def test_exit_status_zero_after_engine_death_is_a_failure() -> None:
     f = classify(events=[], lines=lines("cpu-vllm0.32-enginecore-sigkill.log"), exit=ExitInfo(0), phase=Phase.SERVING)
     assert f.kind is FailureKind.ENGINE_DEAD

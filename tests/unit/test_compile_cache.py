@@ -68,3 +68,16 @@ def test_vllm_032s_aot_lines_name_the_directory_too() -> None:
     loaded = ("INFO [decorators.py:320] [backbone] Directly load AOT compilation from path "
               "/c/torch_aot_compile/ab/rank_0_0/model")
     assert compile_cache.directory_of(loaded) == "/c/torch_aot_compile/ab/rank_0_0/model"
+
+
+def test_a_spoiled_cache_is_set_aside_whole_and_its_notes_go_with_it(tmp_path: Path) -> None:
+    root = tmp_path / "vllm"
+    used = root / "torch_compile_cache" / "cda6da90cb" / "rank_0_0" / "backbone"
+    used.mkdir(parents=True)
+    (root / "torch_compile_cache" / "torch_aot_compile" / "1c466b" / "rank_0_0").mkdir(parents=True)
+    assert compile_cache.note(str(used), root, "0.26.0:abc:{}", "--max-num-batched-tokens 8192")
+    moved = compile_cache.set_aside(root, "20261207T013712")
+    assert moved == root / "torch_compile_cache.set-aside-20261207T013712"
+    assert (moved / "cda6da90cb" / "rank_0_0" / "backbone").is_dir() and (moved / "torch_aot_compile").is_dir()
+    assert not (root / "torch_compile_cache").exists() and compile_cache.read(root) == {}
+    assert compile_cache.set_aside(root, "20261207T013800") is None  # nothing left to move

@@ -106,6 +106,28 @@ def test_device_fatal_is_retried_once_then_fatal() -> None:
     assert not d.restart and d.exit_code is ExitCode.DEVICE_FATAL
 
 
+COMPILE_CACHE = Failure(FailureKind.COMPILE_CACHE, "Inference tensors cannot be saved for backward")
+
+
+@pytest.mark.parametrize(("case", "before", "aside", "restart"), [
+    ("the first: moved aside, the same profile", [], True, True),
+    ("again before any READY: the cache compiled anew is not the cause, nothing moved", [COMPILE_CACHE], False, True),
+    ("again after a READY: spoiled again, moved aside again", [COMPILE_CACHE, "ready"], True, True),
+    ("after other failures: moved aside", [OOM, OOM], True, True),
+    ("the crash loop's bound still ends it", [COMPILE_CACHE] * 4, False, False),
+])
+def test_a_spoiled_compile_cache_is_moved_aside_once_per_run_of_failures(
+        case: str, before: list[Failure | str], aside: bool, restart: bool) -> None:
+    p = policy(max_restarts=10, max_consecutive_failures=5)
+    for i, f in enumerate(before):
+        p.on_ready() if f == "ready" else p.on_failure(f, P, float(i))  # type: ignore[arg-type]
+    d = p.on_failure(COMPILE_CACHE, P, 100.0)
+    assert (d.set_aside_compile_cache, d.restart) == (aside, restart), case
+    if restart:
+        assert d.profile == P and d.failure.kind is FailureKind.COMPILE_CACHE
+    assert p.rung_failures.get(P.key(), 0) == sum(f is OOM for f in before)
+
+
 def test_runtime_oom_lowers_chunk_and_counts_the_rung() -> None:
     pol = policy()
     d = pol.on_failure(OOM, P, 0)
