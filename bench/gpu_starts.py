@@ -6,7 +6,8 @@ process holds from before each part's first start and through it (the field repo
 UTIL=0.4). Two parts, each one device call on the same machine:
 PART=plain  vLLM alone (`python3 -m vllm.entrypoints.openai.api_server`, the supervisor's own engine arguments):
             a fresh-host cold start (an empty compile cache), then a warm-cache cold start on that cache; each
-            spawn -> /health 200. Kept in /tmp/starts-plain.json for the next part.
+            spawn -> /health 200. Kept in /tmp/starts-plain.json for the next part. WARM_ON=/tmp/vcache-starts:
+            after PART=sup, only the warm-cache cold start, on the cache the supervisor's starts used.
 PART=sup    the supervisor on a fresh host of its own (another empty compile cache, a fresh state directory), the
             gateway in front with its memory rules off as in the field, 16 clients through it from the first READY:
             1. its first READY (what it compiles first is said as it goes);
@@ -85,13 +86,18 @@ def with_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def part_plain() -> int:
-    cache = Path("/tmp/vcache-plain")
-    shutil.rmtree(cache, ignore_errors=True)
+    # WARM_ON=<cache>: only the warm-cache cold start, on a cache an earlier part left (PART=sup's, after its
+    # starts: the same engine arguments, so the same compiled rung; a start that fails there says the cache is
+    # spoiled)
+    warm_on = os.environ.get("WARM_ON")
+    cache = Path(warm_on or "/tmp/vcache-plain")
+    if not warm_on:
+        shutil.rmtree(cache, ignore_errors=True)
     hog = start_hog_share(HOG_BEFORE)
     note(f"utilization {UTIL}, another process holding {HOG_BEFORE:.0%} of the card from before the start")
     try:
-        fresh = plain_start(cache, "a fresh-host cold start (empty compile cache)")
-        warm = plain_start(cache, "a warm-cache cold start")
+        fresh = None if warm_on else plain_start(cache, "a fresh-host cold start (empty compile cache)")
+        warm = plain_start(cache, f"a warm-cache cold start{f' on {cache}' if warm_on else ''}")
     except Stop as why:
         note(f"STOPPED: {why}")
         return 1
