@@ -204,7 +204,7 @@ class Policy:
     consecutive: int = 0  # for the backoff; reset after a stable period
     in_a_row: int = 0  # failures since the last READY
     device_fatals: int = 0
-    compile_cache_set_aside: bool = False  # once per supervisor: a second time it is not the cache
+    compile_cache_set_aside: bool = False  # once until a READY (again before one: not the cache)
     _last_unexplained: tuple[str, int | str] | None = None
 
     def on_failure(self, failure: Failure, profile: Profile, now: float, proven: bool = False,
