@@ -114,7 +114,9 @@ class Recovery:
             self.ahead.planned = False
             self.ahead.device_fault = event.kind is FailureKind.DEVICE_FATAL
         elif isinstance(event, CompileCacheSetAside) and event.moved_to is not None:
+            # what was compiled there is gone, and what failed there may have failed of it
             self.ahead.precompiler.forget_compiled()
+            self.ahead.failed.clear()
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 

@@ -303,3 +303,7 @@ class FailedRungs:
     def kinds(self) -> dict[str, str]:
         """Compile key -> what failed there ("spare" or "precompile"), a copy."""
         return dict(self._kind)
+
+    def clear(self) -> None:
+        """vLLM's compile cache was moved aside: what failed on it may be tried again."""
+        self._kind.clear()

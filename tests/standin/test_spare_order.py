@@ -380,6 +380,32 @@ def test_a_new_state_directory_finds_in_vllms_own_cache_what_is_compiled_and_com
     assert not (tmp_path / "a" / "compiled.json").samefile(tmp_path / "b" / "compiled.json")
 
 
+def test_what_failed_on_a_spoiled_compile_cache_is_built_again_once_the_cache_is_moved_aside(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """A host whose vLLM compile cache is spoiled (run 9 on the H100: every start on it died in its first forward): a
+    first start that compiles its rungs and builds its spare first sees each of them die, then its engine. The
+    engine's death is `compile_cache` and the cache is moved aside; what failed on it is not held against the rungs:
+    the next planned start compiles them first again, and builds the spare."""
+    cache = tmp_path / "vllm-cache"
+    (cache / "torch_compile_cache").mkdir(parents=True)
+    (cache / "torch_compile_cache" / "spoiled-by-a-test").write_text("")
+    sup = supervise({"engine": {"model": str(model_dir(tmp_path)), "env": {"VLLM_CACHE_ROOT": str(cache)}},
+                     "recovery": {"precompile": "auto", **ALL_FIRST}})
+    sup.wait_ready(120, restarts=1)
+    (aside,) = sup.events("compile_cache.set_aside")
+    assert [e["kind"] for e in sup.events("engine.failed")] == ["compile_cache"]
+    before = [(e["profile"]["max_num_batched_tokens"], e["ok"]) for e in sup.events("engine.rung_precompiled")]
+    assert before and not any(ok for _, ok in before), before  # each died on the spoiled cache
+    assert cli("restart", "--config", str(sup.config)).returncode == 0
+    st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", 120, "a spare asleep")
+    after = [(e["profile"]["max_num_batched_tokens"], e["ok"]) for e in sup.events("engine.rung_precompiled")]
+    again = after[len(before):]
+    # on the cache compiled anew; 8192 by the restart itself
+    assert {r for r, ok in again if ok} == {r for r, _ in before} - {8192}, after
+    assert st["next_start"]["spare"]["profile"]["max_num_batched_tokens"] == 6144
+    assert Path(aside["moved_to"]).is_dir() and not (cache / "torch_compile_cache" / "spoiled-by-a-test").exists()
+
+
 def _ready_at(sup: Sup) -> str:
     """When the first start was READY."""
     return next(e for e in sup.events("engine.state_changed") if e.get("to") == "READY")["timestamp"]
