@@ -180,9 +180,11 @@ def part_sup() -> int:
              + "; ".join(f"{what} {toks} {toks == answers[0][1]}" for what, toks in answers))
         if plain:
             fresh, warm = plain["fresh_s"], plain["warm_s"]
-            note(f"starts: first READY {first_wall:.1f}s = {first_wall / fresh:.2f}x vLLM's fresh-host cold start "
-                 f"({fresh:.1f}s; bound 1.3x); planned restart {planned:.1f}s = {planned / warm:.2f}x vLLM's "
-                 f"warm-cache cold start ({warm:.1f}s; bound 1.2x); the seed's crash without a spare {crash:.1f}s = "
+            first_vs = (f"{first_wall / fresh:.2f}x vLLM's fresh-host cold start ({fresh:.1f}s; bound 1.3x)"
+                        if fresh else "no fresh-host start of plain vLLM in this run (WARM_ON)")
+            note(f"starts: first READY {first_wall:.1f}s = {first_vs}; planned restart {planned:.1f}s = "
+                 f"{planned / warm:.2f}x vLLM's warm-cache cold start ({warm:.1f}s; bound 1.2x); the seed's crash "
+                 f"without a spare {crash:.1f}s = "
                  f"{crash / warm:.3f}x (item 4's bound 0.15x); a reload of the engine's environment: the command "
                  f"-> READY {reload_s:.1f}s, clients held {reload_outage:.1f}s = {reload_outage / warm:.2f}x")
     except Stop as why:

@@ -77,14 +77,14 @@ class Failures(Part):
         """vLLM's compile cache moved aside before the restart of a ``compile_cache`` failure
         (its graphs cannot run, and every start on that cache would die so); what the supervisor
         knew compiled there is forgotten with it (the recovery's part, on the event)."""
-        root = compile_cache.root(self.cfg.engine.environment())
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.host.wall()))
+        root, now = compile_cache.root(self.cfg.engine.environment()), self.host.wall()
         try:
-            moved, error = compile_cache.set_aside(root, stamp), None
+            moved = compile_cache.set_aside(root, time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)))
+            error = None
         except OSError as exc:
             moved, error = None, f"{exc}: move or remove it by hand before the next start"
         self.publish(CompileCacheSetAside(
-            at=self.host.wall(), cache=str(root / compile_cache.SUBDIR),
+            at=now, cache=str(root / compile_cache.SUBDIR),
             moved_to=str(moved) if moved else None, error=error))
 
     def gave_up(self, decision: Decision) -> None:
