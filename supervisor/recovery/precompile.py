@@ -34,6 +34,15 @@ def _key_now(stored: str) -> str:
     return " ".join(t for t in stored.split(" ") if t != CHUNKED_PREFILL_ON)
 
 
+def _merge(into: dict[str, list[str]], source: dict[Any, Any]) -> None:
+    """``source``'s rungs (a record or a cache's notes) added to ``into``. A record under no version
+    is from a run that never learnt it (no READY): its vLLM may be another."""
+    for k, v in source.items():
+        if isinstance(v, list) and not str(k).startswith(f"{UNKNOWN}:"):
+            keys = into.setdefault(str(k), [])
+            keys += [x for x in dict.fromkeys(_key_now(str(x)) for x in v) if x not in keys]
+
+
 class Precompiler:
     """The record of the rungs whose graphs are in vLLM's cache (``compiled.json``), and whether
     a throwaway may compile one now (``allowed``; ``why`` says why or why not, for /status)."""
@@ -50,7 +59,13 @@ class Precompiler:
         self.order: str | None = None
 
     def configure(self, cfg: Config) -> None:
+        """A reload: one that moves vLLM's cache (``VLLM_CACHE_ROOT`` and the like in
+        ``[engine.env]``) reads the notes of the new cache and notes the next compiles there."""
         self.cfg = cfg
+        cache_root = compile_cache.root(cfg.engine.environment())
+        if cache_root != self.cache_root:
+            self.cache_root = cache_root
+            _merge(self.compiled, compile_cache.read(cache_root))
 
     # ---- the compile record ----------------------------------------------------------------------
     def _load(self) -> dict[str, list[str]]:
@@ -63,12 +78,7 @@ class Precompiler:
             doc = {}
         merged: dict[str, list[str]] = {}
         for source in (doc if isinstance(doc, dict) else {}, compile_cache.read(self.cache_root)):
-            for k, v in source.items():
-                # A record under no version is from a run that never learnt it (no READY): its vLLM
-                # may be another.
-                if isinstance(v, list) and not str(k).startswith(f"{UNKNOWN}:"):
-                    keys = merged.setdefault(str(k), [])
-                    keys += [x for x in dict.fromkeys(_key_now(str(x)) for x in v) if x not in keys]
+            _merge(merged, source)
         return merged
 
     def _engine_id(self, version: str | None) -> str:

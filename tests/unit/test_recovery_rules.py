@@ -14,6 +14,7 @@ from supervisor.config import LadderConfig, RestartConfig
 from supervisor.config_file import parse
 from supervisor.decide.policy import Policy, step_down
 from supervisor.event_stream import EngineEnvReported
+from supervisor.host import compile_cache
 from supervisor.host.real import RealHost
 from supervisor.profile import Knob, Profile
 from supervisor.recovery import Recovery
@@ -293,3 +294,26 @@ def test_a_planned_start_waits_for_a_standby_of_the_config_in_force_at_most_stan
     assert pool.prepared() is True
     off = StandbyPool(parse({**raw, "recovery": {"standby": False}}), host, lambda _: None)
     assert off.prepared() is True  # no standby to wait for: a start as ever
+
+
+def test_a_reload_that_moves_vllms_cache_reads_the_new_caches_notes_and_notes_there(tmp_path: Path) -> None:
+    """A reload changing VLLM_CACHE_ROOT in [engine.env] kept the old root: the new cache's rungs compiled by another
+    supervisor were compiled again, and the next READY's note was refused as outside the root."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    state = {"dir": str(tmp_path / "state")}
+    before = parse({"engine": {"model": "m", "env": {"VLLM_CACHE_ROOT": str(old)}}, "state": state})
+    after = parse({"engine": {"model": "m", "env": {"VLLM_CACHE_ROOT": str(new)}}, "state": state})
+    rung, other = Profile(max_num_batched_tokens=4096), Profile(max_num_batched_tokens=2048)
+    held = new / "torch_compile_cache" / "e33753fcf3" / "rank_0_0" / "backbone"
+    held.mkdir(parents=True)
+    another = parse({"engine": {"model": "m", "env": {"VLLM_CACHE_ROOT": str(new)}}, "state": {"dir": str(tmp_path)}})
+    elsewhere = Precompiler(another, host=None)  # type: ignore[arg-type]  # another supervisor on the new cache
+    elsewhere.note_compiled(rung, "0.26.0", str(held))
+
+    mine = Precompiler(before, host=None)  # type: ignore[arg-type]
+    assert not mine.is_compiled(rung, "0.26.0")
+    mine.configure(after)
+    assert mine.cache_root == new and mine.is_compiled(rung, "0.26.0")
+    assert not mine.is_compiled(other, "0.26.0")
+    mine.note_compiled(other, "0.26.0", str(held))
+    assert other.compile_key() in compile_cache.read(new)[mine._engine_id("0.26.0")]
