@@ -261,15 +261,18 @@ class DeathSettled(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class CompileCacheSetAside(Event):
-    """After a ``compile_cache`` failure: vLLM's torch.compile cache renamed (kept for a person to
-    look at or remove), so that the restart compiles anew; ``moved_to`` None where it could not be
-    moved (``error`` says why) or did not exist."""
+    """After a ``compile_cache`` failure (the engine's, or a second engine's): vLLM's torch.compile
+    cache renamed (kept for a person to look at or remove), so that the next start compiles anew;
+    ``moved_to`` None where it could not be moved (``error`` says why) or did not exist."""
 
     name = "compile_cache.set_aside"
     level = "warning"
     cache: str
     moved_to: str | None
     error: str | None = None
+    # whose death showed it: "engine", or a second engine's ("precompile", "spare") before the
+    # engine's own start on it (decide/spoiled_cache.py)
+    after: str = "engine"
 
 
 @dataclass(frozen=True, kw_only=True)

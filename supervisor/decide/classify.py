@@ -122,6 +122,12 @@ def death_evidence(text: str) -> str | None:
     return None
 
 
+def spoils_compile_cache(line: str) -> bool:
+    """A line of vLLM's saying its compile cache cannot run (a second engine's, which never
+    served: decide/spoiled_cache.py)."""
+    return any(p.search(line) for p in COMPILE_CACHE_PATTERNS)
+
+
 def classify(
     *,
     events: Sequence[Mapping[str, object]],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -116,6 +117,15 @@ def set_aside(cache_root: Path, stamp: str) -> Path | None:
     moved = cache_root / f"{SUBDIR}.set-aside-{stamp}"
     cache.rename(moved)
     return moved
+
+
+def set_aside_at(cache_root: Path, wall: float) -> tuple[Path | None, str | None]:
+    """``set_aside`` stamped with ``wall`` (UTC): where the cache went (None where there was none),
+    and, where it could not be moved, what to do."""
+    try:
+        return set_aside(cache_root, time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall))), None
+    except OSError as exc:
+        return None, f"{exc}: move or remove it by hand before the next start"
 
 
 def _read(path: Path) -> dict[str, list[str]]:

@@ -4,7 +4,6 @@ state and the profile it changes are the lifecycle's to write."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,11 +77,7 @@ class Failures(Part):
         (its graphs cannot run, and every start on that cache would die so); what the supervisor
         knew compiled there is forgotten with it (the recovery's part, on the event)."""
         root, now = compile_cache.root(self.cfg.engine.environment()), self.host.wall()
-        try:
-            moved = compile_cache.set_aside(root, time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)))
-            error = None
-        except OSError as exc:
-            moved, error = None, f"{exc}: move or remove it by hand before the next start"
+        moved, error = compile_cache.set_aside_at(root, now)
         self.publish(CompileCacheSetAside(
             at=now, cache=str(root / compile_cache.SUBDIR),
             moved_to=str(moved) if moved else None, error=error))

@@ -89,7 +89,7 @@ class Recovery:
                 version = event.ready.engine_version if event.ready else None
                 self._serving = (event.profile, version, not self.ahead.planned)
                 self.ahead.planned, self.ahead.version = True, version
-                self._ready_since = self.host.monotonic()
+                self._ready_since = self.ahead.builder.ready_at = self.host.monotonic()
                 self.ahead.precompiler.learnt_version(version)
                 # a spare's graphs are a sleep-mode engine's
                 if not (event.ready and event.ready.from_spare):
@@ -113,10 +113,12 @@ class Recovery:
             # until the next READY: the restarts of an outage build no spare first
             self.ahead.planned = False
             self.ahead.device_fault = event.kind is FailureKind.DEVICE_FATAL
-        elif isinstance(event, CompileCacheSetAside) and event.moved_to is not None:
-            # what was compiled there is gone, and what failed there may have failed of it
-            self.ahead.precompiler.forget_compiled()
-            self.ahead.failed.clear()
+        elif isinstance(event, CompileCacheSetAside):
+            self.ahead.builder.aside_at = self.host.monotonic()
+            if event.moved_to is not None:
+                # what was compiled there is gone, and what failed there may have failed of it
+                self.ahead.precompiler.forget_compiled()
+                self.ahead.failed.clear()
         elif isinstance(event, EngineIdle):
             self._idle_since = self.host.monotonic() if event.idle and self._serving else None
 

@@ -9,9 +9,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from supervisor.config import Config
+from supervisor.decide.spoiled_cache import after_a_second_engines_death
 from supervisor.engine import gates
-from supervisor.event_stream import Event, PrecompileCrashed, RungPrecompiled
-from supervisor.host import Child, Host
+from supervisor.event_stream import (
+    CompileCacheSetAside,
+    Event,
+    PrecompileCrashed,
+    RungPrecompiled,
+)
+from supervisor.host import Child, Host, compile_cache
 from supervisor.profile import Profile
 from supervisor.recovery.precompile import Precompiler
 from supervisor.recovery.progress import FirstBuilds
@@ -33,6 +39,9 @@ class Builder:
         self.spare_since: float | None = None  # a spare being built since (monotonic)
         # while compiling first: the processes of the throwaways stopped
         self.stopped: set[int] | None = None
+        # monotonic: vLLM's compile cache last moved aside, the engine's last READY (recovery's)
+        self.aside_at: float | None = None
+        self.ready_at: float | None = None
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -69,13 +78,27 @@ class Builder:
                                          error=f"could not start a second engine: {exc}"))
             return
         why, lines = await self._until_kept(t, version, spare, t0)
-        if why is not None:
+        if why is not None and self._held_against_rung(t, spare, t0):
             self.failed.add(rung, "spare" if spare else "precompile")
         self.publish(
             RungPrecompiled(
                 at=self.host.wall(), profile=rung, ok=why is None,
                 took_s=round(self.host.monotonic() - t0, 3),
                 error=None if why is None else f"{why}; last lines: {' | '.join(lines)}"))
+
+    def _held_against_rung(self, t: Throwaway, spare: bool, t0: float) -> bool:
+        """A second engine that failed: whether its rung counts as failed; where it died of a
+        spoiled compile cache, the cache is moved aside first (decide/spoiled_cache.py)."""
+        verdict = after_a_second_engines_death(bool(t.spoiled), t0, self.aside_at, self.ready_at)
+        if verdict.set_aside:
+            root, now = compile_cache.root(self.cfg.engine.environment()), self.host.wall()
+            moved, error = compile_cache.set_aside_at(root, now)
+            self.aside_at = self.host.monotonic()
+            self.publish(CompileCacheSetAside(
+                at=now, cache=str(root / compile_cache.SUBDIR),
+                moved_to=str(moved) if moved else None, error=error,
+                after="spare" if spare else "precompile"))
+        return verdict.held_against_rung
 
     async def _until_kept(self, t: Throwaway, version: str | None, spare: bool,
                           t0: float) -> tuple[str | None, list[str]]:

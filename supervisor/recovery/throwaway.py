@@ -25,6 +25,7 @@ import structlog
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import THROWAWAY_STOP_S
 from supervisor.config import Config, EngineConfig, masked, redact
+from supervisor.decide.classify import spoils_compile_cache
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.observer import env_report
@@ -75,6 +76,8 @@ class Throwaway:
     # the [engine] it was started from (a reload may replace it: recovery/spare.py ``outdated``)
     engine: EngineConfig | None = None
     standby: bool = False  # a standby of its own became it (vLLM imported ahead)
+    # it said its compile cache cannot run (decide/spoiled_cache.py)
+    spoiled: list[bool] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -184,8 +187,9 @@ class Launcher:
         # vLLM prints its args, --api-key included: errors quote its last lines
         secrets = e.secrets()
         used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)
+        spoiled: list[bool] = []
         tail = LogTail(TAIL_LINES, redact=lambda line: redact(line, secrets),
-                       on_line=lambda line: _cache_used(line, used))
+                       on_line=lambda line: _seen(line, used, spoiled))
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port,
                                        standby=standby is not None))
         ear: ipc.EventServer | None = None
@@ -209,7 +213,7 @@ class Launcher:
         t = Throwaway(child, rung, engine.base_url, work, tail, [],
                       EngineClient(engine.base_url, e.api_key(), ipc.control_token(env)), self.host,
                       self.cfg.state.dir, tuple(masked(argv, secrets)), version, record, ear, used,
-                      e, from_standby)
+                      e, from_standby, spoiled)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
         t.drains += [
             asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s
@@ -266,11 +270,15 @@ class Launcher:
         return set().union(*(t.pids() for t in self.current))
 
 
-def _cache_used(line: str, used: list[str]) -> None:
+def _seen(line: str, used: list[str], spoiled: list[bool]) -> None:
+    """What a second engine's line tells: the compile cache directory it uses, or that the cache
+    cannot run."""
     if not used:
         found = compile_cache.directory_of(line)
         if found:
             used.append(found)
+    if not spoiled and spoils_compile_cache(line):
+        spoiled.append(True)
 
 
 def work_name(rung: Profile, sleep_mode: bool) -> str:
