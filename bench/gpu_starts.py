@@ -20,8 +20,9 @@ PART=sup    the supervisor on a fresh host of its own (another empty compile cac
                and the restart's phases;
             5. (COMPARE=1, the default) a second reload that also turns `standby_engine_imports` off: the same kind
                of start as 3., its standby imported vLLM's API server alone; vLLM's phases after the imports side by
-               side with 3.'s. COMPARE=beside: every start has VLLMSUP_COMPILED_BESIDE_WEIGHTS=1 (off by default) but
-               the second reload, which sets it to 0 instead (vLLM loads its compiled model after the weights).
+               side with 3.'s. COMPARE=beside: every start has VLLMSUP_COMPILED_BESIDE_WEIGHTS=1 (the default since
+               run 10) but the second reload, which sets it to 0 instead (vLLM loads its compiled model after the
+               weights).
             Each against PART=plain's starts in the same machine: the first READY against vLLM's fresh-host cold
             start (issue 38's bound 1.3x), the planned restart against its warm-cache cold start (1.2x), the crash
             against the same (0.15x is item 4's bound).

@@ -259,14 +259,16 @@ def load_compiled_beside_weights() -> bool:
     not CUDA's, AOT compile or the cache is off, or the load fails, vLLM loads at the first forward
     as before.
 
-    Off unless the engine's environment has ``VLLMSUP_COMPILED_BESIDE_WEIGHTS=1`` (``any``: on
-    every platform, the CPU tests). On the H100 (docs/recovery.md §2, step 7) the load beside the
-    weights worked once it ran in inference mode, but before that fix its load in grad mode left
-    graphs in vLLM's compile cache that failed every later start, a plain cold one too: a thread
-    whose state differs from the first forward's in anything vLLM's cache keys on writes the
-    cache for everyone. One start is not enough to turn that on for every user.
+    On unless the engine's environment has ``VLLMSUP_COMPILED_BESIDE_WEIGHTS=0`` (``any``: on
+    every platform, the CPU tests; ``1``, the default: on CUDA's). Side by side in one run it was
+    the faster start every time (docs/recovery.md §2, step 7: the H200 at 0.9 and on the shared
+    card, the H100), and vLLM's cache was intact after (a plain start on it). Before the thread
+    ran in inference mode, its load in grad mode left graphs in vLLM's compile cache that failed
+    every later start, a plain cold one too: a thread whose state differs from the first
+    forward's in anything vLLM's cache keys on writes the cache for everyone. Such a start is a
+    ``compile_cache`` failure now: the supervisor moves that cache aside and compiles anew.
     """
-    setting = os.environ.get(BESIDE_WEIGHTS_ENV, "0")
+    setting = os.environ.get(BESIDE_WEIGHTS_ENV, "1")
     if setting not in ("1", "any"):
         return False
     # only what this standby imported already: importing more here could start CUDA before the fork

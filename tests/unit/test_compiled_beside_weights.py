@@ -187,8 +187,9 @@ def test_a_failed_load_in_the_thread_leaves_the_first_forward_to_vllm(
 
 
 @pytest.mark.parametrize(("setting", "cuda", "ahead"), [
-    (None, True, False),  # the default: off, not even installed
-    ("0", True, False),
+    (None, True, True),  # the default: on, on CUDA (the H200 and the H100, side by side)
+    (None, False, False),
+    ("0", True, False),  # turned off: not even installed
     ("1", False, False),  # not CUDA's platform: vLLM's own order
     ("any", False, True),  # every platform (the CPU tests)
     ("1", True, True),  # on, on CUDA
@@ -202,7 +203,7 @@ def test_the_setting_and_the_platform_decide(monkeypatch: pytest.MonkeyPatch, ro
     vllm = FakeVllm(monkeypatch, root, cuda=cuda)
     module, _ = compiled_in_cache(root)
     installed = vllm_standby.load_compiled_beside_weights()
-    assert installed is (setting in ("1", "any"))
+    assert installed is (setting != "0")
     vllm.loader().load_weights(Model(module), None)
     assert bool(vllm.loads) is ahead, vllm.loads
 
