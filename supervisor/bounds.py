@@ -28,6 +28,9 @@ SHORT_SLACK_S = 5.0  # after the dead-engine grace, and after a drain's own boun
 # Waking a spare (recovery/spare.py), a step of a start: vLLM's /wake_up, then /health, then the
 # canary's answer.
 SPARE_WAKE_S = 120.0
+# A dead engine's spare, woken while its API server exits by itself: how long the card is read for
+# the room to wake it (the EngineCore's memory coming back); after it, the start wakes it.
+SPARE_ROOM_WAIT_S = 1.0
 SPARE_HEALTH_S = 10.0
 SPARE_CANARY_S = 30.0
 # What a wake needs free beyond what the spare gave up asleep: it takes back its own allocations, no

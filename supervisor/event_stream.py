@@ -260,6 +260,18 @@ class DeathSettled(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeathSeen(Event):
+    """A serving engine's death whose verdict waits for vLLM's last words (``[engine]
+    dead_grace_s``): ``kind`` is what the evidence so far says. Recovery may wake the spare the
+    restart would take while the API server exits by itself (recovery/spare.py
+    ``wake_while_it_exits``)."""
+
+    name = "engine.death_seen"
+    kind: FailureKind
+    profile: Profile
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompileCacheSetAside(Event):
     """After a ``compile_cache`` failure (the engine's, or a second engine's): vLLM's torch.compile
     cache renamed (kept for a person to look at or remove), so that the next start compiles anew;

@@ -166,6 +166,14 @@ def clamp_to_configured(saved: Profile, configured: Profile,
 SAME_RUNG_DEATHS = frozenset({FailureKind.ENGINE_DEAD, FailureKind.SIGNAL, FailureKind.HANG})
 
 
+def spare_takes_the_restart(kind: FailureKind, profile: Profile, spare: Profile | None,
+                            ladder: LadderConfig) -> bool:
+    """Whether a death of ``kind`` whose restart would be at ``profile`` goes into the rung of the
+    spare asleep beside it instead (``into_sleeping_spare``)."""
+    return (spare is not None and kind in SAME_RUNG_DEATHS and ladder.climb_after_s > 0
+            and spare.compile_key() != profile.compile_key() and spare.chunk() <= profile.chunk())
+
+
 def into_sleeping_spare(decision: Decision, spare: Profile | None,
                         ladder: LadderConfig) -> Decision:
     """A death that would restart the rung it died at (the engine dead with no memory cause, a
@@ -177,11 +185,10 @@ def into_sleeping_spare(decision: Decision, spare: Profile | None,
     first, at vLLM's default 0.9, is kept for the memory failure it was built for). A memory
     failure already goes to the spare's rung, a device's fault keeps nothing on the card, and a
     configuration error is not restarted."""
-    kind = decision.failure.kind
-    if (not decision.restart or spare is None or kind not in SAME_RUNG_DEATHS
-            or ladder.climb_after_s <= 0 or spare.compile_key() == decision.profile.compile_key()
-            or spare.chunk() > decision.profile.chunk()):
+    if not decision.restart or not spare_takes_the_restart(
+            decision.failure.kind, decision.profile, spare, ladder):
         return decision
+    assert spare is not None
     into = spare.with_(gpu_memory_utilization=decision.profile.gpu_memory_utilization)
     return replace(
         decision, profile=into,

@@ -45,6 +45,7 @@ from supervisor.engine.steps import Steps, Trigger
 from supervisor.engine.teardown import stop_bound, stop_tree
 from supervisor.engine_states import Failure, Phase, TriggerKind
 from supervisor.event_stream import (
+    DeathSeen,
     DeathSettled,
     EngineSpawned,
     Event,
@@ -356,13 +357,17 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
 def settled_death(run: EngineRun, trigger: Trigger, phase: Phase, rc: int | None) -> bool:
     """Whether ``trigger`` is a death whose verdict is settled before the engine's stop
     (``settled_before_exit``); published when it is (``DeathSettled``): recovery wakes the spare
-    the restart will want while the dead engine is stopped."""
+    the restart will want while the dead engine is stopped. A serving engine's that is not
+    (``DeathSeen``, what the evidence says so far) may have that spare woken while its API server
+    exits."""
     if trigger.kind is not TriggerKind.DEATH:
         return False
     found = verdict_of(run.seen, trigger, phase, rc)
     settled = settled_before_exit(found)
     if settled:
         run.publish(DeathSettled(at=run.host.wall(), kind=found.kind, profile=run.profile))
+    elif phase is Phase.SERVING and rc is None:
+        run.publish(DeathSeen(at=run.host.wall(), kind=found.kind, profile=run.profile))
     return settled
 
 

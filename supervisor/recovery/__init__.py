@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.aio import cancel_and_wait
+from supervisor.bounds import SPARE_ROOM_WAIT_S
 from supervisor.config import Config
 from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import (
     CompileCacheSetAside,
+    DeathSeen,
     DeathSettled,
     EngineEnvReported,
     EngineIdle,
@@ -35,7 +37,12 @@ from supervisor.event_stream import (
 from supervisor.host import Child, Host
 from supervisor.profile import Profile
 from supervisor.recovery.ahead import Ahead
-from supervisor.recovery.spare import Spare, take_bound_s, wake_beside_the_dying
+from supervisor.recovery.spare import (
+    Spare,
+    take_bound_s,
+    wake_beside_the_dying,
+    wake_while_it_exits,
+)
 from supervisor.recovery.standby import SPARE, Standby, StandbyPool, vllm_env_of
 
 TICK_S = 1.0
@@ -58,6 +65,9 @@ class Recovery:
         self._engine_reported = False  # an engine (not a second one) said what vLLM set for it
         # a climb's spare, woken as the engine drains; a runtime OOM's, as the dead one is stopped
         self._wake_ahead: asyncio.Task[None] | None = None
+        # the rung of the spare woken while a dead engine's API server exits: still the one its
+        # restart goes into (``sleeping_spare``)
+        self._dying_into: Profile | None = None
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
@@ -90,6 +100,7 @@ class Recovery:
                 self._serving = (event.profile, version, not self.ahead.planned)
                 self.ahead.planned, self.ahead.version = True, version
                 self._ready_since = self.ahead.builder.ready_at = self.host.monotonic()
+                self._dying_into = None
                 self.ahead.precompiler.learnt_version(version)
                 # a spare's graphs are a sleep-mode engine's
                 if not (event.ready and event.ready.from_spare):
@@ -109,6 +120,13 @@ class Recovery:
             target = wake_beside_the_dying(event.kind, self.ahead.below(event.profile))
             if target is not None:
                 self._wake_spare(target)
+        elif isinstance(event, DeathSeen):
+            # ... or while its API server exits by itself, before the verdict
+            self._dying_into = wake_while_it_exits(
+                event.kind, self.ahead.below(event.profile), self.sleeping_spare(), event.profile,
+                self.ahead.cfg.ladder)
+            if self._dying_into is not None:
+                self._wake_spare(self._dying_into, SPARE_ROOM_WAIT_S)
         elif isinstance(event, FailureClassified):
             # until the next READY: the restarts of an outage build no spare first
             self.ahead.planned = False
@@ -150,14 +168,14 @@ class Recovery:
         READY. None for one built first (at 0.9 the next memory failure needs it, and no other
         is built before a planned start) or woken already, and after a device's fault."""
         spare = self.ahead.keeper.spare
-        if spare is None or spare.woken or spare.built_first or self.ahead.device_fault:
+        if spare is None or spare.built_first or self.ahead.device_fault:
             return None
-        return spare.profile
+        return None if spare.woken and spare.profile != self._dying_into else spare.profile
 
-    def _wake_spare(self, target: Profile) -> None:
+    def _wake_spare(self, target: Profile, room_wait_s: float = 0.0) -> None:
         if self._wake_ahead is None or self._wake_ahead.done():
-            self._wake_ahead = asyncio.create_task(self.ahead.keeper.wake_ahead(target),
-                                                   name="recovery:wake-ahead")
+            self._wake_ahead = asyncio.create_task(
+                self.ahead.keeper.wake_ahead(target, room_wait_s), name="recovery:wake-ahead")
 
     def woken_ahead(self) -> bool:
         """A climb's spare is awake beside the engine being stopped, or waking there: the start

@@ -18,7 +18,7 @@ card has not the memory it needs to wake, or when it dies; the start is then col
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,16 +29,18 @@ from supervisor.bounds import (
     MIB,
     SPARE_CANARY_S,
     SPARE_HEALTH_S,
+    SPARE_ROOM_WAIT_S,
     SPARE_SLEEP_S,
     SPARE_WAKE_MARGIN,
     SPARE_WAKE_S,
 )
-from supervisor.config import Config, EngineConfig, WarmupConfig
+from supervisor.config import Config, EngineConfig, LadderConfig, WarmupConfig
+from supervisor.decide.policy import spare_takes_the_restart
 from supervisor.engine import warmup
 from supervisor.engine_states import FailureKind
 from supervisor.event_stream import Event, SpareAsleep, SpareChecked, SpareDropped, SpareWoken
 from supervisor.host import Host, leftovers
-from supervisor.host.gpu import DeviceSnapshot, GpuLost
+from supervisor.host.gpu import DeviceSnapshot, GpuLost, poll_delays
 from supervisor.host.vllm_http import EngineError
 from supervisor.ops import incident
 from supervisor.profile import Knob, Profile
@@ -238,23 +240,21 @@ class SpareKeeper:
         leftovers.clear(self.cfg.state.dir, leftovers.SPARE)
         return spare
 
-    async def wake_ahead(self, profile: Profile) -> None:
+    async def wake_ahead(self, profile: Profile, room_wait_s: float = 0.0) -> None:
         """The next start is at ``profile`` and its spare sleeps beside the engine it replaces (a
-        climb's, or a runtime OOM's settled before its engine's stop): wake it now, while that
-        engine drains or is killed and stops, not after (the wake and its canary were 0.56 s of
-        a climb's 5.67 s outage on the H100). Only where the card holds it awake beside the
-        engine and a start's headroom, as a check's wake; otherwise the start wakes it after
-        the stop, as before."""
+        climb's, a runtime OOM's settled before its engine's stop, or a death whose API server
+        exits by itself): wake it now, while that engine drains or is killed and stops, not
+        after (the wake and its canary were 0.56 s of a climb's 5.67 s outage on the H100). Only
+        where the card holds it awake beside the engine and a start's headroom, as a check's
+        wake, now or within ``room_wait_s`` (a dead EngineCore's memory coming back); otherwise
+        the start wakes it after the stop, as before."""
         async with self._waking:
             spare = self.spare
             if (spare is None or spare.woken or not spare.serves(profile)
                     or await self._dropped_unfit(spare)):
                 return
-            try:
-                short = spare.short_to_wake(await self._snapshot(),
-                                            self.cfg.gpu.start_headroom_bytes)
-            except GpuLost as exc:
-                short = str(exc)
+            short = await short_within(spare, self._snapshot, self.host,
+                                       self.cfg.gpu.start_headroom_bytes, room_wait_s)
             if short:
                 log.info("spare.woken_after_the_stop", pid=spare.pid, why=short)
                 return
@@ -444,14 +444,16 @@ def outdated(built: Throwaway, engine: EngineConfig) -> str | None:
 def take_bound_s(cfg: Config) -> float:
     """The longest ``SpareKeeper.take`` lasts, from the bounds its steps wait on (the start's
     watchdog deadline at its gates): a wake under way ends first (a check's, ``_check_by_waking``:
-    /wake_up, /health, the canary, /sleep, or the spare dropped when one fails; a climb's,
-    ``wake_ahead``: /wake_up, /health, the canary, the warm-up), then the start's own wake
+    /wake_up, /health, the canary, /sleep, or the spare dropped when one fails; a climb's or
+    a dying engine's, ``wake_ahead``: the card read for room, /wake_up, /health, the canary, the
+    warm-up), then the start's own wake
     (/wake_up, /health, the canary), or the spare dropped (``drop``: the engine's stop grace, then
     SIGKILL)."""
     e = cfg.engine
     wake = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S
     drop = e.stop_timeout_s + e.kill_timeout_s
-    return (wake + max(SPARE_SLEEP_S, cfg.warmup.timeout_s) + drop) + (wake + drop)
+    ahead = SPARE_ROOM_WAIT_S + wake + max(SPARE_SLEEP_S, cfg.warmup.timeout_s) + drop
+    return ahead + (wake + drop)
 
 
 def wake_beside_the_dying(kind: FailureKind, below: Sequence[Profile]) -> Profile | None:
@@ -466,6 +468,38 @@ def wake_beside_the_dying(kind: FailureKind, below: Sequence[Profile]) -> Profil
     return None
 
 
+async def short_within(spare: Spare, snapshot: Callable[[], Awaitable[list[DeviceSnapshot]]],
+                       host: Host, headroom: int, wait_s: float) -> str | None:
+    """Why the card cannot take ``spare`` back (``Spare.short_to_wake``), read until it can or
+    ``wait_s`` is over."""
+    deadline = host.monotonic() + wait_s
+    for pause in poll_delays(ROOM_POLL_S):
+        try:
+            short = spare.short_to_wake(await snapshot(), headroom)
+        except GpuLost as exc:
+            return str(exc)
+        if not short or host.monotonic() + pause > deadline:
+            return short
+        await host.sleep(pause)
+    return None  # not reached: the pauses never end
+
+
+def wake_while_it_exits(kind: FailureKind, below: Sequence[Profile], sleeping: Profile | None,
+                        profile: Profile, ladder: LadderConfig) -> Profile | None:
+    """The rung whose spare is woken while a dead engine's API server exits by itself (a death
+    whose verdict waits for vLLM's last words; ``kind`` is what its evidence says so far), or
+    None. Its restart would take that spare: a runtime OOM's the rung below (as
+    ``wake_beside_the_dying``), a death that would restart its own rung the sleeping spare's
+    (decide/policy.py ``into_sleeping_spare``; ``sleeping`` is that spare's rung where it may).
+    On the H200 the API server's own exit was 0.62 s of the EngineCore's SIGKILL's 1.33 s
+    recovery, the wake after it. Where the final verdict goes elsewhere, the start drops the
+    woken spare, as any spare that cannot serve it."""
+    memory = wake_beside_the_dying(kind, below)
+    if memory is not None:
+        return memory
+    return sleeping if spare_takes_the_restart(kind, profile, sleeping, ladder) else None
+
+
 def window(spare: Spare | None, last_start_s: float | None) -> dict[str, Any] | None:
     """While no spare sleeps: what a memory failure's restart costs (a start, not a wake), as the
     last start that woke no spare took from spawn to READY (``last_start_s``; null before one)."""
@@ -477,5 +511,6 @@ def window(spare: Spare | None, last_start_s: float | None) -> dict[str, Any] | 
     }
 
 
+ROOM_POLL_S = 0.1  # the card read while a dead EngineCore's memory comes back (0.11-0.28 s on GPUs)
 FOOTPRINT_EVERY_S = 5.0  # how often a sleeping spare's memory is read
 FOOTPRINT_GROWTH = 512 * MIB  # ... and how much more than it kept when it fell asleep recycles it

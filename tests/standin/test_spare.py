@@ -304,6 +304,34 @@ def test_a_death_that_restarts_its_rung_wakes_the_spare_below_and_the_climb_take
     assert st["last_failure"]["kind"] == "signal" and st["restarts"] >= 1, st
 
 
+def test_an_enginecores_death_wakes_the_spare_while_its_api_server_exits_by_itself(
+        supervise: Callable[..., Sup]) -> None:
+    """The H200 (run 10, docs/runs/README.md): the EngineCore SIGKILLed beside a sleeping spare recovered in 1.325 s,
+    0.62 s of it its API server's own exit: an `engine_dead` verdict waits for vLLM's last words (dead_grace_s), and
+    the spare was woken only after the stop. Now it is woken while the API server exits (`engine.death_seen`): here
+    the stand-in's API server takes 1.2 s to exit (within dead_grace_s) and the wake 1 s, and the spare is awake
+    before the dead engine's stop is over: the recovery is the exit, not the exit and then the wake."""
+    exit_s, wake_s = 1.2, 1.0
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_DEAD_EXIT_S": str(exit_s), "FAKE_VLLM_WAKE_S": str(wake_s)}},
+                     "ladder": {"climb_after_s": 60.0}})
+    first = sup.wait_ready(30)
+    spare = asleep(sup)
+    (core, ) = psutil.Process(first["engine_pid"]).children()
+    core.kill()
+    st = sup.wait_ready(30, restarts=1)
+    assert st["last_failure"]["kind"] == "engine_dead", st["last_failure"]
+    assert st["engine_pid"] == spare["pid"] and st["profile"]["max_num_batched_tokens"] == 6144, st
+    (seen, ) = sup.events("engine.death_seen")
+    assert seen["kind"] == "engine_dead", seen
+    (woken, ) = sup.events("spare.woken")
+    (stopped, ) = sup.events("engine.stopped")
+    assert at(woken) < at(stopped) and woken["beside"] is True, (woken, stopped)
+    assert stopped["sigkilled"] == [] and stopped["returncode"] == 0  # it exited by itself: its last words are in
+    (recovered, ) = sup.events("engine.recovered")
+    assert recovered["recovered_after_s"] < exit_s + wake_s, recovered  # the wake inside the exit, not after it
+    assert sup.gateway is not None and complete(sup.gateway) == 200
+
+
 def test_a_spare_left_by_a_sigkilled_supervisor_is_stopped_by_the_next_one(
         supervise: Callable[..., Sup]) -> None:
     sup = supervise()

@@ -219,13 +219,22 @@ def test_a_starts_wait_for_the_spare_is_bounded_by_a_checks_wake_and_its_own_wak
     SPARE_WAKE_BOUND_S). A start waits for a check's wake under way (the lock they share) before its own: that
     check's wake, canary and /sleep (SPARE_SLEEP_S: 300 s) were outside it, and the watchdog could stop being petted
     while a slow check finished. The bound now lives beside the steps (take_bound_s)."""
-    from supervisor.bounds import SPARE_CANARY_S, SPARE_HEALTH_S, SPARE_SLEEP_S, SPARE_WAKE_S, STEP_SLACK_S
+    from supervisor.bounds import (
+        SPARE_CANARY_S,
+        SPARE_HEALTH_S,
+        SPARE_ROOM_WAIT_S,
+        SPARE_SLEEP_S,
+        SPARE_WAKE_S,
+        STEP_SLACK_S,
+    )
     from supervisor.recovery.spare import take_bound_s
 
     cfg = parse({"engine": {"model": "m", "stop_timeout_s": 40.0, "kill_timeout_s": 7.0}})
     wake = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S  # /wake_up, /health, the canary's answer
     drop = 40.0 + 7.0  # SpareKeeper.drop: the engine's stop grace, then SIGKILL
-    check = wake + SPARE_SLEEP_S + drop  # a check under way: its wake, canary and sleep, or its spare dropped
+    # a check under way (its wake, canary and sleep), or a dying engine's wake ahead (the card read for room, its
+    # wake and warm-up), or its spare dropped
+    check = SPARE_ROOM_WAIT_S + wake + SPARE_SLEEP_S + drop
     assert take_bound_s(cfg) == check + wake + drop
     old = drop + wake + STEP_SLACK_S
     assert take_bound_s(cfg) - old > STEP_SLACK_S  # what the old bound's slack could not absorb
@@ -251,6 +260,33 @@ def test_a_dying_engines_settled_verdict_wakes_the_spare_only_of_a_runtime_ooms_
         (K.HANG, [down], None),
     ]
     assert [wake_beside_the_dying(kind, below) for kind, below, _ in cases] == [want for _, _, want in cases]
+
+
+def test_a_death_whose_verdict_waits_for_vllms_last_words_wakes_the_spare_its_restart_would_take() -> None:
+    """The H200 (run 10): the EngineCore SIGKILLed beside a sleeping spare took 1.325 s to READY, 0.62 s of it the API
+    server's own exit (an `engine_dead` verdict is not settled before vLLM has finished logging), the wake after it.
+    The spare the restart would take is woken meanwhile (recovery/spare.py ``wake_while_it_exits``): a runtime OOM's
+    one rung down, as when settled; a death that would restart its own rung the sleeping spare's, where the policy's
+    ``into_sleeping_spare`` takes it (a spare built beside, climbing on, its rung below the engine's)."""
+    from supervisor.engine_states import FailureKind as K
+    from supervisor.recovery.spare import wake_while_it_exits
+
+    at, down, further = (Profile(max_num_batched_tokens=c) for c in (8192, 6144, 4096))
+    climbing, never = LadderConfig(climb_after_s=1800.0), LadderConfig(climb_after_s=0.0)
+    cases = [  # kind, below, the sleeping spare's rung (None: none it may take), the engine's rung, ladder -> wake
+        (K.RUNTIME_OOM, [down, further], down, at, climbing, down),  # not named by vLLM's dump: not settled
+        (K.RUNTIME_OOM, [], None, at, climbing, None),  # at the floor
+        (K.ENGINE_DEAD, [down], down, at, climbing, down),  # the EngineCore SIGKILLed (run 10)
+        (K.SIGNAL, [down], down, at, climbing, down),
+        (K.ENGINE_DEAD, [down], None, at, climbing, None),  # a spare built first (0.9), or woken already
+        (K.ENGINE_DEAD, [down], down, at, never, None),  # no climb back: its rung is kept, the spare asleep
+        (K.ENGINE_DEAD, [down], at, at, climbing, None),  # a spare of its own rung: a wake of the same rung
+        (K.ENGINE_DEAD, [further], at, down, climbing, None),  # a spare above the engine: never a climb by a death
+        (K.DEVICE_FATAL, [down], down, at, climbing, None),  # nothing is kept on a faulty card
+        (K.STARTUP_MEMORY, [down], down, at, climbing, None),
+    ]
+    assert [wake_while_it_exits(kind, below, sleeping, engine, ladder)
+            for kind, below, sleeping, engine, ladder, _ in cases] == [want for *_, want in cases]
 
 
 def test_a_planned_start_waits_for_vllm_imported_under_the_engine_config_in_force_or_for_none_to_be_had() -> None:
