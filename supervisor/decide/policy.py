@@ -185,10 +185,9 @@ def into_sleeping_spare(decision: Decision, spare: Profile | None,
     first, at vLLM's default 0.9, is kept for the memory failure it was built for). A memory
     failure already goes to the spare's rung, a device's fault keeps nothing on the card, and a
     configuration error is not restarted."""
-    if not decision.restart or not spare_takes_the_restart(
+    if spare is None or not decision.restart or not spare_takes_the_restart(
             decision.failure.kind, decision.profile, spare, ladder):
         return decision
-    assert spare is not None
     into = spare.with_(gpu_memory_utilization=decision.profile.gpu_memory_utilization)
     return replace(
         decision, profile=into,
