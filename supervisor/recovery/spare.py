@@ -18,6 +18,7 @@ card has not the memory it needs to wake, or when it dies; the start is then col
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,11 @@ class Spare(Throwaway):
     # warmed up after a wake beside the engine it replaces (``wake_ahead``): its start does not
     warmed: warmup.WarmupResult | None = None
     built_first: bool = False  # built before a planned start's engine (none fitted beside it)
+    # what its sleep copied to host memory, per device (vLLM's log): its weights, which a wake in
+    # two parts brings back first (``offloaded_bytes``); None until that line was read
+    weights: int | None = None
+    # its weights woken ahead of the rest, beside a dead engine (``wake_weights_ahead``): seconds
+    weights_back_s: float | None = None
 
     def serves(self, profile: Profile) -> bool:
         """It can be the engine at ``profile``: the same rung (the compile key: every knob but the
@@ -81,16 +87,31 @@ class Spare(Throwaway):
         theirs = profile.effective(Knob.GPU_MEMORY_UTILIZATION) or 1.0
         return self.profile.compile_key() == profile.compile_key() and mine <= theirs
 
+    @property
+    def weights_woken(self) -> bool:
+        return self.weights_back_s is not None
+
     def short_to_wake(self, snaps: Sequence[DeviceSnapshot], headroom: int) -> str | None:
-        """Why the card cannot take the spare back now (what it gave up asleep, plus the
-        headroom), or None."""
+        """Why the card cannot take the spare back now (what it gave up asleep, less its weights
+        where they are back already, plus the headroom), or None."""
+        back = (self.weights or 0) if self.weights_woken else 0
         for s in snaps:
-            need = max(0, self.awake.get(s.index, 0) - self.asleep.get(s.index, 0))
+            need = max(0, self.awake.get(s.index, 0) - self.asleep.get(s.index, 0) - back)
             if s.free < need + headroom:
                 return (
                     f"GPU {s.index}: {s.free / GIB:.2f} GiB free, the spare needs {need / GIB:.2f} "
                     "GiB "
                     f"back to wake (+ {headroom / GIB:.2f} GiB headroom)")
+        return None
+
+    def short_for_weights(self, snaps: Sequence[DeviceSnapshot], headroom: int) -> str | None:
+        """Why the card cannot take the spare's weights back now (plus the headroom), or None."""
+        if self.weights is None:
+            return "the size of its weights is not known (no vLLM sleep line read)"
+        for s in snaps:
+            if s.free < self.weights + headroom:
+                return (f"GPU {s.index}: {s.free / GIB:.2f} GiB free, its weights need "
+                        f"{self.weights / GIB:.2f} GiB (+ {headroom / GIB:.2f} GiB headroom)")
         return None
 
     def growth(self, held: dict[int, int]) -> str | None:
@@ -101,6 +122,18 @@ class Spare(Throwaway):
                          if b > FOOTPRINT_GROWTH)
         return f"{what} over the {sum(self.asleep.values()) // MIB} MiB it kept asleep" \
             if what else None
+
+    async def grown_asleep(
+            self, snapshot: Callable[[], Awaitable[list[DeviceSnapshot]]]) -> str | None:
+        """``growth`` read from the card, every FOOTPRINT_EVERY_S while it sleeps; else None."""
+        now = self.host.monotonic()
+        if not self.asleep or now - self.footprint_at < FOOTPRINT_EVERY_S:
+            return None
+        self.footprint_at = now
+        try:
+            return self.growth(held_by(await snapshot(), self.host.tree_pids(self.child)))
+        except GpuLost:
+            return None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -125,19 +158,54 @@ class Spare(Throwaway):
         except warmup.WarmupFailed as exc:
             raise SpareFailed(f"its warm-up after the wake failed: {exc}") from None
 
+    async def put_to_sleep(self, snapshot: Callable[[], Awaitable[list[DeviceSnapshot]]]) -> None:
+        """Its canary's answer, then asleep, its footprint read awake and asleep (SpareFailed, or
+        GpuLost, when any of it fails)."""
+        pids = self.host.tree_pids(self.child)
+        try:
+            self.canary = await canary.ask(self.client)
+        except EngineError as exc:
+            raise SpareFailed(f"no answer to the canary prompt before sleeping: {exc}") from None
+        self.awake = held_by(await snapshot(), pids)
+        await self.fall_asleep()
+        self.asleep = held_by(await snapshot(), pids)
+        self.weights = offloaded_bytes(self.tail.snapshot())  # read again at a wake if late
+        self.footprint_at = self.checked_at = self.host.monotonic()
+
     async def fall_asleep(self) -> None:
         try:
             await self.client.command("/sleep?level=1", SPARE_SLEEP_S)
         except EngineError as exc:
             raise SpareFailed(f"/sleep failed: {exc}") from None
 
-    async def wake(self) -> None:
+    async def wake(self, tags: str | None = None) -> None:
+        """vLLM's ``/wake_up``: everything (None), ``weights`` alone (the engine stays asleep,
+        its scheduler paused), or ``kv_cache`` after the weights (then it serves)."""
+        path = "/wake_up" if tags is None else f"/wake_up?tags={tags}"
         try:
-            await self.client.command("/wake_up", SPARE_WAKE_S)
+            await self.client.command(path, SPARE_WAKE_S)
         except EngineError as exc:
-            raise SpareFailed(f"/wake_up failed: {exc}") from None
-        if await self.client.health(timeout=SPARE_HEALTH_S) != 200:
-            raise SpareFailed("no /health 200 after /wake_up")
+            raise SpareFailed(f"{path} failed: {exc}") from None
+        if tags != WEIGHTS and await self.client.health(timeout=SPARE_HEALTH_S) != 200:
+            raise SpareFailed(f"no /health 200 after {path}")
+
+
+# vLLM's CuMemAllocator at each sleep (level 1 copies the weights out; the KV cache is dropped)
+OFFLOADED = re.compile(r"CuMemAllocator: sleep freed [\d.]+ GiB memory in total, of which "
+                       r"([\d.]+) GiB is backed up in CPU")
+WEIGHTS, KV_CACHE = "weights", "kv_cache"  # vLLM's wake-up tags
+
+
+def offloaded_bytes(lines: Iterable[str]) -> int | None:
+    """What the spare's last sleep copied to host memory, from vLLM's own line (a spare serves
+    no client before it is the engine: nobody else's text is in its log), rounded up to the
+    line's 0.01 GiB; None without one."""
+    found = None
+    for line in lines:
+        m = OFFLOADED.search(line)
+        if m:
+            found = m
+    return None if found is None else int((float(found.group(1)) + 0.01) * GIB)
 
 
 def canary_incident(spare: Spare, before: Canary, after: Canary, wrong: str) -> dict[str, Any]:
@@ -180,18 +248,9 @@ class SpareKeeper:
         """Put a throwaway that answers /health to sleep and keep it; False (and an event) when
         that fails, and the caller stops it as any throwaway."""
         spare = Spare(**fields_of(started))
-        pids = self.host.tree_pids(spare.child)
         t0 = self.host.monotonic()
         try:
-            try:
-                spare.canary = await canary.ask(spare.client)
-            except EngineError as exc:
-                raise SpareFailed(
-                    f"no answer to the canary prompt before sleeping: {exc}") from None
-            spare.awake = held_by(await self._snapshot(), pids)
-            await spare.fall_asleep()
-            spare.asleep = held_by(await self._snapshot(), pids)
-            spare.footprint_at = spare.checked_at = self.host.monotonic()
+            await spare.put_to_sleep(self._snapshot)
         except (SpareFailed, GpuLost) as exc:
             self.failed.add(spare.profile, "spare")
             self.publish(SpareDropped(at=self.host.wall(), pid=spare.pid, profile=spare.profile,
@@ -221,16 +280,14 @@ class SpareKeeper:
         if spare is None or await self._dropped_unfit(spare):
             return None
         if not spare.serves(profile):
-            if keep_for is not None and spare.serves(keep_for) and not spare.woken:
+            if (keep_for is not None and spare.serves(keep_for) and not spare.woken
+                    and not spare.weights_woken):
                 # at 0.9 no spare starts beside the engine: losing this one loses the fast path
                 return None
             await self.drop(f"this start wants another rung ({profile.compile_key()})")
             return None
         if not spare.woken:
-            try:
-                short = spare.short_to_wake(await self._snapshot(), SPARE_WAKE_MARGIN)
-            except GpuLost as exc:
-                short = str(exc)
+            short = await short_within(spare, self._snapshot, self.host, SPARE_WAKE_MARGIN, 0.0)
             if short:
                 await self.drop(short, fault=True)
                 return None
@@ -247,16 +304,29 @@ class SpareKeeper:
         after (the wake and its canary were 0.56 s of a climb's 5.67 s outage on the H100). Only
         where the card holds it awake beside the engine and a start's headroom, as a check's
         wake, now or within ``room_wait_s`` (a dead EngineCore's memory coming back); otherwise
-        the start wakes it after the stop, as before."""
+        the start wakes it after the stop, as before.
+
+        Where the card holds only its weights now, those are woken first
+        (``wake_weights_ahead``): the rest, its KV cache, is the dead engine's memory, woken once
+        that is free."""
         async with self._waking:
             spare = self.spare
             if (spare is None or spare.woken or not spare.serves(profile)
                     or await self._dropped_unfit(spare)):
                 return
-            short = await short_within(spare, self._snapshot, self.host,
-                                       self.cfg.gpu.start_headroom_bytes, room_wait_s)
+            headroom = self.cfg.gpu.start_headroom_bytes
+            short = await short_within(spare, self._snapshot, self.host, headroom, 0.0)
             if short:
-                log.info("spare.woken_after_the_stop", pid=spare.pid, why=short)
+                failed = await wake_weights_ahead(spare, self._snapshot, headroom, short)
+                if failed:
+                    await self.drop(failed, fault=True)
+                    return
+            if short and (room_wait_s or spare.weights_woken):
+                short = await short_within(spare, self._snapshot, self.host, headroom,
+                                           room_wait_s)
+            if short:
+                log.info("spare.woken_after_the_stop", pid=spare.pid, why=short,
+                         weights_woken=spare.weights_woken)
                 return
             spare.woken = True  # past the card's check: the stop need not wait for memory now
             await self._wake(spare, beside=True)
@@ -265,7 +335,7 @@ class SpareKeeper:
         """Wake ``spare`` and check its canary (``spare.woken``); False once it is dropped."""
         t0 = self.host.monotonic()
         try:
-            await spare.wake()
+            await spare.wake(KV_CACHE if spare.weights_woken else None)
             took = round(self.host.monotonic() - t0, 3)
             checked = await self._check_canary(spare)
             if checked is not None and beside:
@@ -282,7 +352,7 @@ class SpareKeeper:
         self.publish(
             SpareWoken(at=self.host.wall(), pid=spare.pid, port=spare.port, profile=spare.profile,
                        took_s=took, canary=checked, beside=beside, url=spare.url,
-                       warmup_s=spare.warmup_s))
+                       warmup_s=spare.warmup_s, weights_s=spare.weights_back_s))
         return True
 
     async def _check_canary(self, spare: Spare) -> dict[str, Any] | None:
@@ -313,7 +383,8 @@ class SpareKeeper:
         """While the engine serves: a spare that died, or that no longer is the rung a failure
         would pick, goes."""
         spare = self.spare
-        if spare is None or spare.woken or await self._dropped_unfit(spare):
+        if (spare is None or spare.woken or spare.weights_woken
+                or await self._dropped_unfit(spare)):
             return
         if next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
             await self.drop("the engine's next rung is another one now")
@@ -337,10 +408,8 @@ class SpareKeeper:
         if spare.wakes >= r.spare_max_wakes:
             await self.drop(f"recycled: woken {spare.wakes} times by its checks (spare_max_wakes)")
             return
-        try:
-            short = spare.short_to_wake(await self._snapshot(), self.cfg.gpu.start_headroom_bytes)
-        except GpuLost as exc:
-            short = str(exc)
+        short = await short_within(spare, self._snapshot, self.host,
+                                   self.cfg.gpu.start_headroom_bytes, 0.0)
         if short:
             self.last_check = {
                 "at": self.host.wall(), "checked": False, "why": f"not woken: {short}"
@@ -371,15 +440,7 @@ class SpareKeeper:
         the next one is built as any spare is). vLLM's sleep mode has left memory pinned that
         grows until outputs turn to garbage (vllm#21336); the canary would catch the garbage
         at the wake, this catches the growth before it."""
-        now = self.host.monotonic()
-        if not spare.asleep or now - spare.footprint_at < FOOTPRINT_EVERY_S:
-            return
-        spare.footprint_at = now
-        try:
-            held = held_by(await self._snapshot(), self.host.tree_pids(spare.child))
-        except GpuLost:
-            return
-        grown = spare.growth(held)
+        grown = await spare.grown_asleep(self._snapshot)
         if grown:
             await self.drop("recycled: its sleeping footprint grew since it fell asleep",
                             fault=True, detail=grown)
@@ -482,6 +543,37 @@ async def short_within(spare: Spare, snapshot: Callable[[], Awaitable[list[Devic
             return short
         await host.sleep(pause)
     return None  # not reached: the pauses never end
+
+
+async def wake_weights_ahead(spare: Spare,
+                             snapshot: Callable[[], Awaitable[list[DeviceSnapshot]]],
+                             headroom: int, short: str) -> str | None:
+    """Where the card cannot take the whole spare back yet (``short``: a dead engine's memory is
+    still held) but holds its weights: ``/wake_up?tags=weights`` now, the bulk of a wake (17.6
+    GiB copied back from host memory at the seed's shape, most of the H200's 0.69 s wake at 0.5),
+    while the dead engine is killed and its memory released; the rest (``kv_cache``) once it is
+    (``spare.weights_woken``). Where its weights do not fit either, or their size is unknown,
+    nothing is woken (the reason logged). Why the wake failed (the spare is then dropped), or
+    None. (Only the supervisor's stop cancels it, and that stops the spare.)"""
+    if spare.weights is None:
+        spare.weights = offloaded_bytes(spare.tail.snapshot())
+    try:
+        not_now = spare.short_for_weights([] if spare.weights is None else await snapshot(),
+                                          headroom)
+    except GpuLost as exc:
+        not_now = str(exc)
+    if not_now:
+        log.info("spare.weights_not_woken_ahead", pid=spare.pid, why=not_now)
+        return None
+    t0 = spare.host.monotonic()
+    try:
+        await spare.wake(WEIGHTS)
+    except SpareFailed as exc:
+        return str(exc)
+    spare.weights_back_s = round(spare.host.monotonic() - t0, 3)
+    log.info("spare.weights_woken", pid=spare.pid, took_s=spare.weights_back_s,
+             weights_gib=round((spare.weights or 0) / GIB, 2), before=short)
+    return None
 
 
 def wake_while_it_exits(kind: FailureKind, below: Sequence[Profile], sleeping: Profile | None,

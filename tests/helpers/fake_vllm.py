@@ -43,7 +43,11 @@ is steered by env vars:
 
 With ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1 it serves vLLM's /sleep, /wake_up and /is_sleeping
 (a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve.
-FAKE_VLLM_WAKE_S: how long /wake_up takes (default 0).
+FAKE_VLLM_WAKE_S: how long /wake_up takes (default 0); with vLLM's tags, ``?tags=weights`` takes that long and
+``?tags=kv_cache`` after it FAKE_VLLM_WAKE_KV_S (default 0; a whole wake takes both). Each sleep logs vLLM's
+CuMemAllocator line, its weights FAKE_VLLM_WEIGHTS_MIB (default 4096; 0: no such line) of what it gives up; the
+weights' wake takes
+those back on the card, and the engine serves again only once the KV cache is back too.
 FAKE_VLLM_CORRUPT_AFTER_WAKE=1: after a wake every answer is garbage (its words upper-cased, other logprobs), as
 vLLM's sleep-mode bugs leave an engine healthy and wrong. A completion asking for ``logprobs`` gets vLLM's shape
 (``tokens``, ``token_logprobs``). With
@@ -130,6 +134,7 @@ def wanted_bytes(gpu: Any, args: argparse.Namespace) -> int:
 
 STANDIN_VERSION = "0.32.0+standin"  # what the stand-in says it is: compile records are keyed by it
 ASLEEP_BYTES = int(float(os.environ.get("FAKE_NVML_ASLEEP_MIB", "2048")) * 2**20)  # CUDA context, graphs, buffers
+WEIGHTS_BYTES = int(float(os.environ.get("FAKE_VLLM_WEIGHTS_MIB", "4096")) * 2**20)  # what a sleep copies out
 
 
 class EngineDeadError(Exception):
@@ -359,6 +364,7 @@ class Server:
         self.gen_total = 0
         self.running = 0
         self.asleep = False
+        self.weights_back = False  # woken with ?tags=weights: the KV cache still asleep
         self.corrupted = False
         self.stop = asyncio.Event()
         self.core_pid = 0
@@ -464,24 +470,37 @@ class Server:
     async def sleep(self, request: web.Request) -> web.Response:
         if not self.args.enable_sleep_mode:  # vLLM: "Sleep mode is not enabled" (an error, not a no-op)
             return web.json_response({"error": "Sleep mode is not enabled"}, status=500)
-        self.asleep = True
+        self.asleep, self.weights_back = True, False
+        freed = (wanted_bytes(self.gpu, self.args) - ASLEEP_BYTES) if self.gpu is not None else 2 * WEIGHTS_BYTES
         if self.gpu is not None:  # weights to host memory, KV cache dropped: what stays is the footprint
             self.gpu.set_held(self.core_pid, ASLEEP_BYTES)
+        if WEIGHTS_BYTES:  # 0: a vLLM whose sleep does not say what it copied out
+            self.log.info("CuMemAllocator: sleep freed %.2f GiB memory in total, of which %.2f GiB is backed up in "
+                          "CPU and the rest %.2f GiB is discarded directly.", freed / 2**30, WEIGHTS_BYTES / 2**30,
+                          (freed - WEIGHTS_BYTES) / 2**30)
         self.log.info("It took 0.010000 seconds to fall asleep (level %s).", request.query.get("level", "1"))
         return web.Response(status=200)
 
-    async def wake_up(self, _: web.Request) -> web.Response:
-        # how long the weights take to come back (0.57 s on the H200, the 9B shape)
-        await asyncio.sleep(float(os.environ.get("FAKE_VLLM_WAKE_S", "0")))
+    async def wake_up(self, request: web.Request) -> web.Response:
+        tags = set(request.query.getall("tags", [])) or {"weights", "kv_cache"}
+        # how long the weights take to come back (0.57 s on the H200, the 9B shape), then the KV cache
+        wait = (float(os.environ.get("FAKE_VLLM_WAKE_S", "0")) if "weights" in tags else 0.0) + (
+            float(os.environ.get("FAKE_VLLM_WAKE_KV_S", "0")) if "kv_cache" in tags else 0.0)
+        await asyncio.sleep(wait)
         if self.gpu is not None:
-            back = wanted_bytes(self.gpu, self.args) - ASLEEP_BYTES
+            held = ASLEEP_BYTES + (WEIGHTS_BYTES if self.weights_back or "weights" in tags else 0)
+            if "kv_cache" in tags:
+                held = wanted_bytes(self.gpu, self.args)
+            back = held - self.gpu.holders().get(self.core_pid, ASLEEP_BYTES)
             if self.gpu.free_bytes() < back:
                 return web.json_response({"error": f"CUDA out of memory. Tried to allocate {back / 2**30:.2f} GiB "
                                                    "while waking up"}, status=500)
-            self.gpu.set_held(self.core_pid, wanted_bytes(self.gpu, self.args))
-        self.asleep = False
-        self.corrupted = os.environ.get("FAKE_VLLM_CORRUPT_AFTER_WAKE") == "1"
-        self.log.info("It took 0.010000 seconds to wake up tags {'weights', 'kv_cache'}.")
+            self.gpu.set_held(self.core_pid, held)
+        self.weights_back = self.weights_back or "weights" in tags
+        if "kv_cache" in tags:
+            self.asleep = False
+            self.corrupted = os.environ.get("FAKE_VLLM_CORRUPT_AFTER_WAKE") == "1"
+        self.log.info("It took %.6f seconds to wake up tags %s.", wait, tags)
         return web.Response(status=200)
 
     async def is_sleeping(self, _: web.Request) -> web.Response:

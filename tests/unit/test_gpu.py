@@ -436,3 +436,41 @@ def test_one_sequence_kv_is_what_vllm_needs_to_start_at_the_rungs_max_model_len(
     assert one_sequence_kv(str(model), Profile(max_model_len=131072)) == per_token * 131072 + KV_BLOCK_SLACK
     assert one_sequence_kv(str(model), Profile(max_model_len=131072), ranks=2) == per_token * 65536 + KV_BLOCK_SLACK
     assert one_sequence_kv(str(tmp_path / "nowhere"), Profile()) is None
+
+
+def test_a_spares_weights_are_read_from_vllms_sleep_line_and_woken_first_where_only_they_fit(tmp_path: Any) -> None:
+    """Issue 38, item 5: beside a dead engine at 0.5 on the H200 the whole spare (66 GiB) did not fit until that
+    engine's memory was released, so its wake (0.69 s) came after the stop; its weights (17.6 GiB) did."""
+    from pathlib import Path
+
+    from supervisor.host.gpu import DeviceSnapshot
+    from supervisor.profile import Profile
+    from supervisor.recovery.spare import Spare, offloaded_bytes
+
+    real = Path(__file__).parents[1] / "fixtures" / "vllm-logs" / "h200-vllm0.26-spare-sleep-wake.log"
+    weights = offloaded_bytes(real.read_text().splitlines())
+    assert weights == int(17.59 * GIB), weights  # "of which 17.58 GiB is backed up in CPU", rounded up
+    assert offloaded_bytes(["(APIServer pid=1) INFO: POST /sleep?level=1 HTTP/1.1 200 OK"]) is None
+    later = ["CuMemAllocator: sleep freed 61.49 GiB memory in total, of which 17.58 GiB is backed up in CPU",
+             "CuMemAllocator: sleep freed 50.00 GiB memory in total, of which 8.00 GiB is backed up in CPU"]
+    assert offloaded_bytes(later) == int(8.01 * GIB)  # the last sleep's
+
+    unused: Any = None
+    spare = Spare(child=unused, profile=Profile(max_num_batched_tokens=6144, gpu_memory_utilization=0.47),
+                  url="http://127.0.0.1:1", work=tmp_path, tail=unused, drains=[], client=unused, host=unused,
+                  state_dir=str(tmp_path), awake={0: 68 * GIB}, asleep={0: 2 * GIB})
+    beside_dead = [DeviceSnapshot(0, 140 * GIB, 66 * GIB, 74 * GIB, ())]  # the dead engine's 70 GiB still held
+    released = [DeviceSnapshot(0, 140 * GIB, 138 * GIB - weights, 2 * GIB + weights, ())]
+    assert spare.short_to_wake(beside_dead, GIB) is not None  # 66 GiB + 1 GiB headroom > 66 GiB free
+    why = spare.short_for_weights(beside_dead, GIB)
+    assert why is not None and "not known" in why  # no sleep line read: it wakes in one part, after the stop
+    spare.weights = weights
+    assert spare.short_for_weights(beside_dead, GIB) is None
+    short = spare.short_for_weights([DeviceSnapshot(0, 140 * GIB, 18 * GIB, 122 * GIB, ())], GIB)
+    assert short is not None and "its weights need 17.59 GiB" in short  # the field report's shared card: not even they
+    # Woken, its weights are no longer what the rest of its wake needs: 66 - 17.59 GiB, once the dead engine's is free.
+    spare.weights_back_s = 0.55
+    assert spare.weights_woken
+    short = spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 40 * GIB, 100 * GIB, ())], GIB)
+    assert short is not None and "needs 48.41 GiB back" in short, short
+    assert spare.short_to_wake(released, GIB) is None

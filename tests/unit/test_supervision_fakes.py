@@ -597,6 +597,13 @@ def test_phases_of_a_real_start_from_vllms_own_lines() -> None:
     assert {"weight loading", "torch.compile", "KV-cache profiling", "CUDA graph capture", "warm-up"} <= set(p)
     assert p["gates"] == 10.0 and p["warm-up"] == 1.5
     assert sum(v for k, v in p.items() if k != "warm-up") == pytest.approx(healthy)  # every second accounted for
+    # Issue 38, item 4: the H200's 1.03 s "after graphs" is split where vLLM says what it does: the EngineCore's
+    # own end, its handshake with the API server, the API's build, the HTTP server's start.
+    assert list(p)[-5:] == ["after graphs", "engine core to API server", "API build", "API server start",
+                            "warm-up"], list(p)
+    cpu = [step_of(line) for line in (FIXTURES / "cpu-vllm0.32-enginecore-sigkill.log").read_text().splitlines()]
+    assert [s for s in cpu if s in ("engine core initialised", "building the API", "starting API server")] == [
+        "engine core initialised", "building the API", "starting API server", "starting API server"]
 
 
 def test_vllms_own_aot_cache_failure_is_recognised_in_real_logs() -> None:
