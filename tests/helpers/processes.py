@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,11 @@ def log_events(log: Path) -> list[dict[str, Any]]:
             except ValueError:
                 continue
     return out
+
+
+def at(event: dict[str, Any]) -> float:
+    """When the supervisor logged ``event`` (seconds since the epoch)."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 @dataclass

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +16,19 @@ import psutil
 import pytest
 from supervisor.child import vllm_standby
 
-from tests.helpers.processes import FAKE_VLLM, STANDIN_BASE, Launcher, Sup, cli, deep_merge, gone, send_long_prompt
+from tests.helpers.processes import (
+    FAKE_VLLM,
+    STANDIN_BASE,
+    Launcher,
+    Sup,
+    at,
+    cli,
+    deep_merge,
+    gone,
+    send_long_prompt,
+)
 
 IMPORT_S = 1.5  # the stand-in's "import vllm"
-
-
-def at(event: dict[str, Any]) -> float:
-    """When the supervisor logged ``event`` (seconds since the epoch)."""
-    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def test_a_restart_becomes_the_standby_and_skips_the_imports(supervise: Callable[..., Sup]) -> None:

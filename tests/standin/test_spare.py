@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from tests.helpers.processes import (
     STANDIN_BASE,
     Launcher,
     Sup,
+    at,
     cli,
     deep_merge,
     gone,
@@ -48,11 +48,6 @@ def asleep(sup: Sup, timeout: float = 60) -> dict[str, Any]:
     st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", timeout, "a spare asleep")
     spare: dict[str, Any] = st["next_start"]["spare"]
     return spare
-
-
-def at(event: dict[str, Any]) -> float:
-    """When the supervisor logged ``event`` (seconds since the epoch)."""
-    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def complete(url: str, prompt: str = "hello there") -> int:

@@ -17,7 +17,6 @@ import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.helpers.processes import (
     STANDIN_BASE,
     Launcher,
     Sup,
+    at,
     cli,
     deep_merge,
     http_json,
@@ -273,11 +273,6 @@ def test_a_spare_whose_sleeping_footprint_grows_is_recycled(supervise: Callable[
     st = sup.wait_for(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep"
                       and s["next_start"]["spare"]["pid"] != first["pid"], 60, "another spare asleep")
     assert not psutil.pid_exists(first["pid"]) or psutil.Process(first["pid"]).status() == psutil.STATUS_ZOMBIE
-
-
-def at(event: dict[str, Any]) -> float:
-    """When the supervisor logged ``event`` (seconds since the epoch)."""
-    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def model_dir(tmp_path: Path, weights_gib: int = 18) -> Path:
