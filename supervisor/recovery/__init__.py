@@ -170,8 +170,9 @@ class Recovery:
         spare = self.ahead.keeper.spare
         if spare is None or spare.built_first or self.ahead.device_fault:
             return None
-        woken = spare.woken or spare.weights_woken
-        return None if woken and spare.profile != self._dying_into else spare.profile
+        if spare.whole_asleep or spare.profile == self._dying_into:
+            return spare.profile
+        return None
 
     def _wake_spare(self, target: Profile, room_wait_s: float = 0.0) -> None:
         if self._wake_ahead is None or self._wake_ahead.done():

@@ -91,6 +91,11 @@ class Spare(Throwaway):
     def weights_woken(self) -> bool:
         return self.weights_back_s is not None
 
+    @property
+    def whole_asleep(self) -> bool:
+        """Nothing of it woken: neither all (``woken``) nor its weights alone."""
+        return not self.woken and not self.weights_woken
+
     def short_to_wake(self, snaps: Sequence[DeviceSnapshot], headroom: int) -> str | None:
         """Why the card cannot take the spare back now (what it gave up asleep, less its weights
         where they are back already, plus the headroom), or None."""
@@ -280,8 +285,7 @@ class SpareKeeper:
         if spare is None or await self._dropped_unfit(spare):
             return None
         if not spare.serves(profile):
-            if (keep_for is not None and spare.serves(keep_for) and not spare.woken
-                    and not spare.weights_woken):
+            if keep_for is not None and spare.serves(keep_for) and spare.whole_asleep:
                 # at 0.9 no spare starts beside the engine: losing this one loses the fast path
                 return None
             await self.drop(f"this start wants another rung ({profile.compile_key()})")
@@ -383,8 +387,7 @@ class SpareKeeper:
         """While the engine serves: a spare that died, or that no longer is the rung a failure
         would pick, goes."""
         spare = self.spare
-        if (spare is None or spare.woken or spare.weights_woken
-                or await self._dropped_unfit(spare)):
+        if spare is None or not spare.whole_asleep or await self._dropped_unfit(spare):
             return
         if next_rung is None or next_rung.compile_key() != spare.profile.compile_key():
             await self.drop("the engine's next rung is another one now")
@@ -557,9 +560,9 @@ async def wake_weights_ahead(spare: Spare,
     None. (Only the supervisor's stop cancels it, and that stops the spare.)"""
     if spare.weights is None:
         spare.weights = offloaded_bytes(spare.tail.snapshot())
-    try:
-        not_now = spare.short_for_weights([] if spare.weights is None else await snapshot(),
-                                          headroom)
+    try:  # an unknown size needs no card read: short_for_weights says so
+        snaps = [] if spare.weights is None else await snapshot()
+        not_now = spare.short_for_weights(snaps, headroom)
     except GpuLost as exc:
         not_now = str(exc)
     if not_now:
