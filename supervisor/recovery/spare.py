@@ -509,14 +509,15 @@ def take_bound_s(cfg: Config) -> float:
     """The longest ``SpareKeeper.take`` lasts, from the bounds its steps wait on (the start's
     watchdog deadline at its gates): a wake under way ends first (a check's, ``_check_by_waking``:
     /wake_up, /health, the canary, /sleep, or the spare dropped when one fails; a climb's or
-    a dying engine's, ``wake_ahead``: the card read for room, /wake_up, /health, the canary, the
-    warm-up), then the start's own wake
+    a dying engine's, ``wake_ahead``: its weights' wake (``wake_weights_ahead``), the card read
+    for room, /wake_up, /health, the canary, the warm-up), then the start's own wake
     (/wake_up, /health, the canary), or the spare dropped (``drop``: the engine's stop grace, then
     SIGKILL)."""
     e = cfg.engine
     wake = SPARE_WAKE_S + SPARE_HEALTH_S + SPARE_CANARY_S
     drop = e.stop_timeout_s + e.kill_timeout_s
-    ahead = SPARE_ROOM_WAIT_S + wake + max(SPARE_SLEEP_S, cfg.warmup.timeout_s) + drop
+    ahead = SPARE_ROOM_WAIT_S + wake + max(SPARE_SLEEP_S, SPARE_WAKE_S + cfg.warmup.timeout_s) \
+        + drop
     return ahead + (wake + drop)
 
 
