@@ -34,6 +34,7 @@ from supervisor.host import Host, compile_cache, leftovers
 from supervisor.host.proctree import Child
 from supervisor.host.vllm_http import EngineClient
 from supervisor.profile import Profile
+from supervisor.recovery.sleep_env import sleep_mode_env
 from supervisor.recovery.standby import Standby
 
 log = structlog.get_logger("supervisor.recovery.throwaway")
@@ -41,8 +42,6 @@ log = structlog.get_logger("supervisor.recovery.throwaway")
 Weights = Literal["dummy", "real"]
 # Not part of vLLM's compile hash: what lets a precompile be cheap and fit beside the engine.
 DUMMY_WEIGHTS_ARGS = {"load_format": "dummy"}
-# vLLM serves /sleep and /wake_up only in its dev mode
-SLEEP_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 HEALTH_POLL_S = 0.5
 TAIL_LINES = 40
 
@@ -183,7 +182,7 @@ class Launcher:
                                         dev_mode=sleep_mode or ipc.dev_mode(e.env))
         env = launch.build_env(e, ipc_env, str(work), withheld=self.cfg.withheld_env())
         if sleep_mode:
-            env.update(SLEEP_MODE_ENV)
+            env.update(sleep_mode_env(env))
         # vLLM prints its args, --api-key included: errors quote its last lines
         secrets = e.secrets()
         used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)

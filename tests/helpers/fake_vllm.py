@@ -45,7 +45,9 @@ With ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1 it serves vLLM's /sleep,
 (a recovery spare); asleep, it answers generation with 500, as an engine without its weights cannot serve.
 FAKE_VLLM_WAKE_S: how long /wake_up takes (default 0); with vLLM's tags, ``?tags=weights`` takes that long and
 ``?tags=kv_cache`` after it FAKE_VLLM_WAKE_KV_S (default 0; a whole wake takes both). Each sleep logs vLLM's
-CuMemAllocator line, its weights FAKE_VLLM_WEIGHTS_MIB (default 4096; 0: no such line) of what it gives up; the
+CuMemAllocator line, its weights FAKE_VLLM_WEIGHTS_MIB (default 4096; 0: no such line) of what it gives up, and
+takes FAKE_VLLM_PINNED_S (default 0) to pin their copies unless PyTorch's allocator settings in its environment at
+that moment say ``pinned_use_cuda_host_register:True`` (run 11: 10-16 s of a 9B spare's sleep); the
 weights' wake takes
 those back on the card, and the engine serves again only once the KV cache is back too.
 FAKE_VLLM_CORRUPT_AFTER_WAKE=1: after a wake every answer is garbage (its words upper-cased, other logprobs), as
@@ -125,6 +127,14 @@ def profile_memory(gpu: Any, args: argparse.Namespace, log: logging.Logger) -> N
     if others_now - others_then > own // 2:  # counted as its own non-torch memory: nothing left for the KV cache
         raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
                          "initializing the engine.")
+
+
+def pins_by_host_register(env: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether PyTorch's CUDA allocator would pin with cudaHostRegister: its settings are the first of
+    PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF that is set, read at the first pinned allocation."""
+    conf = next((env[n] for n in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if n in env), "")
+    pairs = dict(part.strip().partition(":")[::2] for part in conf.split(",") if part.strip())
+    return pairs.get("pinned_use_cuda_host_register", "").strip() == "True"
 
 
 def wanted_bytes(gpu: Any, args: argparse.Namespace) -> int:
@@ -478,7 +488,10 @@ class Server:
             self.log.info("CuMemAllocator: sleep freed %.2f GiB memory in total, of which %.2f GiB is backed up in "
                           "CPU and the rest %.2f GiB is discarded directly.", freed / 2**30, WEIGHTS_BYTES / 2**30,
                           (freed - WEIGHTS_BYTES) / 2**30)
-        self.log.info("It took 0.010000 seconds to fall asleep (level %s).", request.query.get("level", "1"))
+        pinned_s = 0.0 if pins_by_host_register(os.environ) else float(os.environ.get("FAKE_VLLM_PINNED_S", "0"))
+        await asyncio.sleep(pinned_s)  # the weights' pinned copies, allocated as PyTorch is told at that moment
+        self.log.info("It took %.6f seconds to fall asleep (level %s).", 0.01 + pinned_s,
+                      request.query.get("level", "1"))
         return web.Response(status=200)
 
     async def wake_up(self, request: web.Request) -> web.Response:

@@ -451,3 +451,27 @@ def test_a_reload_that_changes_the_engine_wakes_a_spare_of_the_new_settings_neve
     assert woken["pid"] == st["engine_pid"]  # built after the reload, from its settings
     assert st["timings"]["start_to_ready_s"] < COLD_S / 2, st["timings"]  # a wake, not a start
     assert gone(old["pid"])
+
+
+PINNED_S = 4.0  # the stand-in's pinned allocation of its weights' copies at a sleep, under PyTorch's default
+
+
+@pytest.mark.parametrize("setting", ["default", "0"])
+def test_a_spare_pins_its_weights_copies_by_host_register_so_its_sleep_does_not_wait_on_pinned_allocation(
+        supervise: Callable[..., Sup], setting: str) -> None:
+    """Issue 38 (the window after a start or a failover, where a second death finds no spare): most of a level-1
+    sleep is PyTorch's pinned allocation of the weights' copies (run 11, H100: 10-16 s of it against a 0.5 s wake).
+    A spare runs with ``pinned_use_cuda_host_register`` added to the operator's own allocator settings, in the
+    environment its vLLM reads when it sleeps (a standby took it after its imports); ``VLLMSUP_SPARE_HOST_REGISTER
+    = "0"`` keeps PyTorch's default."""
+    env = {"FAKE_VLLM_PINNED_S": str(PINNED_S), "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    if setting == "0":
+        env["VLLMSUP_SPARE_HOST_REGISTER"] = "0"
+    sup = supervise({"engine": {"env": env}})
+    sup.wait_ready(30)
+    spare = asleep(sup)
+    (slept,) = [e for e in sup.events("spare.asleep") if e["pid"] == spare["pid"]]
+    if setting == "0":
+        assert slept["sleep_s"] >= PINNED_S, slept
+    else:
+        assert slept["sleep_s"] < PINNED_S / 2, slept
