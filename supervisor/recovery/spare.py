@@ -142,7 +142,8 @@ class Spare(Throwaway):
 
     def status(self) -> dict[str, Any]:
         return {
-            "state": "awake" if self.woken else "asleep", "pid": self.pid, "port": self.port,
+            "state": "awake" if self.woken else "weights awake" if self.weights_woken else "asleep",
+            "pid": self.pid, "port": self.port,
             "profile": self.profile.knobs(),
             "held_asleep_mib": sum(self.asleep.values()) // MIB,
             "canary": self.canary.as_dict() if self.canary else None, "wakes": self.wakes

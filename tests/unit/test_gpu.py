@@ -456,7 +456,8 @@ def test_a_spares_weights_are_read_from_vllms_sleep_line_and_woken_first_where_o
     assert offloaded_bytes(later) == int(8.01 * GIB)  # the last sleep's
 
     unused: Any = None
-    spare = Spare(child=unused, profile=Profile(max_num_batched_tokens=6144, gpu_memory_utilization=0.47),
+    child: Any = SimpleNamespace(pid=4242)
+    spare = Spare(child=child, profile=Profile(max_num_batched_tokens=6144, gpu_memory_utilization=0.47),
                   url="http://127.0.0.1:1", work=tmp_path, tail=unused, drains=[], client=unused, host=unused,
                   state_dir=str(tmp_path), awake={0: 68 * GIB}, asleep={0: 2 * GIB})
     beside_dead = [DeviceSnapshot(0, 140 * GIB, 66 * GIB, 74 * GIB, ())]  # the dead engine's 70 GiB still held
@@ -466,11 +467,13 @@ def test_a_spares_weights_are_read_from_vllms_sleep_line_and_woken_first_where_o
     assert why is not None and "not known" in why  # no sleep line read: it wakes in one part, after the stop
     spare.weights = weights
     assert spare.short_for_weights(beside_dead, GIB) is None
+    assert spare.status()["state"] == "asleep"
     short = spare.short_for_weights([DeviceSnapshot(0, 140 * GIB, 18 * GIB, 122 * GIB, ())], GIB)
     assert short is not None and "its weights need 17.59 GiB" in short  # the field report's shared card: not even they
     # Woken, its weights are no longer what the rest of its wake needs: 66 - 17.59 GiB, once the dead engine's is free.
     spare.weights_back_s = 0.55
     assert spare.weights_woken
+    assert spare.status()["state"] == "weights awake"  # /status: not "asleep" between its two wakes
     short = spare.short_to_wake([DeviceSnapshot(0, 140 * GIB, 40 * GIB, 100 * GIB, ())], GIB)
     assert short is not None and "needs 48.41 GiB back" in short, short
     assert spare.short_to_wake(released, GIB) is None
