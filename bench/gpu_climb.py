@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from common import events_in
-from gpu_common import OUT, Stop, note, run_supervisor, status, wait
+from gpu_common import OUT, Stop, note, run_supervisor, spare_asleep, status, wait
 from gpu_proof import CACHE, LOG, STATE, first_start, kill_engine_core, recovered, seed_crash
 from gpu_seed import GW, Clients, at, toml, wrapped_up
 
@@ -52,7 +52,7 @@ def main() -> int:
     try:
         first_start(sup)
         clients.start()
-        st = wait(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", "a spare asleep")
+        st = wait(spare_asleep, "a spare asleep")
         if st is None:
             raise Stop("no spare asleep beside the serving engine")
         note(f"spare asleep beside the engine: {json.dumps(st['next_start']['spare'])[:300]}")

@@ -37,7 +37,7 @@ from typing import Any
 import psutil
 
 from common import events_in
-from gpu_common import OUT, Stop, counted, http, note, run_supervisor, start_hog, status, wait
+from gpu_common import OUT, Stop, counted, http, note, run_supervisor, spare_asleep, start_hog, status, wait
 from gpu_seed import GW, MAX_LEN, Clients, at, ended, latency_windows, ready, second_engines, toml, wrapped_up
 
 UTIL = float(os.environ.get("UTIL", "0.9"))
@@ -65,7 +65,7 @@ def main() -> int:
         first, engine_s = first_start(sup)
         clients.start()
         if os.environ.get("CRASH_AFTER_SPARE"):  # (e): where the spare is built beside the serving engine
-            st = wait(lambda s: (s["next_start"]["spare"] or {}).get("state") == "asleep", "a spare asleep")
+            st = wait(spare_asleep, "a spare asleep")
             if st is None:
                 raise Stop("no spare asleep beside the serving engine")
             note(f"spare asleep beside the engine: {json.dumps(st['next_start']['spare'])[:400]}")
