@@ -228,6 +228,8 @@ class Recovery:
                                       after_failure)
                 if self._serving is not None and self.ahead.spare_standby_wanted():
                     self.spare_pool.want()
+                if self._serving is not None and self._early_standby():
+                    self.pool.want(reserve=True)
 
     def pids(self) -> set[int]:
         """Processes of ours besides the engine (a throwaway engine may hold GPU memory)."""
@@ -239,6 +241,7 @@ class Recovery:
         out: list[tuple[str, Child, str | None, Profile | None]] = [
             (role, s.child, None, None)
             for role, s in (("standby", self.pool.standby),
+                            ("standby (reserve)", self.pool.reserve),
                             ("spare standby", self.spare_pool.standby)) if s is not None
         ]
         return out + self.ahead.processes()

@@ -66,3 +66,30 @@ def test_a_spares_build_takes_its_standby_once_imported(case: str, imported_at: 
 def test_no_standby_is_a_cold_spawn_at_once() -> None:
     clock = VirtualClock()
     assert taken(None, clock) == (None, 0.0, None)
+
+
+# The engine's pool with a reserve (a GPU host): (case, the standby imported, the reserve: None, "imported",
+# "importing" or "unfit", which one the start takes, which one is the next standby)
+RESERVE_CASES: list[tuple[str, bool, str | None, str, str | None]] = [
+    ("no reserve: the standby, importing or not", False, None, "standby", None),
+    ("both imported: the standby; the reserve is the next", True, "imported", "standby", "reserve"),
+    ("the standby still importing, the reserve done: the reserve (a second death right after a restart)", False,
+     "imported", "reserve", "standby"),
+    ("both importing: the standby, the older one", False, "importing", "standby", "reserve"),
+    ("the reserve made for another engine config: the standby", False, "unfit", "standby", "reserve"),
+]
+
+
+@pytest.mark.parametrize(("case", "standby_done", "reserve", "taken_one", "next_one"), RESERVE_CASES,
+                         ids=[c[0] for c in RESERVE_CASES])
+def test_a_start_takes_whichever_standby_has_imported(case: str, standby_done: bool, reserve: str | None,
+                                                      taken_one: str, next_one: str | None) -> None:
+    clock = VirtualClock()
+    cfg = parse({"engine": {"model": "m"}, "recovery": {"standby": True}})
+    pool = StandbyPool(cfg, clock, lambda _: None)  # type: ignore[arg-type]
+    made = {"standby": Standby(clock, 0.0 if standby_done else None)}
+    if reserve is not None:
+        made["reserve"] = Standby(clock, None if reserve == "importing" else 0.0, fits=reserve != "unfit")
+    pool.standby, pool.reserve = made["standby"], made.get("reserve")  # type: ignore[assignment]
+    assert pool.take() is made[taken_one], case
+    assert pool.standby is (made[next_one] if next_one else None) and pool.reserve is None, case
