@@ -908,7 +908,7 @@ def test_a_restart_beside_another_process_holding_the_card_starts_without_watchi
             hog.wait()
 
 
-IMPORT_S = 8.0  # the stand-in's "import vllm" (the H200's standbys import for 20-33 s)
+IMPORT_S = 5.0  # the stand-in's "import vllm" (the H200's standbys import for 20-33 s)
 
 
 def test_on_a_gpu_host_a_second_death_right_after_a_restart_takes_the_reserve_standby_not_the_one_importing(
@@ -933,4 +933,6 @@ def test_on_a_gpu_host_a_second_death_right_after_a_restart_takes_the_reserve_st
     spawned = sup.events("engine.spawned")
     assert [e["standby"] for e in spawned[-2:]] == [True, True], spawned
     assert reserve in (again["engine_pid"], st["engine_pid"]), (reserve, again["engine_pid"], st["engine_pid"])
-    assert st["timings"]["phases"]["interpreter and imports"] < IMPORT_S / 4, st["timings"]
+    # the stand-in's start delay is in that phase too (it logs no vLLM step before it listens)
+    start_s = float(ORDER["engine"]["env"]["FAKE_VLLM_START_DELAY"])
+    assert st["timings"]["phases"]["interpreter and imports"] < start_s + IMPORT_S / 2, st["timings"]
