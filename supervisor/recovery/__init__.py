@@ -228,7 +228,7 @@ class Recovery:
                                       after_failure)
                 if self._serving is not None and self.ahead.spare_standby_wanted():
                     self.spare_pool.want()
-                if self._serving is not None and self._early_standby():
+                if self._serving is not None and self._early_standby():  # a GPU host, as there
                     self.pool.want(reserve=True)
 
     def pids(self) -> set[int]:

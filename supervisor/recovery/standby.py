@@ -325,9 +325,7 @@ class StandbyPool:
             self.want()
         if self._waiting is None or self._waiting[0] != key:
             self._waiting = (key, now)
-        # ``take`` gives the start whichever of the two has imported
-        imported = any(x is not None and self._fits(x) and x.import_s() is not None
-                       for x in (s, self.reserve))
+        imported = self._ready(s) or self._ready(self.reserve)  # ``take`` gives whichever it is
         ready = prepared(runnable, fits or imported, imported, now - self._waiting[1],
                          self._failed_for == key)
         if ready:
@@ -338,8 +336,7 @@ class StandbyPool:
         """The standby for the start spawning now, if it still fits the engine config: the reserve
         where its imports are done and the other's are not; the one left is the next."""
         s, r = self.standby, self.reserve
-        if s is None or (r is not None and self._fits(r) and r.import_s() is not None
-                         and s.import_s() is None):
+        if s is None or (self._ready(r) and s.import_s() is None):
             s, r = r, s
         self.standby, self.reserve = r, None
         if s is not None and not (self.cfg.recovery.standby and self._fits(s)):
@@ -376,6 +373,10 @@ class StandbyPool:
 
     def _fits(self, s: Standby) -> bool:
         return s.fits(self.cfg.engine, self._env())
+
+    def _ready(self, s: Standby | None) -> bool:
+        """A standby a start would find imported for the engine config in force."""
+        return s is not None and self._fits(s) and s.import_s() is not None
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
