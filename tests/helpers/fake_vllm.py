@@ -28,6 +28,8 @@ is steered by env vars:
   FAKE_VLLM_TOKEN_DELAY   seconds per generated token (default 0.001)
   FAKE_VLLM_DIE_AFTER_READY  engine core dies with SIGSEGV this many seconds after start
   FAKE_VLLM_DEAD_EXIT_S   seconds the API server takes to exit by itself once its engine core died (default 0.3)
+  FAKE_VLLM_CORE_EXIT_S   seconds an engine core that died of a CUDA OOM takes to exit, holding its memory
+                          meanwhile as vLLM's does while it shuts down (default 0: at once)
   FAKE_VLLM_RAY_LOST_FILE a file: when it appears while the engine serves, the engine core reports a lost Ray
                           worker node in vLLM's words (v1/executor/ray_executor_v2.py) and dies; the file is
                           removed (once)
@@ -342,6 +344,8 @@ def engine_core_main(fd: int, args: argparse.Namespace) -> None:
             except OutOfMemoryError:
                 log.exception("EngineCore encountered a fatal error.")
             f.write(b'{"dead": true}\n')
+            f.flush()
+            time.sleep(float(os.environ.get("FAKE_VLLM_CORE_EXIT_S", "0")))
             sys.exit(1)
         # Token k of the output is "x<n+k>" (n: prompt tokens): a continuation of prompt + output so far goes on
         # numbering where the cut stream stopped, so a continued stream reads like one that never broke.
