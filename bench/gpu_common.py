@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -132,9 +133,22 @@ ROOT = Path(__file__).resolve().parents[1]  # `-m supervisor` resolves from the 
 
 
 def run_supervisor(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
-    out = open(log, "ab")  # noqa: SIM115 - the child holds it
-    return subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
-                            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    """The supervisor, its output to ``log`` as it writes it, and each line again in ``log`` + ``.timed`` with the
+    bench's seconds at its arrival: vLLM's own lines carry whole seconds only, and a start's phases are tenths."""
+    sup = subprocess.Popen([sys.executable, "-m", "supervisor", "run", "--config", str(cfg)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    threading.Thread(target=copy_lines, args=(sup, log), daemon=True).start()
+    return sup
+
+
+def copy_lines(sup: subprocess.Popen[bytes], log: Path) -> None:
+    assert sup.stdout is not None
+    with open(log, "ab") as out, open(f"{log}.timed", "ab") as timed:
+        for line in sup.stdout:
+            out.write(line)
+            out.flush()
+            timed.write(f"{time.monotonic() - T0:9.3f} ".encode() + line)
+            timed.flush()
 
 
 def stop_supervisor(sup: subprocess.Popen[bytes], wait_s: float = 120.0) -> None:

@@ -315,6 +315,8 @@ def load_compiled_beside_weights() -> bool:
                   file=sys.stderr, flush=True)
         if fn is not None:
             loaded[(id(module), path)] = (fn, time.monotonic() - t0)
+            print(f"vllm-supervisor: the compiled model is loaded ({time.monotonic() - t0:.2f} s)",
+                  file=sys.stderr, flush=True)
 
     def beside(module: Any) -> threading.Thread | None:
         if getattr(module, "do_not_compile", True) or not hasattr(
@@ -345,6 +347,8 @@ def load_compiled_beside_weights() -> bool:
         if threads:
             # the weights' loop takes the GIL back after each copy: not 5 ms later
             sys.setswitchinterval(SWITCH_BESIDE_S)
+            print("vllm-supervisor: the weights load now, the compiled model beside them "
+                  f"({len(threads)} module(s))", file=sys.stderr, flush=True)
         try:
             return original(self, model, model_config)
         finally:
