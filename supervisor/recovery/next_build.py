@@ -314,10 +314,12 @@ def _compile_plan(f: Facts, todo: Sequence[Profile],
     # beside when it fits: then nothing waits for a compile
     weighed = plan_first(*args, "auto", f.cpus)
     first = plan_first(*args, "first", f.cpus)
-    if soon and first.at_once:
-        rungs = tuple(soon[:first.at_once])
-        what = "the start's own rung and the next memory failure's" if len(
-            rungs) > 1 else "the start's own rung"
+    # only the engine's own rung first is one start more for nothing: the engine compiles it in
+    # its own start (an 80 GiB card half held by another process holds one throwaway at a time)
+    ahead = tuple(soon[:first.at_once])
+    if any(r.compile_key() != f.engine.compile_key() for r in ahead):
+        rungs = ahead
+        what = "the start's own rung and the next memory failure's"
         rest = "; the rest beside it" + (f": {weighed.why}"
                                          if weighed.order == "beside" else " where it fits")
         plan = replace(
@@ -332,10 +334,15 @@ def _compile_plan(f: Facts, todo: Sequence[Profile],
         return replace(weighed, rungs=tuple(todo)), weighed.why
     why = (
         "auto: none first: the start would wait for them (precompile_order = \"first\" compiles "
-        "them before "
-        f"planned starts), and none fits beside the engine: {weighed.why}; a memory failure into a "
-        "rung not "
-        "compiled compiles it in its restart")
+        f"them before planned starts), and none fits beside the engine: {weighed.why}; a memory "
+        "failure into a rung not compiled compiles it in its restart")
+    if soon and first.at_once:
+        why = (
+            "auto: none first: only the start's own rung would be compiled first "
+            f"({first.why.removeprefix('first: before the engine, ')}), and the engine compiles "
+            "it in its own start in about that time: READY would wait one start more for nothing. "
+            "A memory failure into the next rung compiles it in its restart (precompile_order = "
+            "\"first\" compiles it before the engine)")
     return replace(weighed, order=None, at_once=0, rungs=tuple(todo), why=why), why
 
 

@@ -476,6 +476,30 @@ def test_where_throwaways_fit_beside_a_fresh_host_compiles_the_two_rungs_of_the_
     assert st["next_start"]["precompile"]["order"] == "beside", st["next_start"]["precompile"]
 
 
+def test_a_fresh_host_whose_free_card_holds_one_throwaway_at_a_time_compiles_nothing_before_the_engine(
+        supervise: Callable[..., Sup], card: Path, tmp_path: Path) -> None:
+    """Issue 38, item 1, on an 80 GiB card another process half holds (an H100 as the field report's shared card,
+    docs/runs run 13): the free card holds one throwaway at a time, so "auto" would compile only the start's own
+    rung first, then start the engine, which loads it: one start more than the engine compiling its own rung in its
+    own start (137.2 s to READY there, 14.2 s of it that second start). Now nothing is compiled first, the engine
+    compiles its own rung, and /status says why."""
+    other = hold(card, 45 * 1024)  # 35 GiB free: one ~23 GiB throwaway, and none beside the engine at 0.4
+    try:
+        sup = supervise({"engine": {"model": str(model_dir(tmp_path))},
+                         "profile": {"gpu_memory_utilization": 0.4},
+                         "recovery": {"precompile": "auto"}, "state": {"dir": str(tmp_path / "state")}})
+        st = sup.wait_ready(60)
+        precompile = st["next_start"]["precompile"]
+        assert "only the start's own rung would be compiled first" in precompile["why"], precompile
+        assert "1 at a time" in precompile["why"], precompile
+        assert [e for e in sup.events("precompile.started") if e["timestamp"] < _ready_at(sup)] == []
+        assert sup.events("start.building_first") == []
+        assert [e["start"] for e in sup.events("engine.spawned")] == [1]  # the engine compiles its own rung
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_first_start_with_its_own_rung_compiled_starts_at_once_and_compiles_the_next_beside_at_ready(
         supervise: Callable[..., Sup], tmp_path: Path) -> None:
     """Issue 27 on the H200: a supervisor started again on a host whose remembered rung (6144) was compiled but not

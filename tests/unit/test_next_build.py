@@ -32,6 +32,12 @@ def card(free_gib: float) -> tuple[DeviceSnapshot, ...]:
     return (DeviceSnapshot(0, TOTAL, free, TOTAL - free, ()),)
 
 
+def h100(free_gib: float) -> tuple[DeviceSnapshot, ...]:
+    """An H100 of docs/runs/ run 13 (79.65 GiB), ``free_gib`` of it free."""
+    total, free = int(79.65 * GIB), int(free_gib * GIB)
+    return (DeviceSnapshot(0, total, free, total - free, ()),)
+
+
 def serving(util: float, other_gib: float = 0.0) -> tuple[DeviceSnapshot, ...]:
     """The card while an engine at ``util`` serves (and another process holds ``other_gib``)."""
     return card(140 - util * 140 - other_gib)
@@ -131,6 +137,17 @@ CASES: list[tuple[str, Facts, Action, Any, str]] = [
     ("a fresh host at 0.5: the start's own rung and the next failure's first, the rest beside it",
      facts(BEFORE, 0.5, card(139), first_start=True),
      Action.COMPILE_FIRST, [8192, 4096], "the start's own rung and the next memory failure's"),
+    ("the field report's shared card on an H100 (run 13: 41.4 of 79.65 GiB free), a fresh host at 0.4: one "
+     "throwaway at a time holds only the start's own rung, which the engine compiles in its own start, so nothing "
+     "first (run 13 compiled it first, then started the engine: READY 14 s later for nothing)",
+     facts(BEFORE, 0.4, h100(41.4), first_start=True),
+     Action.NOTHING, None, "only the start's own rung would be compiled first"),
+    ('precompile_order = "first", the same card: every rung within reach, one at a time',
+     facts(BEFORE, 0.4, h100(41.4), first_start=True, recovery=FIRST),
+     Action.COMPILE_FIRST, [8192, 4096, 2048, 1024], "1 at a time"),
+    ("a fresh host whose cache holds the next failure's rung but not its own: the engine compiles its own, "
+     "nothing first", facts(BEFORE, 0.9, card(139), first_start=True, compiled=compiled(4096, 2048, 1024)),
+     Action.NOTHING, None, "only the start's own rung would be compiled first"),
     ("a fresh host on two cores: two at once", facts(BEFORE, 0.9, card(139), first_start=True, cpus=2),
      Action.COMPILE_FIRST, [8192, 4096], "2 at a time"),
     ('precompile_order = "first" on two cores: every rung, two at once',
