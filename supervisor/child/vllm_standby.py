@@ -314,8 +314,9 @@ def load_compiled_beside_weights() -> bool:
             print(f"vllm-supervisor: loading the compiled model beside the weights failed: {exc}",
                   file=sys.stderr, flush=True)
         if fn is not None:
-            loaded[(id(module), path)] = (fn, time.monotonic() - t0)
-            print(f"vllm-supervisor: the compiled model is loaded ({time.monotonic() - t0:.2f} s)",
+            took = time.monotonic() - t0
+            loaded[(id(module), path)] = (fn, took)
+            print(f"vllm-supervisor: the compiled model is loaded ({took:.2f} s)",
                   file=sys.stderr, flush=True)
 
     def beside(module: Any) -> threading.Thread | None:

@@ -27,15 +27,14 @@ def rung(chunk: int, util: float) -> Profile:
     return Profile(max_num_batched_tokens=chunk, gpu_memory_utilization=util)
 
 
-def card(free_gib: float) -> tuple[DeviceSnapshot, ...]:
+def card(free_gib: float, total: int = TOTAL) -> tuple[DeviceSnapshot, ...]:
     free = int(free_gib * GIB)
-    return (DeviceSnapshot(0, TOTAL, free, TOTAL - free, ()),)
+    return (DeviceSnapshot(0, total, free, total - free, ()),)
 
 
 def h100(free_gib: float) -> tuple[DeviceSnapshot, ...]:
     """An H100 of docs/runs/ run 13 (79.65 GiB), ``free_gib`` of it free."""
-    total, free = int(79.65 * GIB), int(free_gib * GIB)
-    return (DeviceSnapshot(0, total, free, total - free, ()),)
+    return card(free_gib, int(79.65 * GIB))
 
 
 def serving(util: float, other_gib: float = 0.0) -> tuple[DeviceSnapshot, ...]:
