@@ -457,6 +457,7 @@ class AlertsConfig:
 
 PRECOMPILE_MODES = ("auto", "on", "off")
 SPARE_ORDERS = ("auto", "beside", "first")
+UNCOMPILED_MODES = ("auto", "off")
 SWITCH_OFF = "(0 switches the rule off)"
 
 
@@ -566,6 +567,10 @@ class RecoveryConfig:
     spare_check_every_s: float = seconds(0.0, zero_ok=True)
     # a spare woken this many times by those checks is rebuilt fresh
     spare_max_wakes: int = at_least(3, 1)
+    # "auto": a failure's restart that wakes no spare starts vLLM without torch.compile
+    # (compilation_config mode 0, full CUDA graphs), skipping the load of its compiled model; the
+    # next start compiles as configured (decide/compile_mode.py). "off": every start compiles.
+    uncompiled_restart: str = one_of("auto", UNCOMPILED_MODES)
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class Ready:
     engine_url: str = ""  # where this start's engine listens (a woken spare has a port of its own)
     # the torch.compile cache directory vLLM said it used (host/compile_cache.py)
     compile_cache: str | None = None
+    compiled: bool = True  # False: started without torch.compile (decide/compile_mode.py)
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.timings, "phases": dict(self.phases)}

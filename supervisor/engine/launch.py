@@ -7,6 +7,7 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 
 from supervisor.config import ArgValue, EngineConfig
+from supervisor.decide.compile_mode import UNCOMPILED
 from supervisor.profile import Profile
 
 # systemd's notify/watchdog variables belong to the supervisor: a child that inherited them could
@@ -53,7 +54,7 @@ def takes_model_positionally(prefix: Sequence[str]) -> bool:
 
 
 def build_argv(engine: EngineConfig, profile: Profile,
-               distributed_timeout_s: float | None = None) -> list[str]:
+               distributed_timeout_s: float | None = None, compiled: bool = True) -> list[str]:
     """The engine's command line. For an engine of several ranks (``tensor_parallel_size`` or
     ``pipeline_parallel_size`` > 1 in [engine.args]) ``--distributed-timeout-seconds`` is set
     from [health] ``hang_timeout_s`` unless the operator set it: vLLM has no watchdog across
@@ -71,6 +72,7 @@ def build_argv(engine: EngineConfig, profile: Profile,
         "--port", str(engine.port),
         *profile.flags(),
         *arg_flags(args),
+        *([] if compiled else arg_flags({"compilation_config": UNCOMPILED})),
     ]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from supervisor.config import Config, masked
+from supervisor.decide.compile_mode import COMPILED, CompileChoice
 from supervisor.engine import ipc, launch
 from supervisor.engine_states import Failure, FailureKind
 from supervisor.host import Host
@@ -46,6 +47,8 @@ class Origin:
     events: Path
     spare: Woken | None = None  # woken at the gates: the start adopts it instead of spawning
     standby: bool = False  # the standby became the engine (known at the spawn)
+    # with or without vLLM's torch.compile (known at the spawn; a spare is compiled as built)
+    compile: CompileChoice = COMPILED
 
 
 class Woken(Protocol):
@@ -75,20 +78,24 @@ class PreparedSource(Protocol):
     def prepared_for(self, target: Profile) -> bool: ...
     def woken_ahead(self) -> bool: ...
     def sleeping_spare(self) -> Profile | None: ...
+    def how_to_compile(self) -> CompileChoice: ...
 
 
 async def spawn_engine(cfg: Config, host: Host, profile: Profile, run_dir: Path, origin: Origin,
                        server: ipc.EventServer, source: PreparedSource | None,
                        ) -> tuple[Child, tuple[str, ...]] | Failure:
     """This start's engine process: the woken spare handed over, or at ``profile`` the standby
-    given its argv (``origin.standby``), else a cold spawn; the child and its argv as shown
+    given its argv (``origin.standby``), else a cold spawn, with or without vLLM's torch.compile
+    as ``source`` says (``origin.compile``); the child and its argv as shown
     (secrets masked), or the failure when neither could start. The event server is listening
     before the engine can connect."""
     if origin.spare is not None:  # its hook, logging config and socket were made when it was built
         await server.start()
         return await origin.spare.hand_over(), origin.spare.argv
     e = cfg.engine
-    argv = launch.build_argv(e, profile, cfg.health.hang_timeout_s)
+    if source is not None:
+        origin.compile = source.how_to_compile()
+    argv = launch.build_argv(e, profile, cfg.health.hang_timeout_s, origin.compile.compiled)
     ipc_env = ipc.prepare_child_env(run_dir, str(origin.events), launch.vllm_log_level(e),
                                     ipc.dev_mode(e.env))  # makes the run directory the socket is in
     await server.start()

@@ -336,11 +336,12 @@ class EngineRun:
 
 def ready_record(t: Timeline, seen: Observer, origin: Origin, sizes: list[int]) -> Ready:
     """The READY record of a start whose warm-up is over: its timings, vLLM's steps, where its
-    engine came from."""
+    engine came from, whether it runs vLLM's torch.compile."""
     assert t.healthy is not None and t.ready is not None
     phases = startup.phases(t.started, t.spawned, seen.steps, t.healthy, t.ready)
     return Ready(t.timings(), phases, tuple(sizes), seen.engine_version, origin.standby,
-                 origin.spare is not None, engine_url=origin.url, compile_cache=seen.compile_cache)
+                 origin.spare is not None, engine_url=origin.url, compile_cache=seen.compile_cache,
+                 compiled=origin.compile.compiled)
 
 
 def evidence_of(run: EngineRun) -> dict[str, Any]:
@@ -348,10 +349,12 @@ def evidence_of(run: EngineRun) -> dict[str, Any]:
     events, lines, e = list(run.seen.events), run.seen.tail.snapshot(), run.cfg.engine
     return {"requests_in_batch": batch(lines, events), "engine_version": run.seen.engine_version,
             "events": events[-100:], "log_tail": lines[-400:], "timings": run.t.timings(),
+            "compiled": run.origin.compile.compiled,
             "versions": {"vllm_supervisor": __version__, "python": platform.python_version(),
                          "vllm": run.seen.engine_version},
             "argv": list(run.origin.spare.argv) if run.origin.spare is not None else masked(
-                launch.build_argv(e, run.profile, run.cfg.health.hang_timeout_s), e.secrets())}
+                launch.build_argv(e, run.profile, run.cfg.health.hang_timeout_s,
+                                  run.origin.compile.compiled), e.secrets())}
 
 
 def settled_death(run: EngineRun, trigger: Trigger, phase: Phase, rc: int | None) -> bool:

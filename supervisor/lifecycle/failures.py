@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor.config import Config
+from supervisor.decide.compile_mode import failure_of
 from supervisor.decide.policy import Decision, floor_of, into_sleeping_spare
 from supervisor.engine.origin import PreparedSource
 from supervisor.engine.run import Verdict
@@ -48,6 +49,7 @@ class Failures(Part):
         ``into_sleeping_spare``), the incident bundle, the failure remembered and published."""
         trigger, found = verdict.trigger, verdict.failure
         assert found is not None
+        found = failure_of(found, bool(verdict.evidence.get("compiled", True)))
         at_floor = floor_of(before, self.cfg.ladder) == before
         blame = Blame() if self.front is None else \
             await self.front.blame(found.kind, found.suspect_request, at_floor, before.chunk())

@@ -35,6 +35,8 @@ def status(lc: Lifecycle) -> dict[str, Any]:
         "phase": run_status["phase"],
         "startup": run_status["startup"],
         "engine_version": run_status["engine_version"],
+        # with or without vLLM's torch.compile, and why (decide/compile_mode.py)
+        "compile": run.origin.compile.as_dict() if run else None,
         "degraded": lc.profile.knobs() != cfg.profile.knobs(),
         "state_for_s": round(now - lc.state_since, 3),
         "outage_s": lc.tally.outage_s(now),

@@ -23,6 +23,7 @@ from typing import Any
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import SPARE_ROOM_WAIT_S
 from supervisor.config import Config
+from supervisor.decide.compile_mode import CompileChoice, StartKind, choose
 from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import (
     CompileCacheSetAside,
@@ -68,6 +69,8 @@ class Recovery:
         # the rung of the spare woken while a dead engine's API server exits: still the one its
         # restart goes into (``sleeping_spare``)
         self._dying_into: Profile | None = None
+        # how the last engine stopped: a planned end or a failure, and whether it had been READY
+        self._stopped = (StartKind.FIRST, False)
 
     def use_dir(self, directory: Path) -> None:
         """Where standbys and throwaway engines keep their per-process files (the run directory)."""
@@ -95,6 +98,9 @@ class Recovery:
                 self.pool.engine_env(vllm_env_of(dict(event.env)))
                 self.pool.want()
         elif isinstance(event, StateChanged):
+            if event.new is EngineState.STOPPING:  # a planned end drains first
+                self._stopped = (StartKind.PLANNED if event.old is EngineState.DRAINING
+                                 else StartKind.AFTER_FAILURE, event.old is EngineState.READY)
             if event.new is EngineState.READY:
                 version = event.ready.engine_version if event.ready else None
                 self._serving = (event.profile, version, not self.ahead.planned)
@@ -104,8 +110,11 @@ class Recovery:
                 self.ahead.precompiler.learnt_version(version)
                 # a spare's graphs are a sleep-mode engine's
                 if not (event.ready and event.ready.from_spare):
-                    self.ahead.precompiler.note_compiled(
-                        event.profile, version, event.ready.compile_cache if event.ready else None)
+                    # an engine without torch.compile compiled nothing
+                    if not event.ready or event.ready.compiled:
+                        self.ahead.precompiler.note_compiled(
+                            event.profile, version,
+                            event.ready.compile_cache if event.ready else None)
                     if event.ready:  # what a restart without a spare costs, for /status
                         self.ahead.last_start_s = event.ready.timings.get("start_to_ready_s")
                 self.pool.want()
@@ -173,6 +182,13 @@ class Recovery:
         if spare.whole_asleep or spare.profile == self._dying_into:
             return spare.profile
         return None
+
+    def how_to_compile(self) -> CompileChoice:
+        """How the start spawning now runs vLLM's torch.compile: a failure's restart that wakes no
+        spare skips it where decide/compile_mode.py allows."""
+        e, (kind, served) = self.ahead.cfg.engine, self._stopped
+        return choose(self.ahead.cfg.recovery.uncompiled_restart, kind, served=served,
+                      args=e.args, env=e.environment(), version=self.ahead.version)
 
     def _wake_spare(self, target: Profile, room_wait_s: float = 0.0) -> None:
         if self._wake_ahead is None or self._wake_ahead.done():

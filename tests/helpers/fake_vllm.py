@@ -18,6 +18,8 @@ is steered by env vars:
   FAKE_VLLM_COMPILE_S     with VLLM_CACHE_ROOT set: seconds a start compiles when vLLM's cache lacks its rung; a
                           file `spoiled-by-a-test` in its torch_compile_cache: every start dies in its first forward
                           as vLLM 0.26 did on a spoiled cache ("Inference tensors cannot be saved for backward")
+  FAKE_VLLM_COMPILATION_CONFIG_REFUSED  =1: --compilation-config is refused (exit 2), as a vLLM before 0.11 refuses
+                          `mode`; with mode 0 the start compiles nothing and logs vLLM's line saying so
   FAKE_VLLM_DELAY_FILE    a file: when it exists at a start, its number is that start's delay instead (a slow
                           restart after a fast first start)
   FAKE_VLLM_SLOW_ONCE_FILE  a file: the first start that finds it takes it (removes it) and its number is that
@@ -208,6 +210,10 @@ def compile_into_cache(args: argparse.Namespace, log: logging.Logger) -> None:
     but the utilization and the load format; sleep mode is in it), named in vLLM's words (the H200's log:
     fixtures/vllm-logs/h200-vllm0.26-startup-ok.log); a start that finds it empty compiles for FAKE_VLLM_COMPILE_S."""
     root = os.environ.get("VLLM_CACHE_ROOT")
+    if json.loads(args.compilation_config or "{}").get("mode") == 0:  # vLLM's CompilationMode.NONE
+        log.warning("Inductor compilation was disabled by user settings, optimizations settings that are only "
+                    "active during inductor compilation will be ignored.")
+        return
     if not root:
         return
     factors = [args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, args.enable_chunked_prefill,
@@ -719,6 +725,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction)
+    p.add_argument("--compilation-config", default=None)  # JSON
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction)
     p.add_argument("--api-key", default=None)
@@ -730,7 +737,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worker-rank", type=int, default=None)
     p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
     p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction)  # only for the spare refusal
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compilation_config and os.environ.get("FAKE_VLLM_COMPILATION_CONFIG_REFUSED") == "1":
+        # a vLLM before 0.11, whose CompilationConfig had `level`, not `mode` (argparse's exit 2)
+        p.error(f"argument --compilation-config/-O: Value {args.compilation_config} cannot be converted to "
+                "<class 'vllm.config.CompilationConfig'>.")
+    return args
 
 
 def worker_main(rank: int) -> None:

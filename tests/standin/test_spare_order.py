@@ -510,7 +510,8 @@ def test_a_first_start_with_its_own_rung_compiled_starts_at_once_and_compiles_th
     overrides = {"engine": {"model": str(model_dir(tmp_path)), "env": {"FAKE_VLLM_IMPORT_DELAY": "1.0"}},
                  "profile": {"gpu_memory_utilization": 0.4},
                  "recovery": {"precompile": "off", "standby": True}, "state": {"dir": str(tmp_path / "state")}}
-    sup = supervise(overrides)
+    # the restart compiles 6144 in its own start (by default it would start without torch.compile and compile none)
+    sup = supervise(deep_merge(overrides, {"recovery": {"uncompiled_restart": "off"}}))
     sup.wait_ready(60)
     sup.wait_standby_imported(30)
     assert send_long_prompt(sup) == 500  # the seed's crash: the restart at 6144 compiles it in its own start
