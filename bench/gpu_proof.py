@@ -11,7 +11,8 @@ its memory rules off as in the field, 16 clients through it from the first READY
      UTIL=0.5), the seed's crash: another process takes all but 16 MiB and stays, the long
      prompt through the gateway: death -> READY (the spare woken, its canary);
   3. SECOND_AFTER_S (10) after that READY, the EngineCore SIGKILLed: death -> READY (no spare: the standby and
-     the compile cache); DEATHS=N kills it N times, each later one once the next standby has imported;
+     the compile cache, or since uncompiled_restart no torch.compile); DEATHS=N kills it N times, each later one
+     once the next standby has imported; AFTER_S (5) of traffic after, its latency and how that engine compiles;
   4. the other process gone, the supervisor again on the same state directory with `spare = "off"`: the
      warm-cache cold start every ratio is taken against, and its KV cache without a spare beside it.
 WARM_HOST=1 keeps the compile cache and state directory of an earlier run on this machine (a host after a reboot):
@@ -74,7 +75,9 @@ def main() -> int:
         hogs.append(seed_crash())
         rec1 = recovered(sup, 1, "the seed's crash")
         seconds = second_deaths(sup)
-        time.sleep(5)  # ordinary traffic on the engine after the second death
+        time.sleep(float(os.environ.get("AFTER_S", "5")))  # ordinary traffic on the engine after the second death
+        latency_windows(LOG, clients)  # on the engine the last death's restart started (compiled or not: /status)
+        note(f"the engine now: compile {json.dumps((status() or {}).get('compile'))}")
         note(clients.finish())
         ended(hogs, sup)
         hogs = []
