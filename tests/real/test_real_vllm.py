@@ -280,6 +280,14 @@ def test_enginecore_sigkill_is_detected_and_recovered(sup: Sup) -> None:
     st = sup.wait_ready(START_S, restarts=before["restarts"] + 1)
     assert st["last_failure"]["kind"] in ("engine_dead", "signal")
     assert complete(sup, prompt="hello")[0] == 200
+    # A served engine's death, no spare: the restart runs vLLM without torch.compile (issue 38, item 4), as vLLM's
+    # own config line says, and serves.
+    assert st["compile"]["compiled"] is False, st["compile"]
+    argv = sup.events("engine.spawned")[-1]["argv"]
+    assert json.loads(argv[argv.index("--compilation-config") + 1]) == {"mode": 0, "cudagraph_mode": "FULL"}
+    configs = [line for line in sup.log_path.read_text(errors="replace").splitlines()
+               if "Initializing a V1 LLM engine" in line]
+    assert "'mode': <CompilationMode.NONE: 0>" in configs[-1], configs[-1][-3000:]
 
 
 def test_api_server_sigkill_leaves_no_vllm_process_before_the_next_start(sup: Sup) -> None:
