@@ -14,7 +14,8 @@ its memory rules off as in the field, 16 clients through it from the first READY
      the compile cache, or since uncompiled_restart no torch.compile); DEATHS=N kills it N times, each later one
      once the next standby has imported; AFTER_S (5) of traffic after, its latency and how that engine compiles;
   4. the other process gone, the supervisor again on the same state directory with `spare = "off"`: the
-     warm-cache cold start every ratio is taken against, and its KV cache without a spare beside it.
+     warm-cache cold start every ratio is taken against, and its KV cache without a spare beside it (REFERENCE=plain:
+     plain vLLM's warm-cache start on the first start's cache instead, bench/gpu_starts.py `plain_start`).
 WARM_HOST=1 keeps the compile cache and state directory of an earlier run on this machine (a host after a reboot):
 step 1 is then the first READY on a warm host with the spare, side by side with step 4's without it. Its
 quarantine is cleared first, as an operator would (`vllm-supervisor quarantine clear`): it holds the earlier run's
@@ -81,10 +82,16 @@ def main() -> int:
         note(clients.finish())
         ended(hogs, sup)
         hogs = []
-        sup = run_supervisor(plain, LOG)
-        st = ready(sup, LOG, "the warm-cache cold start, spare off")
-        cold = float(st["timings"]["start_to_ready_s"])
-        note(f"proof: warm-cache cold start (spare off, same host) {cold:.1f}s; phases {st['timings']['phases']}")
+        if os.environ.get("REFERENCE") == "plain":
+            # plain vLLM's warm-cache start on the cache the first start filled: the supervisor's own with spare off
+            # would start at the crash's rung, which a restart without torch.compile left uncompiled
+            from gpu_starts import plain_start
+            sup, cold = None, plain_start(CACHE, "a warm-cache cold start on the first start's cache")
+        else:
+            sup = run_supervisor(plain, LOG)
+            st = ready(sup, LOG, "the warm-cache cold start, spare off")
+            cold = float(st["timings"]["start_to_ready_s"])
+            note(f"proof: warm-cache cold start (spare off, same host) {cold:.1f}s; phases {st['timings']['phases']}")
         again = ", ".join(f"{r:.1f}s = {r / cold:.3f}x" for r in seconds)
         note(f"proof: death -> READY {rec1:.1f}s = {rec1 / cold:.3f}x (the seed's crash), {again} (each later "
              f"death of the EngineCore); first READY on {HOST} {first:.1f}s = {first / cold:.2f}x "
