@@ -7,7 +7,9 @@ stays idle for a realistic while, and a real allocation failure (prlimit on the 
 prompt_logprobs) kills its engine. Recovery = death detected -> READY at the lower rung.
 
   plain:     [recovery] standby = false, precompile = "off"  (every supervisor's restart: a cold start)
-  prepared:  [recovery] standby = true,  precompile = "on"   (the standby and the precompiled rung)
+  prepared:  [recovery] standby = true,  precompile = "on"   (the standby and the precompiled rung; since issue 38
+             the restart runs vLLM without torch.compile, uncompiled_restart = "auto")
+  compiled:  prepared with uncompiled_restart = "off" (the restart loads the precompiled rung from the cache)
 
 Goal: prepared recovery <= 0.8x the warm-cache cold start (stretch 0.5x).
 """
@@ -29,6 +31,8 @@ from common import OOM_LADDER, Supervisor, cap_worker, real_vllm_toml, status, w
 ARMS = {
     "plain": '[recovery]\nstandby = false\nprecompile = "off"\n',
     "prepared": '[recovery]\nstandby = true\nprecompile = "on"\nprecompile_idle_s = {idle}\n',
+    "compiled": '[recovery]\nstandby = true\nprecompile = "on"\nprecompile_idle_s = {idle}\n'
+                'uncompiled_restart = "off"\n',
 }
 
 
@@ -80,7 +84,7 @@ def arm(name: str, model: str, python: str, idle_s: float) -> dict[str, Any]:
         try:
             st = wait_ready(sup.admin, 0, 900)
             cold = st["timings"]
-            if name == "prepared":
+            if name != "plain":
                 waited = wait_prepared(sup, idle_s)
             else:
                 time.sleep(waited := idle_s)
@@ -91,7 +95,7 @@ def arm(name: str, model: str, python: str, idle_s: float) -> dict[str, Any]:
             spawned = sup.events("engine.spawned")
             return {"cold": cold, "recovered_after_s": lf["recovered_after_s"], "rec": st["timings"],
                     "idle_s": waited, "rung": st["profile"]["max_num_batched_tokens"],
-                    "standby": bool(spawned[-1].get("standby")),
+                    "standby": bool(spawned[-1].get("standby")), "compiled": st["compile"]["compiled"],
                     "precompiled": [e["took_s"] for e in sup.events("engine.rung_precompiled") if e["ok"]]}
         finally:
             sup.stop()
@@ -104,29 +108,34 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     ap.add_argument("--model", default=".cache/tiny-llama")
     ap.add_argument("--idle-s", type=float, default=60.0, help="idle time READY before the OOM (both arms)")
+    ap.add_argument("--arms", default="plain,prepared", help="comma-separated, of " + ", ".join(ARMS))
     a = ap.parse_args()
-    out = {name: arm(name, a.model, a.vllm_python, a.idle_s) for name in ("plain", "prepared")}
+    out = {name: arm(name, a.model, a.vllm_python, a.idle_s) for name in a.arms.split(",")}
     colds = [r["cold"]["start_to_ready_s"] for r in out.values()]
     cold = sum(colds) / len(colds)
     print("real vLLM CPU, tiny model, a fresh compile cache per arm warmed at chunk 2048 only; seconds")
-    print(f"warm-cache cold start (spawn -> READY): {colds[0]:.2f} and {colds[1]:.2f}, mean {cold:.2f}")
+    print(f"warm-cache cold start (spawn -> READY): {', '.join(f'{c:.2f}' for c in colds)}, mean {cold:.2f}")
     for name, r in out.items():
         print(f"{name:<9} recovery (death detected -> READY at chunk {r['rung']}, never used before): "
               f"{r['recovered_after_s']:6.2f}   {r['recovered_after_s'] / cold:4.2f}x cold start   "
-              f"standby used: {r['standby']}   precompiles: {r['precompiled']}   idle before the OOM: "
+              f"standby used: {r['standby']}   torch.compile: {r['compiled']}   precompiles: {r['precompiled']}   "
+              "idle before the OOM: "
               f"{r['idle_s']:.0f}s")
-    table = [("cold start", out["plain"]["cold"]["phases"]), ("plain recovery", out["plain"]["rec"]["phases"]),
-             ("prepared rec.", out["prepared"]["rec"]["phases"])]
+    first = next(iter(out.values()))
+    table = [("cold start", first["cold"]["phases"]),
+             *((f"{name} rec.", r["rec"]["phases"]) for name, r in out.items())]
     names = list(dict.fromkeys(k for _, p in table for k in p))
     print("\nwhere each start's time went (seconds; vLLM's own log lines):")
     print(f"{'phase':<26}" + "".join(f"{label:>16}" for label, _ in table))
     for n in names:
         print(f"{n:<26}" + "".join(f"{p.get(n, 0.0):16.2f}" for _, p in table))
     print(f"{'start -> READY':<26}" + "".join(f"{t['start_to_ready_s']:16.2f}" for t in
-                                             (out['plain']['cold'], out['plain']['rec'], out['prepared']['rec'])))
-    ratio = out["prepared"]["recovered_after_s"] / cold
-    print(f"\nprepared recovery / warm-cache cold start: {ratio:.2f}x (goal <= 0.8x, stretch <= 0.5x); "
-          f"plain: {out['plain']['recovered_after_s'] / cold:.2f}x")
+                                             (first["cold"], *(r["rec"] for r in out.values()))))
+    ratios = "; ".join(f"{name} {r['recovered_after_s'] / cold:.2f}x" for name, r in out.items())
+    print(f"\nrecovery / warm-cache cold start: {ratios} (goal <= 0.8x, stretch <= 0.5x)")
+    if "prepared" in out and "compiled" in out:
+        print(f"without torch.compile / compiled, the same prepared restart: "
+              f"{out['prepared']['recovered_after_s'] / out['compiled']['recovered_after_s']:.2f}x")
 
 
 if __name__ == "__main__":

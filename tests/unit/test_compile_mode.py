@@ -70,3 +70,14 @@ def test_a_start_without_torch_compile_gets_compilation_config_mode_0_with_full_
     assert argv[:len(compiled)] == compiled
     flag = argv.index("--compilation-config")
     assert json.loads(argv[flag + 1]) == UNCOMPILED == {"mode": 0, "cudagraph_mode": "FULL"}
+
+
+def test_vllm_supervisor_status_says_the_engine_runs_without_torch_compile() -> None:
+    from supervisor.ops import oncall
+
+    doc = {"state": "READY", "ready": True, "state_for_s": 5, "engine_pid": 7, "profile": {}, "restarts": 1}
+    assert "without torch.compile" not in oncall.render_status(
+        {**doc, "compile": {"compiled": True, "why": "compiled as configured"}})
+    assert "without torch.compile" not in oncall.render_status({**doc, "compile": None})
+    text = oncall.render_status({**doc, "compile": {"compiled": False, "why": "without torch.compile (...)"}})
+    assert "engine    pid 7" in text and "[without torch.compile: a failure's restart" in text
