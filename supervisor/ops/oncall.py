@@ -43,9 +43,9 @@ def render_status(doc: dict[str, Any]) -> str:
     if startup:
         lines.append(f"startup   {startup['step']} for {fmt_s(startup['for_s'])}")
     version = f"  vLLM {doc['engine_version']}" if doc.get("engine_version") else ""
-    uncompiled = ("  [without torch.compile: a failure's restart; a climb or planned start compiles]"
-                  if (doc.get("compile") or {}).get("compiled") is False else "")
-    lines.append(f"engine    pid {doc['engine_pid']}  {doc.get('engine_url', '')}{version}{uncompiled}")
+    if (doc.get("compile") or {}).get("compiled") is False:
+        version += "  [without torch.compile: a failure's restart; a climb or restart compiles]"
+    lines.append(f"engine    pid {doc['engine_pid']}  {doc.get('engine_url', '')}{version}")
     degraded = "  [degraded: below the configured profile]" if doc.get("degraded") else ""
     lines.append("profile   " + _knobs(doc["profile"], doc.get("configured_profile")) + degraded)
     lines.append(
