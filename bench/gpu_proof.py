@@ -62,7 +62,8 @@ def main() -> int:
                                capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         note(f"quarantine clear: rc {clear.returncode} {(clear.stdout + clear.stderr).strip()[:200]}")
     hogs = [start_hog_share(float(os.environ.get("HOG_BEFORE", "0")))]
-    clients, sup = Clients(), run_supervisor(spared, LOG)
+    clients = Clients()
+    sup: subprocess.Popen[bytes] | None = run_supervisor(spared, LOG)
     try:
         first, engine_s = first_start(sup)
         clients.start()
