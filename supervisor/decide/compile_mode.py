@@ -5,9 +5,10 @@ most, and its floor was vLLM's load of its own compiled model: on the H100 at th
 6.3-7.9 s of one thread's CPU work in a 12.2 s start (docs/runs/README.md, run 13), and a rung it
 had never compiled compiled on its path (32 s on the field report's shared card). Started with
 ``compilation_config`` mode 0 (no torch.compile) and full CUDA graphs, vLLM has neither: its
-EngineCore reached /health in 12.1-13.1 s instead of 23.1 s after its imports, decode as fast in
-that run (run 14). Such an engine serves until the next start, which compiles as configured (a
-climb, a planned restart, a reload); a spare built beside it is compiled as always.
+EngineCore reached /health in 12.1-13.1 s instead of 23.1 s after its imports, and its decode
+was not slower in that run's one round (run 14; its prefill on a GPU is not measured). Such an
+engine serves until the next start, which compiles as configured (a climb, a planned restart, a
+reload); a spare built beside it is compiled as always.
 
 Every other start compiles as vLLM would: the first and every planned one (the user waits for
 those knowing it, and the speed they serve at is the one they configured), and the restart of a
@@ -67,7 +68,8 @@ def choose(setting: str, kind: StartKind, *, served: bool, args: Mapping[str, ob
     if setting == "off":
         return CompileChoice(True, "compiled as configured: [recovery] uncompiled_restart = "
                              "\"off\"")
-    named = [k for k in COMPILE_ARGS if k in {a.replace("-", "_") for a in args}]
+    given = {a.replace("-", "_") for a in args}
+    named = [k for k in COMPILE_ARGS if k in given]
     if named:
         return CompileChoice(True, "compiled as configured: [engine.args] "
                              f"{', '.join(named)} already say(s) how vLLM compiles")

@@ -318,17 +318,13 @@ def _compile_plan(f: Facts, todo: Sequence[Profile],
     # its own start (an 80 GiB card half held by another process holds one throwaway at a time)
     ahead = tuple(soon[:first.at_once])
     if any(r.compile_key() != f.engine.compile_key() for r in ahead):
-        rungs = ahead
-        what = "the start's own rung and the next memory failure's"
         rest = "; the rest beside it" + (f": {weighed.why}"
                                          if weighed.order == "beside" else " where it fits")
         plan = replace(
-            first, rungs=rungs, why=
-            (f"auto: {what} before the engine, side by side, in about the time the engine would "
-             "compile its own (a "
-             "failure in the minutes after READY would compile on its critical path): "
-             f"{first.why}{rest}"
-             ))
+            first, rungs=ahead, why=
+            ("auto: the start's own rung and the next memory failure's before the engine, side by "
+             "side, in about the time the engine would compile its own (a failure in the minutes "
+             f"after READY would compile on its critical path): {first.why}{rest}"))
         return plan, plan.why
     if weighed.order == "beside":
         return replace(weighed, rungs=tuple(todo)), weighed.why
