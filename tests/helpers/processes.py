@@ -27,19 +27,40 @@ FIXTURES = HERE.parent / "fixtures" / "vllm-logs"  # real vLLM logs, unedited
 LONG_PROMPT = "word " * 30_000
 
 
-_GIVEN: set[int] = set()
+def _port_block() -> range:
+    """This test process's own ports, below the kernel's ephemeral range.
+
+    A port bound to 0 and released is free only until anything else takes it: CI saw a supervisor die of
+    EADDRINUSE on a port another xdist worker's outgoing connection (or a receiver bound to 0) had been handed
+    from the same ephemeral range in between. Below that range the kernel hands out nothing by itself, and each
+    xdist worker gets its own block, so two workers never pick the same port."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    floor = 10_000
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    size = max(64, (low - floor) // max(count, 1))
+    index = int(worker) if worker.isdigit() else 0
+    start = floor + size * (index % count)
+    return range(start, start + size)
+
+
+_PORTS = iter(_port_block())
 
 
 def free_port() -> int:
-    """A port free now, never one handed out before in this process: the kernel may give a just-released port
-    again, and two calls for one config then collide (CI saw admin.listen on the engine's port)."""
-    while True:
+    """A port free now that nothing else in this test run is handed: the next one of this process's block that
+    nothing listens on (an earlier test run's listener, another program's), never one given before."""
+    for port in _PORTS:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("this test process used up its block of ports; raise the block size in _port_block")
 
 
 def toml_value(v: Any) -> str:
