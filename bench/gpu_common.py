@@ -55,6 +55,34 @@ def http(url: str, body: Any = None, timeout: float = 400) -> tuple[int, Any, di
         return 0, str(e), {}
 
 
+def plain_vllm(cache: Path, model: str, util: float, max_len: int,
+               extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """vLLM alone with the supervisor's engine arguments at the seed's shape (chunk 8192, 10 sequences), its
+    compile caches under ``cache``: the argv and environment of every plain-vLLM reference start."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_CACHE_ROOT": f"{cache}/vllm", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
+           "TRITON_CACHE_DIR": f"{cache}/triton", "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(PORT),
+            "--served-model-name", "m", "--trust-remote-code", "--max-num-batched-tokens", "8192",
+            "--max-num-seqs", "10", "--gpu-memory-utilization", str(util), "--max-model-len", str(max_len), *extra]
+    return argv, env
+
+
+def stop_group(proc: subprocess.Popen[bytes], wait_s: float = 60) -> None:
+    """SIGTERM to the process group ``proc`` leads, SIGKILL after ``wait_s``; waits for it."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
 def status() -> dict[str, Any] | None:
     code, st, _ = http(f"http://{ADMIN}/status", timeout=5)
     return st if code == 200 else None

@@ -34,14 +34,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common import events_in
-from gpu_common import OUT, PORT, Stop, http, note, notes, run_supervisor, wait
+from gpu_common import OUT, PORT, Stop, http, note, notes, plain_vllm, run_supervisor, stop_group, wait
 from gpu_proof import LOG, recovered, seed_crash, start_hog_share
 from gpu_seed import GW, MAX_LEN, MODEL, Clients, at, ended, ready, second_engines, toml, wrapped_up
 
@@ -53,12 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def plain_start(cache: Path, what: str) -> float:
     """vLLM alone, as the supervisor would start it: spawn -> /health 200, then stopped (its process group)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_CACHE_ROOT": f"{cache}/vllm", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
-           "TRITON_CACHE_DIR": f"{cache}/triton"}
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--port", str(PORT),
-            "--served-model-name", "m", "--trust-remote-code", "--max-num-batched-tokens", "8192",
-            "--max-num-seqs", "10", "--gpu-memory-utilization", str(UTIL), "--max-model-len", str(MAX_LEN)]
+    argv, env = plain_vllm(cache, MODEL, UTIL, MAX_LEN)
     log = open(OUT / "vllm-plain.log", "ab")  # noqa: SIM115 - the child holds it
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,19 +65,7 @@ def plain_start(cache: Path, what: str) -> float:
             time.sleep(0.25)
         raise Stop(f"plain vLLM exited with {proc.returncode} during its {what}")
     finally:
-        with_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            with_group(proc, signal.SIGKILL)
-            proc.wait()
-
-
-def with_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+        stop_group(proc)
 
 
 def part_plain() -> int:

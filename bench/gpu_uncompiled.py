@@ -24,7 +24,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_common import OUT, PORT, T0, http, note, notes
+from gpu_common import OUT, PORT, T0, http, note, notes, plain_vllm, stop_group
 
 MODEL = os.path.expanduser(os.environ.get("MODEL", "~/glm9b"))
 UTIL = float(os.environ.get("UTIL", "0.9"))
@@ -48,12 +47,7 @@ ARMS = {
 
 def serve(arm: str) -> tuple[subprocess.Popen[bytes], dict[str, float]]:
     """vLLM started as the arm says; returns it once /health answers 200, with its timings."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_CACHE_ROOT": f"{CACHE}/vllm", "TORCHINDUCTOR_CACHE_DIR": f"{CACHE}/inductor",
-           "TRITON_CACHE_DIR": f"{CACHE}/triton", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--port", str(PORT),
-            "--served-model-name", "m", "--max-num-batched-tokens", "8192", "--max-num-seqs", "10",
-            "--gpu-memory-utilization", str(UTIL), "--max-model-len", "131072", *ARMS[arm]]
+    argv, env = plain_vllm(CACHE, MODEL, UTIL, 131072, tuple(ARMS[arm]))
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     first_engine_line: list[float] = []
@@ -66,7 +60,7 @@ def serve(arm: str) -> tuple[subprocess.Popen[bytes], dict[str, float]]:
         if time.monotonic() - t0 > 400:
             break
         time.sleep(0.1)
-    stop(proc)
+    stop_group(proc)
     raise RuntimeError(f"{arm}: vLLM exited ({proc.returncode}) or took over 400 s; see vllm-{arm}.log")
 
 
@@ -77,17 +71,6 @@ def copy(proc: subprocess.Popen[bytes], log: Path, first_engine_line: list[float
             if not first_engine_line and b"Initializing a V1 LLM engine" in line:
                 first_engine_line.append(time.monotonic())
             out.write(f"{time.monotonic() - T0:9.3f} ".encode() + line)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 def complete(prompt: list[int], max_tokens: int) -> tuple[int, int]:
@@ -143,7 +126,7 @@ def main() -> int:
         except (RuntimeError, KeyError) as e:
             note(f"{arm}: {e}")
         finally:
-            stop(proc)
+            stop_group(proc)
         rows[arm] = row
         note(f"{arm}: {json.dumps({k: round(v, 2) for k, v in row.items()})}")
     ref = rows.get("compiled-warm")
