@@ -48,6 +48,12 @@ COMPILE_CACHE_PATTERNS = [
     re.compile(r"Inference tensors cannot be saved for backward"),
 ]
 
+# A port a second engine was to bind was in use: the OS's own words (vLLM's bind, uvicorn's, ZMQ's,
+# torch.distributed's). Read from a second engine's output only, which no client ever reached.
+PORT_TAKEN_PATTERNS = [
+    re.compile(r"\[Errno 98\]|address already in use|EADDRINUSE", re.IGNORECASE),
+]
+
 # Startup-memory messages that point at one knob, with the value vLLM suggests where it says one.
 MAX_LEN_ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
 MAX_LEN_NEEDED = re.compile(r"To serve at least one request with the model's max seq len \((\d+)\)")
@@ -126,6 +132,11 @@ def spoils_compile_cache(line: str) -> bool:
     """A line of vLLM's saying its compile cache cannot run (a second engine's, which never
     served: decide/spoiled_cache.py)."""
     return any(p.search(line) for p in COMPILE_CACHE_PATTERNS)
+
+
+def says_port_taken(line: str) -> bool:
+    """A second engine's line saying a port it was to bind was in use (decide/spoiled_cache.py)."""
+    return any(p.search(line) for p in PORT_TAKEN_PATTERNS)
 
 
 def classify(

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from supervisor.config import Config
-from supervisor.decide.spoiled_cache import after_a_second_engines_death
+from supervisor.decide.spoiled_cache import SpoiledBuild, after_a_second_engines_death
 from supervisor.engine import gates
 from supervisor.event_stream import (
     CompileCacheSetAside,
@@ -42,6 +42,8 @@ class Builder:
         # monotonic: vLLM's compile cache last moved aside, the engine's last READY (recovery's)
         self.aside_at: float | None = None
         self.ready_at: float | None = None
+        # compile key -> its second engines whose port was taken, in this run
+        self.ports_taken: dict[str, int] = {}
 
     def configure(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -53,7 +55,8 @@ class Builder:
         graphs are compiled."""
         self.spare_since = self.host.monotonic() if spare else None
         try:
-            await self._launch(rung, version, spare, kv_bytes)
+            while await self._launch(rung, version, spare, kv_bytes):
+                pass  # its port was taken before it bound it: again, on another
         # a second engine's own fault never stops the supervision
         except Exception as exc:  # noqa: BLE001
             self.failed.add(rung, "spare" if spare else "precompile")
@@ -62,10 +65,10 @@ class Builder:
             self.spare_since = None
 
     async def _launch(self, rung: Profile, version: str | None, spare: bool,
-                      kv_bytes: int | None) -> None:
+                      kv_bytes: int | None) -> bool:
         """A second engine at ``rung`` until it answers /health; a spare (the real weights, sleep
         mode, not niced: it may become the engine) is then kept asleep, a precompile's
-        throwaway stopped."""
+        throwaway stopped. True when it is to be launched again (its port was taken)."""
         standby = await self.spare_standby() if spare and self.spare_standby else None
         t0 = self.host.monotonic()  # the spawn, or the standby told its argv: took_s from here
         try:
@@ -76,20 +79,30 @@ class Builder:
             self.failed.add(rung, "precompile")
             self.publish(RungPrecompiled(at=self.host.wall(), profile=rung, ok=False, took_s=0.0,
                                          error=f"could not start a second engine: {exc}"))
-            return
+            return False
         why, lines = await self._until_kept(t, version, spare, t0)
-        if why is not None and self._held_against_rung(t, spare, t0):
+        verdict = None if why is None else self._after_death(t, rung, spare, t0)
+        if verdict is not None and verdict.held_against_rung:
             self.failed.add(rung, "spare" if spare else "precompile")
+        again = verdict is not None and verdict.again
         self.publish(
             RungPrecompiled(
                 at=self.host.wall(), profile=rung, ok=why is None,
                 took_s=round(self.host.monotonic() - t0, 3),
-                error=None if why is None else f"{why}; last lines: {' | '.join(lines)}"))
+                error=None if why is None else
+                f"{why}{f' ({verdict.why})' if again and verdict else ''}; last lines: "
+                f"{' | '.join(lines)}"))
+        return again
 
-    def _held_against_rung(self, t: Throwaway, spare: bool, t0: float) -> bool:
-        """A second engine that failed: whether its rung counts as failed; where it died of a
-        spoiled compile cache, the cache is moved aside first (decide/spoiled_cache.py)."""
-        verdict = after_a_second_engines_death(bool(t.spoiled), t0, self.aside_at, self.ready_at)
+    def _after_death(self, t: Throwaway, rung: Profile, spare: bool, t0: float) -> SpoiledBuild:
+        """A second engine that failed: whether its rung counts as failed, and whether it is
+        started again; where it died of a spoiled compile cache, the cache is moved aside first
+        (decide/spoiled_cache.py)."""
+        key = rung.compile_key()
+        verdict = after_a_second_engines_death(bool(t.spoiled), t0, self.aside_at, self.ready_at,
+                                               bool(t.port_taken), self.ports_taken.get(key, 0))
+        if t.port_taken:
+            self.ports_taken[key] = self.ports_taken.get(key, 0) + 1
         if verdict.set_aside:
             root, now = compile_cache.root(self.cfg.engine.environment()), self.host.wall()
             moved, error = compile_cache.set_aside_at(root, now)
@@ -98,7 +111,7 @@ class Builder:
                 at=now, cache=str(root / compile_cache.SUBDIR),
                 moved_to=str(moved) if moved else None, error=error,
                 after="spare" if spare else "precompile"))
-        return verdict.held_against_rung
+        return verdict
 
     async def _until_kept(self, t: Throwaway, version: str | None, spare: bool,
                           t0: float) -> tuple[str | None, list[str]]:

@@ -25,7 +25,7 @@ import structlog
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import THROWAWAY_STOP_S
 from supervisor.config import Config, EngineConfig, masked, redact
-from supervisor.decide.classify import spoils_compile_cache
+from supervisor.decide.classify import says_port_taken, spoils_compile_cache
 from supervisor.engine import ipc, launch
 from supervisor.engine.logtail import LogTail
 from supervisor.engine.observer import env_report
@@ -46,10 +46,15 @@ HEALTH_POLL_S = 0.5
 TAIL_LINES = 40
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(given: set[int] | frozenset[int] = frozenset()) -> int:
+    """A port the kernel has free now, none of ``given`` (the second engines' being started: a
+    port released here may be handed out again, and two started side by side then collide)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in given:
+            return port
 
 
 @dataclass(eq=False)  # one process each: equal only to itself, and kept in sets
@@ -77,6 +82,8 @@ class Throwaway:
     standby: bool = False  # a standby of its own became it (vLLM imported ahead)
     # it said its compile cache cannot run (decide/spoiled_cache.py)
     spoiled: list[bool] = field(default_factory=list)
+    # it said a port it was to bind was in use (decide/spoiled_cache.py)
+    port_taken: list[bool] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -173,7 +180,7 @@ class Launcher:
             args["enable_sleep_mode"] = True
         if kv_bytes is not None:
             args["kv_cache_memory_bytes"] = kv_bytes
-        engine = replace(e, port=free_port(), args=args)
+        engine = replace(e, port=free_port({t.port for t in self.current}), args=args)
         work = self.dir / work_name(rung, sleep_mode)
         argv = launch.build_argv(engine, rung, self.cfg.health.hang_timeout_s)
         if niced and shutil.which("nice"):
@@ -187,8 +194,9 @@ class Launcher:
         secrets = e.secrets()
         used: list[str] = []  # the compile cache directory it says it uses (host/compile_cache.py)
         spoiled: list[bool] = []
+        port_taken: list[bool] = []
         tail = LogTail(TAIL_LINES, redact=lambda line: redact(line, secrets),
-                       on_line=lambda line: _seen(line, used, spoiled))
+                       on_line=lambda line: _seen(line, used, spoiled, port_taken))
         self.publish(PrecompileStarted(at=self.host.wall(), profile=rung, port=engine.port,
                                        standby=standby is not None))
         ear: ipc.EventServer | None = None
@@ -212,7 +220,7 @@ class Launcher:
         t = Throwaway(child, rung, engine.base_url, work, tail, [],
                       EngineClient(engine.base_url, e.api_key(), ipc.control_token(env)), self.host,
                       self.cfg.state.dir, tuple(masked(argv, secrets)), version, record, ear, used,
-                      e, from_standby, spoiled)
+                      e, from_standby, spoiled, port_taken)
         self.current.add(t)  # its pids are ours from here on, and whoever launched it stops it
         t.drains += [
             asyncio.create_task(tail.drain(s)) for s in (child.proc.stdout, child.proc.stderr) if s
@@ -269,15 +277,17 @@ class Launcher:
         return set().union(*(t.pids() for t in self.current))
 
 
-def _seen(line: str, used: list[str], spoiled: list[bool]) -> None:
-    """What a second engine's line tells: the compile cache directory it uses, or that the cache
-    cannot run."""
+def _seen(line: str, used: list[str], spoiled: list[bool], port_taken: list[bool]) -> None:
+    """What a second engine's line tells: the compile cache directory it uses, that the cache
+    cannot run, or that a port it was to bind was taken."""
     if not used:
         found = compile_cache.directory_of(line)
         if found:
             used.append(found)
     if not spoiled and spoils_compile_cache(line):
         spoiled.append(True)
+    if not port_taken and says_port_taken(line):
+        port_taken.append(True)
 
 
 def work_name(rung: Profile, sleep_mode: bool) -> str:

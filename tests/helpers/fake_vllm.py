@@ -24,6 +24,10 @@ is steered by env vars:
                           restart after a fast first start)
   FAKE_VLLM_SLOW_ONCE_FILE  a file: the first start that finds it takes it (removes it) and its number is that
                           start's delay (one slow second engine, whoever starts next)
+  FAKE_VLLM_SPARE_PORT_TAKEN_FILE  a file holding a count: each start with --enable-sleep-mode (a spare being built)
+                          that finds it above 0 takes one off and finds its --port taken by another socket when
+                          its API server binds it, as any process on the host may take a port the supervisor found
+                          free during vLLM's imports: the bind's own EADDRINUSE, then exit 1
   FAKE_VLLM_OOM_TOKENS    a prefill chunk larger than this runs out of memory (CUDA OOM text)
   FAKE_VLLM_KV_TOKENS     KV capacity: --max-model-len above it fails at start like vLLM
   FAKE_VLLM_FREE_UTIL     free fraction of the card: --gpu-memory-utilization above it fails at start
@@ -200,6 +204,27 @@ def _take_once(path: str | None) -> float | None:
         return None
     with open(taken) as f:
         return float(f.read())
+
+
+def _port_taken(args: argparse.Namespace) -> socket.socket | None:
+    """FAKE_VLLM_SPARE_PORT_TAKEN_FILE: a listening socket on this spare's port (another process's, in effect),
+    when the count in the file was above 0 (taken one off under a lock: spares may start side by side)."""
+    path = os.environ.get("FAKE_VLLM_SPARE_PORT_TAKEN_FILE")
+    if not path or not args.enable_sleep_mode:
+        return None
+    import fcntl
+    with open(path, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        left = int(f.read() or 0)
+        if left <= 0:
+            return None
+        f.seek(0)
+        f.truncate()
+        f.write(str(left - 1))
+    holder = socket.socket()
+    holder.bind((args.host, args.port))
+    holder.listen()
+    return holder
 
 
 SPOILED = "spoiled-by-a-test"  # a file in the compile cache: every start on it dies in its first forward
@@ -700,6 +725,7 @@ async def api_server_main(args: argparse.Namespace) -> int:
     # vLLM's routes are cancelled when their client disconnects (with_cancellation): so are these.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
+    holder = _port_taken(args)  # noqa: F841 - held open until the bind below has failed
     await web.TCPSite(runner, args.host, args.port).start()
     loop = asyncio.get_running_loop()
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:

@@ -14,6 +14,7 @@ from typing import Any
 
 import psutil
 import pytest
+from supervisor.decide.spoiled_cache import PORT_TAKEN_TRIES
 from supervisor.ops import control
 
 from tests.helpers.processes import (
@@ -475,3 +476,32 @@ def test_a_spare_pins_its_weights_copies_by_host_register_so_its_sleep_does_not_
         assert slept["sleep_s"] >= PINNED_S, slept
     else:
         assert slept["sleep_s"] < PINNED_S / 2, slept
+
+
+@pytest.mark.parametrize("taken", [1, PORT_TAKEN_TRIES])
+def test_a_spare_whose_port_is_taken_before_it_binds_it_is_started_again_on_another_and_its_rung_kept(
+        supervise: Callable[..., Sup], tmp_path: Path, taken: int) -> None:
+    """A second engine is given any port the kernel had free a moment before, and anything on the host may take it
+    during vLLM's imports (CI saw it happen to this suite's own ports). Before, that death counted against the rung:
+    no spare at that rung for the rest of the run. Now the spare is started again at once on another port; only a
+    port taken PORT_TAKEN_TRIES times (one fixed for every engine) counts against the rung."""
+    flag = tmp_path / "spare-ports-taken"
+    flag.write_text(str(taken))
+    sup = supervise({"engine": {"env": {"FAKE_VLLM_SPARE_PORT_TAKEN_FILE": str(flag)}}})
+    sup.wait_ready(30)
+    if taken < PORT_TAKEN_TRIES:
+        spare = asleep(sup)
+        assert spare["profile"]["max_num_batched_tokens"] == 6144
+    else:
+        sup.wait_for(lambda s: "failed to start" in (s["next_start"]["spare"] or {}).get("why", ""), 60,
+                     "the rung's spare given up")
+    failed = [e for e in sup.events("engine.rung_precompiled") if not e["ok"]]
+    assert len(failed) == taken, failed
+    assert all("address already in use" in e["error"].lower() for e in failed), failed
+    launched = [e["port"] for e in sup.events("precompile.started")]
+    if taken < PORT_TAKEN_TRIES:
+        assert len(launched) == taken + 1 and spare["port"] == launched[-1], (launched, spare)
+        assert "started again on another" in failed[0]["error"], failed[0]
+    else:
+        assert len(launched) == taken, launched
+    assert flag.read_text() == "0"
