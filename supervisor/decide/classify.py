@@ -51,7 +51,8 @@ COMPILE_CACHE_PATTERNS = [
 # A port a second engine was to bind was in use: the OS's own words (vLLM's bind, uvicorn's, ZMQ's,
 # torch.distributed's). Read from a second engine's output only, which no client ever reached.
 PORT_TAKEN_PATTERNS = [
-    re.compile(r"\[Errno 98\]|address already in use|EADDRINUSE", re.IGNORECASE),
+    re.compile(r"[^\n]{0,80}(?:\[Errno 98\]|address already in use|EADDRINUSE)[^\n]{0,160}",
+               re.IGNORECASE),
 ]
 
 # Startup-memory messages that point at one knob, with the value vLLM suggests where it says one.
@@ -176,6 +177,11 @@ def classify(
         found = _first(corpus, COMPILE_CACHE_PATTERNS)
         if found:
             return Failure(FailureKind.COMPILE_CACHE, found)
+        found = _first(corpus, PORT_TAKEN_PATTERNS)
+        if found:  # restarted as any death: the holder may be going; a person reads which port
+            return Failure(FailureKind.ENGINE_DEAD, f"{found}: a port it binds ([engine] port, or "
+                           "one in [engine.args]) is held by another process (`ss -ltnp` names it)",
+                           rung_at_fault=False)
 
     memory = _memory_failure(corpus, phase, suspect)
     if memory:

@@ -42,6 +42,20 @@ def test_real_vllm_logs_classify(log: str, rc: int, phase: Phase, kind: FailureK
     assert evidence in f.evidence
 
 
+def test_a_start_whose_port_is_taken_says_so_and_is_not_its_rungs_fault() -> None:
+    """vLLM binds its port after its imports, before its engine: another process on it ended the start with
+    "[Errno 98] Address already in use", and five quick restarts later the supervisor was FATAL saying only "API
+    server exited with status 1". The verdict names the port now; a serving engine's output (a client's text) never
+    says so."""
+    f = classify(events=[], lines=lines("cpu-vllm0.32-startup-port-taken.log"), exit=ExitInfo(1),
+                 phase=Phase.LOADING)
+    assert f.kind is FailureKind.ENGINE_DEAD and not f.rung_at_fault
+    assert f.evidence.startswith("OSError: [Errno 98] Address already in use") and "[engine] port" in f.evidence
+    served = classify(events=[], lines=["ERROR 12-07 [core.py:1] OSError: [Errno 98] Address already in use",
+                                        "EngineCore encountered a fatal error"], exit=ExitInfo(0), phase=Phase.SERVING)
+    assert "[engine] port" not in served.evidence
+
+
 def test_a_start_whose_compiled_model_from_the_cache_cannot_run_is_the_compile_cache() -> None:
     """Run 9 on the H100: a cold start (no thread of ours) on a compile cache an earlier engine spoiled died in its
     first forward; before this it was `engine_dead` ("EngineCore failed to start"), five times, then FATAL."""
