@@ -349,6 +349,23 @@ def test_the_api_key_authenticates_our_own_requests_and_never_leaks(supervise: C
     assert key not in check.stdout + check.stderr and "--api-key '***'" in check.stdout
 
 
+def test_an_engine_port_held_by_another_process_ends_in_a_fatal_that_names_the_port(
+        supervise: Callable[..., Sup]) -> None:
+    """Before, five quick restarts ended in a FATAL that said only "API server exited with status 1"."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        sup = supervise({"engine": {"port": other.getsockname()[1]},
+                         "restart": {"max_consecutive_failures": 2}})
+        assert sup.wait_exit(60) == 4
+    failed = sup.events("engine.failed")
+    assert [e["kind"] for e in failed] == ["engine_dead", "engine_dead"]
+    (fatal,) = sup.events("supervisor.fatal")
+    assert "address already in use" in fatal["failure"]["evidence"].lower(), fatal
+    assert "[engine] port" in fatal["failure"]["evidence"] and fatal["failure"]["rung_at_fault"] is False, fatal
+    assert all(gone(p) for p in spawned_pids(sup))
+
+
 def test_a_start_that_never_gets_healthy_is_a_hang_and_the_loop_ends(supervise: Callable[..., Sup]) -> None:
     sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "60"}, "start_timeout_s": 1.0},
                      "restart": {"max_restarts": 100, "max_consecutive_failures": 2}})
