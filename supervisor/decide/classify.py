@@ -48,8 +48,9 @@ COMPILE_CACHE_PATTERNS = [
     re.compile(r"Inference tensors cannot be saved for backward"),
 ]
 
-# A port a second engine was to bind was in use: the OS's own words (vLLM's bind, uvicorn's, ZMQ's,
-# torch.distributed's). Read from a second engine's output only, which no client ever reached.
+# A port an engine was to bind was in use: the OS's own words (vLLM's bind, uvicorn's, ZMQ's,
+# torch.distributed's). Read only where no client ever reached the engine: a start before /health,
+# a second engine's output.
 PORT_TAKEN_PATTERNS = [
     re.compile(r"[^\n]{0,80}(?:\[Errno 98\]|address already in use|EADDRINUSE)[^\n]{0,160}",
                re.IGNORECASE),
