@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -212,7 +213,6 @@ def _port_taken(args: argparse.Namespace) -> socket.socket | None:
     path = os.environ.get("FAKE_VLLM_SPARE_PORT_TAKEN_FILE")
     if not path or not args.enable_sleep_mode:
         return None
-    import fcntl
     with open(path, "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         left = int(f.read() or 0)

@@ -41,7 +41,7 @@ def _port_block() -> range:
     floor = 10_000
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    size = max(64, (low - floor) // max(count, 1))
+    size = max(64, (low - floor) // count)
     index = int(worker) if worker.isdigit() else 0
     start = floor + size * (index % count)
     return range(start, start + size)
