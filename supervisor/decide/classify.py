@@ -178,15 +178,16 @@ def classify(
         found = _first(corpus, COMPILE_CACHE_PATTERNS)
         if found:
             return Failure(FailureKind.COMPILE_CACHE, found)
-        found = _first(corpus, PORT_TAKEN_PATTERNS)
-        if found:  # restarted as any death: the holder may be going; a person reads which port
-            return Failure(FailureKind.ENGINE_DEAD, f"{found}: a port it binds ([engine] port, or "
-                           "one in [engine.args]) is held by another process (`ss -ltnp` names it)",
-                           rung_at_fault=False)
 
     memory = _memory_failure(corpus, phase, suspect)
     if memory:
         return memory
+    # after memory: a start that ran out of memory is lowered whatever else it printed
+    found = _first(corpus, PORT_TAKEN_PATTERNS) if phase is Phase.LOADING else None
+    if found:  # restarted as any death: the holder may be going; a person reads which port
+        return Failure(FailureKind.ENGINE_DEAD, f"{found}: a port it binds ([engine] port, or one "
+                       "in [engine.args]) is held by another process (`ss -ltnp` names it)",
+                       rung_at_fault=False)
 
     if exit.returncode is not None and exit.returncode < 0:
         killed = exit.returncode == -signal.SIGKILL

@@ -54,6 +54,9 @@ def test_a_start_whose_port_is_taken_says_so_and_is_not_its_rungs_fault() -> Non
     served = classify(events=[], lines=["ERROR 12-07 [core.py:1] OSError: [Errno 98] Address already in use",
                                         "EngineCore encountered a fatal error"], exit=ExitInfo(0), phase=Phase.SERVING)
     assert "[engine] port" not in served.evidence
+    # a start that ran out of memory is lowered whatever else it printed
+    oom = [*lines("cpu-vllm0.32-startup-port-taken.log"), *lines("h200-vllm0.26-startup-graph-capture-oom.log")]
+    assert classify(events=[], lines=oom, exit=ExitInfo(1), phase=Phase.LOADING).kind is FailureKind.STARTUP_MEMORY
 
 
 def test_a_start_whose_compiled_model_from_the_cache_cannot_run_is_the_compile_cache() -> None:
