@@ -544,7 +544,8 @@ class RecoveryConfig:
     precompile_idle_s: float = seconds(30.0)  # after this long READY with nothing at the engine
     precompile_timeout_s: float = seconds(600.0)
     # Which are compiled before a planned start, on the free card, several at once: "auto" only what
-    # the start would not wait for (at the supervisor's first start, when the engine would compile
+    # the start would not wait for (none where a failure's restart starts uncompiled, the default;
+    # with uncompiled_restart "off", at the supervisor's first start, when the engine would compile
     # its own rung anyway: that rung and the next memory failure's, side by side); "first" every
     # rung within reach (each once per host and vLLM), READY waiting for them; "beside" none. The
     # others are compiled beside the serving engine, where they fit.

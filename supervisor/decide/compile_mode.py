@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from supervisor.config import Config
 from supervisor.engine_states import Failure, FailureKind
 
 # vLLM's CompilationMode.NONE; FULL captures one CUDA graph per batch size up to vLLM's largest,
@@ -87,6 +88,14 @@ def choose(setting: str, kind: StartKind, *, served: bool, args: Mapping[str, ob
                          "graphs): a failure's restart that woke no spare, whose floor was "
                          "vLLM's load of its compiled model; the next start (a climb, a planned "
                          "restart) compiles as configured ([recovery] uncompiled_restart)")
+
+
+def restarts_uncompiled(cfg: Config, version: str | None) -> bool:
+    """Whether a served engine's failure restart that wakes no spare would start without
+    torch.compile: then no rung compiles on a failure's path (recovery/next_build.py)."""
+    e = cfg.engine
+    return not choose(cfg.recovery.uncompiled_restart, StartKind.AFTER_FAILURE, served=True,
+                      args=e.args, env=e.environment(), version=version).compiled
 
 
 def _release(version: str) -> tuple[int, ...]:

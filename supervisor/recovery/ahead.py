@@ -22,6 +22,7 @@ import psutil
 
 from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, THROWAWAY_STOP_S
 from supervisor.config import Config
+from supervisor.decide.compile_mode import restarts_uncompiled
 from supervisor.event_stream import Event
 from supervisor.host import Child, Host
 from supervisor.host.gpu import DeviceSnapshot, GpuLost
@@ -128,7 +129,8 @@ class Ahead:
             spare_kept=self.keeper.spare is not None, building=self.running(),
             kept=self.keeper.spare.profile if self.keeper.spare else None, climb=self.climb,
             at_ready=self._at_ready, waited_s=waited_s, first_start=self.version is None
-            and self.gpu_host, after_failure=after_failure, last_start_s=self.last_start_s)
+            and self.gpu_host, after_failure=after_failure, last_start_s=self.last_start_s,
+            restart_uncompiled=restarts_uncompiled(self.cfg, version))
 
     def _take(self, step: Step) -> Step:
         """The step decided: /status's reasons (the spare's, the rungs') are the step's."""

@@ -5,7 +5,8 @@ Three moments ask it. While the engine serves (``READY``, once a tick): a spare 
 next memory failure picks, else a precompile of the next rung not compiled, each only where it fits
 beside the engine. Before a planned start (``BEFORE_START``): by default only what the start would
 not wait for (the first start's own rung and the next failure's, side by side, when the engine would
-compile its own anyway); every rung within reach with ``precompile_order = "first"``; then
+compile its own anyway and a failure's restart would compile the next: with ``uncompiled_restart``,
+none); every rung within reach with ``precompile_order = "first"``; then
 (``BEFORE_START_COMPILED``, with the card read again) the spare first, only where the operator asked
 for that order (``spare_order`` "first" or "auto") and it would not fit beside. A planned start the
 user waits for is never held for a second engine by default (issue 38, item 1). Every card rule it
@@ -90,6 +91,9 @@ class Facts:
     after_failure: bool = False
     # the last start that woke no spare, to READY (what a restart costs)
     last_start_s: float | None = None
+    # a served engine's failure restart that wakes no spare starts without torch.compile
+    # (decide/compile_mode.py): no rung compiles on a failure's path
+    restart_uncompiled: bool = False
 
     def to_compile(self, rung: Profile) -> bool:
         """Not compiled for this vLLM, and no throwaway failed at it."""
@@ -271,7 +275,9 @@ def _before_start(f: Facts) -> Step:
     them (``"auto"``): at the supervisor's first start, when the engine would compile its own
     rung in its start anyway, that one and the next memory failure's side by side on the free
     card (a failure in its first minutes would compile on its critical path: 70 s on the
-    H200), in about the time the engine takes to compile its own. With its own rung compiled
+    H200), in about the time the engine takes to compile its own; where that restart starts
+    without torch.compile (``restart_uncompiled``), none, and the next is compiled beside the
+    engine from READY. With its own rung compiled
     (a reboot, a restart, a climb), compiling another first would hold READY for a whole
     compile (77 s on the H200), so the next one is compiled beside the engine the moment it is
     READY, where it fits. ``"first"`` compiles every rung within reach first, as the operator
@@ -284,7 +290,7 @@ def _before_start(f: Facts) -> Step:
     at_ready = None
     if plan is not None and plan.at_once:
         return Step(Action.COMPILE_FIRST, plan.why, plan=plan, compile_why=compile_why)
-    if plan is not None and f.first_start and not own_missing:
+    if plan is not None and f.first_start and (not own_missing or f.restart_uncompiled):
         at_ready = next((p for p in f.targets[:1] if f.to_compile(p)), None)
     nothing = Step(Action.NOTHING, compile_why or "no rung to compile first", plan=plan,
                    compile_why=compile_why, at_ready=at_ready)
@@ -315,8 +321,9 @@ def _compile_plan(f: Facts, todo: Sequence[Profile],
     weighed = plan_first(*args, "auto", f.cpus)
     first = plan_first(*args, "first", f.cpus)
     # only the engine's own rung first is one start more for nothing: the engine compiles it in
-    # its own start (an 80 GiB card half held by another process holds one throwaway at a time)
-    ahead = tuple(soon[:first.at_once])
+    # its own start (an 80 GiB card half held by another process holds one throwaway at a time);
+    # and where a failure's restart starts uncompiled, no failure waits for the next one
+    ahead = () if f.restart_uncompiled else tuple(soon[:first.at_once])
     if any(r.compile_key() != f.engine.compile_key() for r in ahead):
         rest = "; the rest beside it" + (f": {weighed.why}"
                                          if weighed.order == "beside" else " where it fits")
@@ -332,7 +339,14 @@ def _compile_plan(f: Facts, todo: Sequence[Profile],
         "auto: none first: the start would wait for them (precompile_order = \"first\" compiles "
         f"them before planned starts), and none fits beside the engine: {weighed.why}; a memory "
         "failure into a rung not compiled compiles it in its restart")
-    if soon and first.at_once:
+    if soon and f.restart_uncompiled:
+        why = (
+            "auto: none first: the engine compiles its own rung in its start, and a memory "
+            "failure's restart that wakes no spare starts without torch.compile ([recovery] "
+            "uncompiled_restart), so no failure waits for the next rung's compile; it is compiled "
+            "beside the engine from READY, where it fits (precompile_order = \"first\" compiles "
+            "every rung before the engine)")
+    elif soon and first.at_once:
         why = (
             "auto: none first: only the start's own rung would be compiled first "
             f"({first.why.removeprefix('first: before the engine, ')}), and the engine compiles "

@@ -48,7 +48,8 @@ def facts(moment: Moment, util: float, the_card: tuple[DeviceSnapshot, ...] | No
     within = (engine, *targets)
     base = Facts(moment, RecoveryConfig(), engine, targets, card=the_card,
                  sizes={p.compile_key(): GLM9B for p in within}, kv={p.compile_key(): KV_128K for p in within},
-                 ram_available=500 * GIB, cpus=16, headroom=GIB, floor=0.3, waited_s=600.0)
+                 ram_available=500 * GIB, cpus=16, headroom=GIB, floor=0.3, waited_s=600.0,
+                 restart_uncompiled=True)
     return replace(base, **over)
 
 
@@ -127,27 +128,39 @@ CASES: list[tuple[str, Facts, Action, Any, str]] = [
     ("a model of unknown size (a hub name): nothing on a GPU", facts(READY, 0.5, serving(0.5), sizes={}),
      Action.NOTHING, None, "not a local directory"),
     # ---- before a planned start ----
-    ("a fresh host at 0.9: the start's own rung and the next failure's first, side by side (issue 38, item 1)",
+    ("a fresh host at 0.9: nothing first, the engine compiles its own rung in its start and a failure's restart is "
+     "uncompiled, so READY waits for no second engine (issue 38, item 1)",
      facts(BEFORE, 0.9, card(139), first_start=True),
+     Action.NOTHING, None, "no failure waits for the next rung's compile"),
+    ('uncompiled_restart = "off", a fresh host at 0.9: the start\'s own rung and the next failure\'s first, side by '
+     "side (a failure in the minutes after READY would compile on its path)",
+     facts(BEFORE, 0.9, card(139), first_start=True, restart_uncompiled=False),
      Action.COMPILE_FIRST, [8192, 4096], "in about the time the engine would compile its own"),
     ('precompile_order = "first", a fresh host at 0.9: every rung within reach first, four at once on 16 cores',
      facts(BEFORE, 0.9, card(139), first_start=True, recovery=FIRST),
      Action.COMPILE_FIRST, [8192, 4096, 2048, 1024], "4 at a time"),
-    ("a fresh host at 0.5: the start's own rung and the next failure's first, the rest beside it",
+    ("a fresh host at 0.5: nothing first, every rung beside the engine",
      facts(BEFORE, 0.5, card(139), first_start=True),
+     Action.NOTHING, None, "beside the engine: half of the"),
+    ('uncompiled_restart = "off", a fresh host at 0.5: the start\'s own rung and the next failure\'s first, the rest '
+     "beside it", facts(BEFORE, 0.5, card(139), first_start=True, restart_uncompiled=False),
      Action.COMPILE_FIRST, [8192, 4096], "the start's own rung and the next memory failure's"),
-    ("the field report's shared card on an H100 (run 13: 41.4 of 79.65 GiB free), a fresh host at 0.4: one "
-     "throwaway at a time holds only the start's own rung, which the engine compiles in its own start, so nothing "
-     "first (run 13 compiled it first, then started the engine: READY 14 s later for nothing)",
+    ("the field report's shared card on an H100 (run 13: 41.4 of 79.65 GiB free), a fresh host at 0.4: nothing first",
      facts(BEFORE, 0.4, h100(41.4), first_start=True),
+     Action.NOTHING, None, "no failure waits for the next rung's compile"),
+    ('uncompiled_restart = "off", the same card: one throwaway at a time holds only the start\'s own rung, which the '
+     "engine compiles in its own start, so nothing first (run 13 compiled it first, then started the engine: READY "
+     "14 s later for nothing)", facts(BEFORE, 0.4, h100(41.4), first_start=True, restart_uncompiled=False),
      Action.NOTHING, None, "only the start's own rung would be compiled first"),
     ('precompile_order = "first", the same card: every rung within reach, one at a time',
      facts(BEFORE, 0.4, h100(41.4), first_start=True, recovery=FIRST),
      Action.COMPILE_FIRST, [8192, 4096, 2048, 1024], "1 at a time"),
-    ("a fresh host whose cache holds the next failure's rung but not its own: the engine compiles its own, "
-     "nothing first", facts(BEFORE, 0.9, card(139), first_start=True, compiled=compiled(4096, 2048, 1024)),
+    ('uncompiled_restart = "off", a fresh host whose cache holds the next failure\'s rung but not its own: the engine '
+     "compiles its own, nothing first", facts(BEFORE, 0.9, card(139), first_start=True,
+                                             compiled=compiled(4096, 2048, 1024), restart_uncompiled=False),
      Action.NOTHING, None, "only the start's own rung would be compiled first"),
-    ("a fresh host on two cores: two at once", facts(BEFORE, 0.9, card(139), first_start=True, cpus=2),
+    ('uncompiled_restart = "off", a fresh host on two cores: two at once',
+     facts(BEFORE, 0.9, card(139), first_start=True, cpus=2, restart_uncompiled=False),
      Action.COMPILE_FIRST, [8192, 4096], "2 at a time"),
     ('precompile_order = "first" on two cores: every rung, two at once',
      facts(BEFORE, 0.9, card(139), first_start=True, cpus=2, recovery=FIRST),
@@ -255,6 +268,9 @@ def test_a_throwaway_beside_the_engine_starts_at_half_of_what_is_free_a_spare_wi
 def test_the_first_start_that_found_its_own_rung_compiled_asks_for_the_next_at_ready() -> None:
     step = next_step(facts(BEFORE, 0.5, card(139), first_start=True, compiled=compiled(8192)))
     assert step.at_ready is not None and step.at_ready.max_num_batched_tokens == 4096
+    for util in (0.9, 0.5):  # its own rung compiled in its start: the next from READY, where it fits
+        fresh = next_step(facts(BEFORE, util, card(139), first_start=True))
+        assert fresh.at_ready is not None and fresh.at_ready.max_num_batched_tokens == 4096, util
     later = next_step(facts(BEFORE, 0.5, card(139), first_start=False, compiled=compiled(8192)))
     assert later.at_ready is None  # a later planned start holds no client for it: it waits for idleness
 
