@@ -4,10 +4,12 @@
 it alone:
 1. start timeout: spawned and not healthy within ``start_timeout_s``;
 2. ``/metrics`` silence: no answer for ``hang_timeout_s``;
-3. no token progress: requests running or waiting and vLLM's token counters frozen for
-   ``hang_timeout_s``;
+3. no progress: requests running or waiting, and vLLM's token counters and KV-cache usage frozen
+   for ``hang_timeout_s`` (vLLM counts a prompt's tokens only when its prefill ends: a long
+   prompt's chunked prefill moves only the KV-cache usage, chunk by chunk);
 4. canary: when idle, a real one-token generation every ``canary_interval_s``, which must answer
-   within ``hang_timeout_s``.
+   within ``hang_timeout_s``, or later only while it waits behind work that progresses (a
+   request that arrived with it, say a long prefill) and rule 3 watches.
 Each rule returns the hang's evidence (a sentence for the incident) or None.
 """
 
@@ -37,7 +39,7 @@ class Liveness:
         self.health = health
         self.start_timeout_s = start_timeout_s
         self.spawned_at = spawned_at
-        self._tokens: float | None = None
+        self._mark: tuple[float, float] | None = None  # the token counters and the KV-cache usage
         self._stalled_since: float | None = None
         self._silent_since: float | None = None
         self._canary_at: float | None = None  # a canary in flight since
@@ -66,8 +68,9 @@ class Liveness:
             return None
         self._silent_since = None
         self.pending = progress.pending
-        if not progress.pending or self._tokens is None or progress.tokens != self._tokens:
-            self._tokens = progress.tokens
+        mark = (progress.tokens, progress.kv_usage)
+        if not progress.pending or self._mark is None or mark != self._mark:
+            self._mark = mark
             self._stalled_since = now if progress.pending else None
             return None
         if self._stalled_since is None:
@@ -77,7 +80,7 @@ class Liveness:
             return (
                 f"no token progress for {stalled:.0f}s with {progress.running:g} running and "
                 f"{progress.waiting:g} waiting requests (vllm:*_tokens_total frozen at "
-                f"{progress.tokens:g})"
+                f"{progress.tokens:g}, KV-cache usage at {progress.kv_usage:.2%})"
             )
         return None
 
@@ -112,8 +115,21 @@ class Liveness:
                     f"({self._canary_errors[-1]})")
         return None
 
-    def canary_overdue(self, now: float) -> str | None:
+    def progressing(self, now: float) -> bool:
+        """Work is pending and moved within ``hang_timeout_s`` (rule 3 watches it)."""
+        return (self.pending and self._stalled_since is not None
+                and now - self._stalled_since < self.health.hang_timeout_s)
+
+    def canary_unanswered(self, now: float) -> None:
+        """The canary's request gave up without an answer. Past its deadline, which only work
+        that progressed has held off, it is let go and the next one sent when idle; before it,
+        the clock judges it as before."""
         if self._canary_at is not None and now - self._canary_at >= self.health.hang_timeout_s:
+            self._canary_at = None
+
+    def canary_overdue(self, now: float) -> str | None:
+        if (self._canary_at is not None and now - self._canary_at >= self.health.hang_timeout_s
+                and not self.progressing(now)):
             return (
                 f"canary generation ({self.health.canary_max_tokens} token) gave no answer within "
                 f"hang_timeout_s={self.health.hang_timeout_s:g}s")

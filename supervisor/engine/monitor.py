@@ -95,7 +95,10 @@ class Monitor:
                 self.live.canary_failed(str(exc)[:200])
                 return
         except EngineError:
-            return  # no answer: the liveness rule fires on the clock
+            # no answer: the liveness rule fires on the clock, unless work that progressed held
+            # it off past its deadline
+            self.live.canary_unanswered(self.host.monotonic())
+            return
         self.live.canary_done()
 
     def stop(self) -> None:
