@@ -90,12 +90,18 @@ def choose(setting: str, kind: StartKind, *, served: bool, args: Mapping[str, ob
                          "restart) compiles as configured ([recovery] uncompiled_restart)")
 
 
+def choose_for(cfg: Config, kind: StartKind, *, served: bool,
+               version: str | None) -> CompileChoice:
+    """``choose`` with the setting, the arguments and the environment read from ``cfg``."""
+    e = cfg.engine
+    return choose(cfg.recovery.uncompiled_restart, kind, served=served, args=e.args,
+                  env=e.environment(), version=version)
+
+
 def restarts_uncompiled(cfg: Config, version: str | None) -> bool:
     """Whether a served engine's failure restart that wakes no spare would start without
     torch.compile: then no rung compiles on a failure's path (recovery/next_build.py)."""
-    e = cfg.engine
-    return not choose(cfg.recovery.uncompiled_restart, StartKind.AFTER_FAILURE, served=True,
-                      args=e.args, env=e.environment(), version=version).compiled
+    return not choose_for(cfg, StartKind.AFTER_FAILURE, served=True, version=version).compiled
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -115,7 +115,7 @@ class Liveness:
                     f"({self._canary_errors[-1]})")
         return None
 
-    def progressing(self, now: float) -> bool:
+    def _progressing(self, now: float) -> bool:
         """Work is pending and moved within ``hang_timeout_s`` (rule 3 watches it)."""
         return (self.pending and self._stalled_since is not None
                 and now - self._stalled_since < self.health.hang_timeout_s)
@@ -129,7 +129,7 @@ class Liveness:
 
     def canary_overdue(self, now: float) -> str | None:
         if (self._canary_at is not None and now - self._canary_at >= self.health.hang_timeout_s
-                and not self.progressing(now)):
+                and not self._progressing(now)):
             return (
                 f"canary generation ({self.health.canary_max_tokens} token) gave no answer within "
                 f"hang_timeout_s={self.health.hang_timeout_s:g}s")

@@ -23,7 +23,7 @@ from typing import Any
 from supervisor.aio import cancel_and_wait
 from supervisor.bounds import SPARE_ROOM_WAIT_S
 from supervisor.config import Config
-from supervisor.decide.compile_mode import CompileChoice, StartKind, choose
+from supervisor.decide.compile_mode import CompileChoice, StartKind, choose_for
 from supervisor.engine_states import EngineState, FailureKind
 from supervisor.event_stream import (
     CompileCacheSetAside,
@@ -186,9 +186,8 @@ class Recovery:
     def how_to_compile(self) -> CompileChoice:
         """How the start spawning now runs vLLM's torch.compile: a failure's restart that wakes no
         spare skips it where decide/compile_mode.py allows."""
-        e, (kind, served) = self.ahead.cfg.engine, self._stopped
-        return choose(self.ahead.cfg.recovery.uncompiled_restart, kind, served=served,
-                      args=e.args, env=e.environment(), version=self.ahead.version)
+        kind, served = self._stopped
+        return choose_for(self.ahead.cfg, kind, served=served, version=self.ahead.version)
 
     def _wake_spare(self, target: Profile, room_wait_s: float = 0.0) -> None:
         if self._wake_ahead is None or self._wake_ahead.done():
