@@ -15,7 +15,9 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import aiohttp
 import structlog
 from aiohttp import web
 
@@ -74,10 +76,15 @@ class RequestPath:
         self.quarantine, self.answers, self.client = quarantine, answers, client
         self.counters, self.vocab = answers.counters, vocab
         self.counter = PromptCounter(client, lambda: gate.generation, lambda: view().max_model_len)
-        self.session = proxy.new_session()
         self.pressure: admission.Pressure | None = None
         # the longest prompt the current engine ran (its warm-up's): its memory is held
         self.proven_tokens = 0
+
+    @cached_property
+    def session(self) -> aiohttp.ClientSession:
+        """Made at the first request: a supervisor that never listened (its port taken) has none
+        left unclosed at its exit."""
+        return proxy.new_session()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         conn = listener.of(request)

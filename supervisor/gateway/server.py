@@ -90,7 +90,7 @@ class Gateway:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.port.start(*self.g.host_port)
+        await self.port.start(*self.g.host_port, "[gateway] listen")
         self._watch_task = asyncio.create_task(self.watch.run(), name="gateway:pressure")
         log.info("gateway.listening", listen=self.g.listen,
                  quarantined=len(self.quarantine.entries))
@@ -122,7 +122,8 @@ class Gateway:
         self.intake.close()
         await pressure.stop(self._watch_task)
         await self.port.close()
-        await self.path.session.close()
+        if "session" in vars(self.path):  # made at the first request
+            await self.path.session.close()
         await self.client.close()
 
     def reconfigure(self, g: GatewayConfig) -> None:

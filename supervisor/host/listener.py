@@ -14,6 +14,7 @@ nothing here raises.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import socket
@@ -299,9 +300,20 @@ class PublicPort:
         assert self.runner.server is not None
         return self.runner.server()
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, key: str) -> None:
+        """Listen on ``host:port``; one that cannot be bound names ``key``, the config key that
+        set it (``[admin] listen``), and what to do."""
         await self.runner.setup()
-        await GuardedSite(self.runner, host, port, self.guard, self._failed).start()
+        try:
+            await GuardedSite(self.runner, host, port, self.guard, self._failed).start()
+        except OSError as exc:
+            await self.runner.cleanup()
+            taken = exc.errno == errno.EADDRINUSE
+            raise OSError(
+                f"{key} {host}:{port}: {exc.strerror or exc}" + (
+                    f" (`ss -ltnp 'sport = :{port}'` names who holds it; a second supervisor on "
+                    f"this host needs ports of its own, and `vllm-supervisor status` asks the "
+                    f"one there)" if taken else "")) from exc
 
     async def close(self) -> None:
         await self.runner.cleanup()

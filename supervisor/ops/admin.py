@@ -87,13 +87,13 @@ log = structlog.get_logger("supervisor.admin")
 
 class AdminServer:
     def __init__(self, app: web.Application, host: str, port: int,
-                 clock: Callable[[], float]) -> None:
-        self.host, self.port_number = host, port
+                 clock: Callable[[], float], key: str = "[admin] listen") -> None:
+        self.host, self.port_number, self.key = host, port, key
         self.port = PublicPort(app, ADMIN_LIMITS, CLOSE_S, self._refused, self._accept_failed,
                                clock)
 
     async def start(self) -> None:
-        await self.port.start(self.host, self.port_number)
+        await self.port.start(self.host, self.port_number, self.key)
 
     async def close(self) -> None:
         await self.port.close()
@@ -117,5 +117,6 @@ def admin_servers(admin: AdminConfig, clock: Callable[[], float],
     ]
     if admin.metrics_listen:
         servers.append(
-            AdminServer(metrics_app(metrics, engine_metrics), *admin.metrics_host_port, clock))
+            AdminServer(metrics_app(metrics, engine_metrics), *admin.metrics_host_port, clock,
+                        "[admin] metrics_listen"))
     return servers

@@ -366,6 +366,23 @@ def test_an_engine_port_held_by_another_process_ends_in_a_fatal_that_names_the_p
     assert all(gone(p) for p in spawned_pids(sup))
 
 
+def test_an_admin_or_gateway_port_held_by_another_process_names_its_key_and_what_to_do(
+        supervise: Callable[..., Sup]) -> None:
+    """Found trying a second supervisor on one host as a new user would: it said only "[Errno 98] Address already
+    in use", then aiohttp's "Unclosed client session". Now the key, the address and what to do; no engine."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = f"127.0.0.1:{other.getsockname()[1]}"
+        for key, over in (("[admin] listen", {"admin": {"listen": taken}}),
+                          ("[gateway] listen", {"gateway": {"listen": taken}})):
+            sup = supervise(over)
+            assert sup.wait_exit(30) == 1, key
+            said = sup.log_path.read_text()
+            assert f"vllm-supervisor: {key} {taken}: Address already in use (`ss -ltnp" in said, said[-600:]
+            assert "Unclosed client session" not in said and sup.events("engine.spawned") == []
+
+
 def test_a_start_that_never_gets_healthy_is_a_hang_and_the_loop_ends(supervise: Callable[..., Sup]) -> None:
     sup = supervise({"engine": {"env": {"FAKE_VLLM_START_DELAY": "60"}, "start_timeout_s": 1.0},
                      "restart": {"max_restarts": 100, "max_consecutive_failures": 2}})
