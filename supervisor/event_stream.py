@@ -218,9 +218,42 @@ class BuildingFirst(Event):
 def building_line(step: str, done: int, of: int, left_s: float | None) -> str:
     """A build-first's step in words: systemd's STATUS=, `vllm-supervisor status`."""
     what = "rungs compiled" if step == "rungs" else "spare asleep"
-    left = ("no earlier build to tell the time" if left_s is None else
+    return f"building first: {done} of {of} {what}, {_left(left_s)}"
+
+
+def _left(left_s: float | None) -> str:
+    return ("no earlier build to tell the time" if left_s is None else
             f"about {left_s:.0f} s left" if left_s < 120 else f"about {left_s / 60:.0f} min left")
-    return f"building first: {done} of {of} {what}, {left}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildingBeside(Event):
+    """A second engine is being built beside the serving engine (recovery/next_build.py's
+    COMPILE or SPARE while READY): the journal's line and systemd's STATUS= for it. ``done`` of
+    ``of``: the rungs within reach compiled before it; ``left_s``: as long as the last such
+    build on this host took (``<state dir>/builds.json``), None before any."""
+
+    name = "ahead.building_beside"
+    what: str  # "rung" (a throwaway compiling it) or "spare"
+    profile: Profile
+    done: int
+    of: int
+    left_s: float | None = None
+
+    def line(self) -> str:
+        return building_beside_line(self.what, self.profile.knobs(), self.done, self.of,
+                                    self.left_s)
+
+
+def building_beside_line(what: str, knobs: Mapping[str, Any], done: int, of: int,
+                         left_s: float | None) -> str:
+    """What is built beside the serving engine, in words: systemd's STATUS=, `vllm-supervisor
+    status` (``left_s`` there is what is left now)."""
+    rung = f"chunk={knobs.get('max_num_batched_tokens')} seqs={knobs.get('max_num_seqs')}"
+    if what == "spare":
+        return f"building beside: a spare at {rung}, {_left(left_s)}"
+    return (f"building beside: compiling {rung} ({done} of {of} rungs within reach compiled), "
+            f"{_left(left_s)}")
 
 
 @dataclass(frozen=True, kw_only=True)

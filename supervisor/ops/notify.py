@@ -16,11 +16,14 @@ import sdnotify
 
 from supervisor.engine_states import EngineState
 from supervisor.event_stream import (
+    BuildingBeside,
     BuildingFirst,
     Event,
+    PrecompileCrashed,
     Reloaded,
     ReloadFailed,
     Reloading,
+    RungPrecompiled,
     StartupStep,
     StateChanged,
     StopRequested,
@@ -52,6 +55,8 @@ class Notifier:
         self.reloading = False
         # the last state change, for step lines
         self.last: tuple[str, Mapping[str, Any], int] | None = None
+        # STATUS= says what is built beside the serving engine, until that build ends
+        self.beside = False
 
     def send(self, *fields: str) -> None:
         if self._n is not None:
@@ -64,7 +69,16 @@ class Notifier:
             state, knobs, restarts = self.last
             step = event.step if isinstance(event, StartupStep) else event.line()
             self.send(f"STATUS={status_line(f'{state} ({step})', knobs, restarts)}")
+        elif isinstance(event, BuildingBeside) and self.last is not None:
+            self.beside = True
+            state, knobs, restarts = self.last
+            self.send(f"STATUS={status_line(f'{state} ({event.line()})', knobs, restarts)}")
+        elif isinstance(event, RungPrecompiled | PrecompileCrashed) and self.beside:
+            self.beside = False
+            assert self.last is not None
+            self.send(f"STATUS={status_line(*self.last)}")
         elif isinstance(event, StateChanged):
+            self.beside = False
             self.last = (event.new.value, event.profile.knobs(), event.restarts)
             line = f"STATUS={status_line(event.new.value, event.profile.knobs(), event.restarts)}"
             if event.new is EngineState.READY and not self.ready_sent:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.bounds import GIB
-from supervisor.event_stream import building_line
+from supervisor.event_stream import building_beside_line, building_line
 from supervisor.host.files import read_json
 from supervisor.ops import statefile
 
@@ -63,6 +63,11 @@ def render_status(doc: dict[str, Any]) -> str:
     if building:
         lines.append("building  " + building_line(building["step"], building["done"],
                                                   building["of"], building.get("left_s")))
+    beside = (doc.get("next_start") or {}).get("building_beside")
+    if beside:
+        lines.append("building  " + building_beside_line(
+            beside["what"], beside["profile"], beside["done"], beside["of"],
+            beside.get("left_s")) + f" (for {fmt_s(beside['for_s'])})")
     lines += _processes(doc.get("processes") or [])
     failing = {name: s for name, s in (doc.get("alerts") or {}).items() if s.get("last_error")
                and s.get("last_failed_at", 0) >= s.get("last_sent_at", 0)}

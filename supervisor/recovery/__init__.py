@@ -37,7 +37,7 @@ from supervisor.event_stream import (
 )
 from supervisor.host import Child, Host
 from supervisor.profile import Profile
-from supervisor.recovery.ahead import Ahead
+from supervisor.recovery.ahead import Ahead, build_first_bound_s
 from supervisor.recovery.spare import (
     Spare,
     take_bound_s,
@@ -215,7 +215,7 @@ class Recovery:
         return await self.ahead.build_first(profile)
 
     def build_first_bound_s(self) -> float:
-        return self.ahead.build_first_bound_s(self.ahead.cfg)
+        return build_first_bound_s(self.ahead.cfg)
 
     def spare_for_bound_s(self) -> float:
         return take_bound_s(self.ahead.cfg)

@@ -44,7 +44,10 @@ class Ahead:
         self.failed = FailedRungs()
         self.precompiler = Precompiler(cfg, host)
         self.keeper = SpareKeeper(cfg, host, publish, self.failed)
-        self.builder = Builder(cfg, host, publish, self.failed, self.precompiler, self.keeper)
+        # a build-first's step, while one runs
+        self.first = FirstBuilds(cfg.state.dir, host, publish)
+        self.builder = Builder(cfg, host, publish, self.failed, self.precompiler, self.keeper,
+                               self.first.times)
         self._task: asyncio.Task[None] | None = None
         self._gpu_host: bool | None = None  # NVML sees a device (asked once)
         # the next start is not a failure's: the supervisor's first, a climb, a reload
@@ -59,8 +62,6 @@ class Ahead:
         self.device_fault = False
         # a rung compiled beside the engine at READY, not precompile_idle_s on
         self._at_ready: Profile | None = None
-        # a build-first's step, while one runs
-        self.first = FirstBuilds(cfg.state.dir, host, publish)
         # the last decision (recovery/next_build.py), its reason shown in /status
         self.step: Step | None = None
         self.last_start_s: float | None = None  # the last start that woke no spare, to READY
@@ -99,7 +100,7 @@ class Ahead:
         if step.rung is not None and step.action in (Action.SPARE, Action.COMPILE):
             spare = step.action is Action.SPARE
             self._task = asyncio.create_task(
-                self.builder.build(step.rung, version, spare),
+                self.builder.build(step.rung, version, spare, reach=facts.reach()),
                 name="recovery:spare" if spare else "recovery:precompile")
 
     async def _facts(self, moment: Moment, profile: Profile, version: str | None,
@@ -172,18 +173,6 @@ class Ahead:
         """The rungs a failure at ``profile`` may go to, other than ``profile``'s own; the first
         is the spare's."""
         return [p for p in self.targets(profile) if p.compile_key() != profile.compile_key()]
-
-    @staticmethod
-    def build_first_bound_s(cfg: Config) -> float:
-        """The longest ``build_first`` takes, its steps' own bounds summed (the start's watchdog
-        deadline): the rungs (``Builder.compile_first``: every throwaway within
-        precompile_timeout_s, then each stopped, the ones the timeout cancelled too, then the
-        card's memory released), then the spare (``_spare_first``: to /health within
-        precompile_timeout_s, its canary and its sleep, or stopped when they fail)."""
-        # Throwaway.stop: SIGTERM, SIGKILL
-        p, stopped = cfg.recovery.precompile_timeout_s, 2 * THROWAWAY_STOP_S
-        return (p + stopped + cfg.gpu.release_timeout_s) + (p + SPARE_CANARY_S + SPARE_SLEEP_S
-                                                            + stopped)
 
     async def build_first(self, profile: Profile) -> bool:
         """Before a planned start at ``profile``, on the card its gates found free: the rungs
@@ -276,7 +265,8 @@ class Ahead:
         return {
             "precompiling": self.running(), "precompile": self.precompiler.status(self.running()),
             "step": None if step is None else {"action": step.action.value, "why": step.why},
-            "building_first": self.first.status(), "spare": {
+            "building_first": self.first.status(),
+            "building_beside": self.builder.beside_status(), "spare": {
                 **self.keeper.status(), "due": self._due(),
                 "window": window(self.keeper.spare, self.last_start_s)
             }
@@ -292,6 +282,18 @@ class Ahead:
     async def close(self) -> None:
         await self.settled()
         await self.keeper.close()
+
+
+def build_first_bound_s(cfg: Config) -> float:
+    """The longest ``Ahead.build_first`` takes, its steps' own bounds summed (the start's watchdog
+    deadline): the rungs (``Builder.compile_first``: every throwaway within
+    precompile_timeout_s, then each stopped, the ones the timeout cancelled too, then the card's
+    memory released), then the spare (``_spare_first``: to /health within
+    precompile_timeout_s, its canary and its sleep, or stopped when they fail)."""
+    # Throwaway.stop: SIGTERM, SIGKILL
+    p, stopped = cfg.recovery.precompile_timeout_s, 2 * THROWAWAY_STOP_S
+    return (p + stopped + cfg.gpu.release_timeout_s) + (p + SPARE_CANARY_S + SPARE_SLEEP_S
+                                                        + stopped)
 
 
 def _cancel_once(task: asyncio.Task[None]) -> None:

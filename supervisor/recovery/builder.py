@@ -20,7 +20,7 @@ from supervisor.event_stream import (
 from supervisor.host import Child, Host, compile_cache
 from supervisor.profile import Profile
 from supervisor.recovery.precompile import Precompiler
-from supervisor.recovery.progress import FirstBuilds
+from supervisor.recovery.progress import Beside, BuildTimes, FirstBuilds
 from supervisor.recovery.sizing import CompileFirst
 from supervisor.recovery.spare import SpareKeeper
 from supervisor.recovery.standby import Standby
@@ -29,14 +29,16 @@ from supervisor.recovery.throwaway import FailedRungs, Launcher, Throwaway
 
 class Builder:
     def __init__(self, cfg: Config, host: Host, publish: Callable[[Event], None],
-                 failed: FailedRungs, precompiler: Precompiler, keeper: SpareKeeper) -> None:
+                 failed: FailedRungs, precompiler: Precompiler, keeper: SpareKeeper,
+                 times: BuildTimes) -> None:
         self.cfg, self.host, self.publish, self.failed = cfg, host, publish, failed
-        self.precompiler, self.keeper = precompiler, keeper
+        self.precompiler, self.keeper, self.times = precompiler, keeper, times
         self.launcher = Launcher(cfg, host, publish)
         # a spare's build takes a standby of its own from here (recovery/standby.py, role
         # "spare"), once its imports are done; None: spares start cold
         self.spare_standby: Callable[[], Awaitable[Standby | None]] | None = None
         self.spare_since: float | None = None  # a spare being built since (monotonic)
+        self.beside: Beside | None = None  # what is built beside the serving engine now
         # while compiling first: the processes of the throwaways stopped
         self.stopped: set[int] | None = None
         # monotonic: vLLM's compile cache last moved aside, the engine's last READY (recovery's)
@@ -50,10 +52,16 @@ class Builder:
         self.launcher.configure(cfg)
 
     async def build(self, rung: Profile, version: str | None, spare: bool,
-                    kv_bytes: int | None = None) -> None:
+                    kv_bytes: int | None = None, reach: tuple[int, int] | None = None) -> None:
         """A second engine at ``rung``: a spare kept asleep, or a throwaway stopped once its
-        graphs are compiled."""
+        graphs are compiled. ``reach``: built beside the serving engine, the rungs within reach
+        compiled before it and of how many (its progress told as it goes)."""
         self.spare_since = self.host.monotonic() if spare else None
+        if reach is not None:
+            what = "spare" if spare else "rung"
+            self.beside = Beside(what, rung, self.host.monotonic(), *reach,
+                                 self.times.took_s.get(what))
+            self.publish(self.beside.event(self.host.wall()))
         try:
             while await self._launch(rung, version, spare, kv_bytes):
                 pass  # its port was taken before it bound it: again, on another
@@ -62,7 +70,7 @@ class Builder:
             self.failed.add(rung, "spare" if spare else "precompile")
             self.publish(PrecompileCrashed(at=self.host.wall(), profile=rung, error=repr(exc)))
         finally:
-            self.spare_since = None
+            self.spare_since = self.beside = None
 
     async def _launch(self, rung: Profile, version: str | None, spare: bool,
                       kv_bytes: int | None) -> bool:
@@ -85,6 +93,8 @@ class Builder:
         if verdict is not None and verdict.held_against_rung:
             self.failed.add(rung, "spare" if spare else "precompile")
         again = verdict is not None and verdict.again
+        if why is None and self.beside is not None:
+            self.times.note(self.beside.what, self.host.monotonic() - t0)
         self.publish(
             RungPrecompiled(
                 at=self.host.wall(), profile=rung, ok=why is None,
@@ -170,6 +180,9 @@ class Builder:
             stopped, self.stopped = self.stopped, None
         # The spare and the engine come next, on what the throwaways held.
         await gates.wait_released(self.cfg, self.host, self.publish, tuple(stopped or ()))
+
+    def beside_status(self) -> dict[str, object] | None:
+        return self.beside.as_dict(self.host.monotonic()) if self.beside else None
 
     def processes(self) -> list[tuple[str, Child, str | None, Profile | None]]:
         """The spare asleep and every second engine being started (a precompile's, or a spare

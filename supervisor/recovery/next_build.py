@@ -95,6 +95,12 @@ class Facts:
     # (decide/compile_mode.py): no rung compiles on a failure's path
     restart_uncompiled: bool = False
 
+    def reach(self) -> tuple[int, int]:
+        """The rungs within reach (the engine's, where a failure goes, a climb's) that are
+        compiled, and how many there are."""
+        keys = {p.compile_key() for p in (self.engine, *self.targets, *filter(None, [self.climb]))}
+        return len(keys & self.compiled), len(keys)
+
     def to_compile(self, rung: Profile) -> bool:
         """Not compiled for this vLLM, and no throwaway failed at it."""
         key = rung.compile_key()
@@ -163,13 +169,14 @@ def _while_serving(f: Facts) -> Step:
         return Step(Action.WAIT, f"asked in {wait:.0f}s (precompile_idle_s)", wait_s=wait,
                     spare_why=spare_why, compile_why=compile_why, spare_fits=soon)
     todo = [p for p in f.targets if f.to_compile(p)]
+    # /status says so, not the "not asked yet" of before (vLLM's cache may hold every rung)
+    compile_why = "every rung within reach is compiled"
     if todo:
         ok, compile_why = _throwaway_fits(f, todo[0])
         if ok:
             return Step(Action.COMPILE, compile_why, rung=_beside(f, todo[0]), spare_why=spare_why,
                         compile_why=compile_why)
-    why = "; ".join(w
-                    for w in (spare_why, compile_why) if w) or "every rung within reach is compiled"
+    why = "; ".join(w for w in (spare_why, compile_why) if w)
     return Step(Action.NOTHING, why, spare_why=spare_why, compile_why=compile_why)
 
 

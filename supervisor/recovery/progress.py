@@ -1,5 +1,6 @@
-"""What a planned start's build-first is doing (a step, n of m, the time left), and how long the
-last builds took on this host (``<state dir>/builds.json``), from which the time left is told."""
+"""What a planned start's build-first is doing (a step, n of m, the time left), what is built
+beside the serving engine (a rung's compile, a spare), and how long the last builds took on this
+host (``<state dir>/builds.json``), from which the time left is told."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from typing import Any
 
 import structlog
 
-from supervisor.event_stream import BuildingFirst, Event
+from supervisor.event_stream import BuildingBeside, BuildingFirst, Event
 from supervisor.host import Host, files
+from supervisor.profile import Profile
 
 log = structlog.get_logger("supervisor.recovery.progress")
 RECORD = "builds.json"
-STEPS = ("rungs", "spare")
+# "rungs": a build-first's compiles side by side; "spare": a spare to asleep; "rung": one rung
+# compiled beside the serving engine
+STEPS = ("rungs", "spare", "rung")
 
 
 class BuildTimes:
@@ -73,6 +77,34 @@ class Progress:
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"step": self.step, "done": self.done, "of": self.of, "left_s": self.left_s(now),
                 "each_s": self.each_s}
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A second engine being built beside the serving engine since ``since`` (monotonic): a
+    rung's compile (``what`` "rung"), ``done`` of the ``of`` rungs within reach compiled before
+    it, or a spare; ``each_s`` the last such build's on this host (None before any)."""
+
+    what: str
+    profile: Profile
+    since: float
+    done: int
+    of: int
+    each_s: float | None
+
+    def left_s(self, now: float) -> float | None:
+        if self.each_s is None:
+            return None
+        return round(max(0.0, self.each_s - (now - self.since)), 1)
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"what": self.what, "profile": self.profile.knobs(),
+                "for_s": round(now - self.since, 1), "done": self.done, "of": self.of,
+                "left_s": self.left_s(now), "each_s": self.each_s}
+
+    def event(self, at: float) -> BuildingBeside:
+        return BuildingBeside(at=at, what=self.what, profile=self.profile, done=self.done,
+                              of=self.of, left_s=self.each_s)
 
 
 class FirstBuilds:

@@ -315,6 +315,31 @@ def test_an_idle_engine_gets_its_next_rung_precompiled_by_a_throwaway_engine(
     assert throwaways(sup) == []
 
 
+def test_a_rung_compiled_beside_the_serving_engine_says_which_n_of_m_and_the_time_left(
+        supervise: Callable[..., Sup], tmp_path: Path) -> None:
+    """Issue 38, item 6, where the rungs are compiled by default now (the first start compiles nothing first):
+    beside the serving engine. /status `building_beside`, `vllm-supervisor status`, the journal's
+    `ahead.building_beside` say which rung, n of m within reach, and, once one was built on this host, the time
+    left; builds.json keeps what one took."""
+    from supervisor.ops.oncall import render_status
+
+    env = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "FAKE_VLLM_COMPILE_S": "2"}  # each new rung: 2 s
+    sup = supervise({"engine": {"env": env}, "recovery": {"precompile": "on", "precompile_idle_s": 0.2}})
+    sup.wait_ready(30)
+    st = sup.wait_for(lambda s: s["next_start"]["building_beside"] is not None, 30, "a rung compiled beside")
+    first = st["next_start"]["building_beside"]
+    assert first["what"] == "rung" and first["profile"]["max_num_batched_tokens"] == 6144, first
+    assert first["done"] == 1 and first["of"] >= 3 and first["left_s"] is None, first  # its own only; none before
+    assert "building beside: compiling chunk=6144 seqs=16 (1 of " in render_status(st)
+    st = sup.wait_for(lambda s: (s["next_start"]["building_beside"] or {}).get("done") == 2, 60, "the next rung")
+    second = st["next_start"]["building_beside"]
+    took = json.loads((sup.state_dir / "builds.json").read_text())["rung"]
+    assert took >= 2 and second["each_s"] == took and second["left_s"] is not None, (took, second)
+    assert second["profile"]["max_num_batched_tokens"] < 6144 and second["of"] == first["of"], second
+    logged = sup.events("ahead.building_beside")
+    assert [(e["what"], e["done"], e["left_s"]) for e in logged[:2]] == [("rung", 1, None), ("rung", 2, took)]
+
+
 @pytest.mark.parametrize("processes", [1, 2], ids=["just-spawned", "with-its-engine-core"])
 def test_an_engine_failure_kills_a_precompile_under_way_before_the_next_start(
         supervise: Callable[..., Sup], processes: int) -> None:

@@ -149,6 +149,43 @@ def test_a_build_first_tells_systemd_its_step_n_of_m_and_the_time_left(monkeypat
         "restarts=0"]
 
 
+def test_a_build_beside_the_serving_engine_tells_systemd_what_it_builds_until_it_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38, item 6, where the default builds now: after READY, beside the engine. STATUS= says the rung being
+    compiled, n of m within reach, and the time left; the build's end (ok or not) puts the plain line back."""
+    from supervisor.engine_states import EngineState
+    from supervisor.event_stream import BuildingBeside, PrecompileCrashed, RungPrecompiled
+
+    sent: list[str] = []
+    monkeypatch.setenv("NOTIFY_SOCKET", "/nonexistent")
+    n = Notifier()
+    monkeypatch.setattr(n, "send", lambda *fields: sent.append("\n".join(fields)))
+    n.on_event(sc(EngineState.WARMING, EngineState.READY))
+    rung = P.with_(max_num_batched_tokens=6144)
+    n.on_event(BuildingBeside(at=1.0, what="rung", profile=rung, done=1, of=4, left_s=None))
+    n.on_event(RungPrecompiled(at=2.0, profile=rung, ok=True, took_s=58.3))
+    n.on_event(RungPrecompiled(at=2.5, profile=rung, ok=True, took_s=1.0))  # a build-first's: nothing to undo
+    n.on_event(BuildingBeside(at=3.0, what="spare", profile=rung, done=2, of=4, left_s=47.6))
+    n.on_event(PrecompileCrashed(at=4.0, profile=rung, error="boom"))
+    plain = "STATUS=READY chunk=8192 seqs=16 util=0.9 restarts=0"
+    assert sent == [
+        "READY=1\n" + plain,
+        "STATUS=READY (building beside: compiling chunk=6144 seqs=16 (1 of 4 rungs within reach compiled), no "
+        "earlier build to tell the time) chunk=8192 seqs=16 util=0.9 restarts=0", plain,
+        "STATUS=READY (building beside: a spare at chunk=6144 seqs=16, about 48 s left) chunk=8192 seqs=16 util=0.9 "
+        "restarts=0", plain]
+
+
+def test_a_build_besides_time_left_is_the_last_such_builds_less_its_own_so_far() -> None:
+    from supervisor.recovery.progress import Beside
+
+    b = Beside("rung", P, 100.0, 1, 3, 60.0)
+    assert b.as_dict(130.0) == {"what": "rung", "profile": P.knobs(), "for_s": 30.0, "done": 1, "of": 3,
+                                "left_s": 30.0, "each_s": 60.0}
+    assert b.left_s(175.0) == 0.0  # past the last one's time: nothing left to tell
+    assert Beside("spare", P, 0.0, 0, 3, None).left_s(5.0) is None  # no earlier build on this host
+
+
 def test_the_time_left_is_the_batches_left_as_the_last_build_took(tmp_path: Path) -> None:
     from supervisor.recovery.progress import BuildTimes, Progress
 
@@ -159,8 +196,9 @@ def test_the_time_left_is_the_batches_left_as_the_last_build_took(tmp_path: Path
     times = BuildTimes(str(tmp_path))
     times.note("rungs", 63.04)
     times.note("spare", None)
+    times.note("rung", 58.31)
     (tmp_path / "junk").write_text("x")
-    assert BuildTimes(str(tmp_path)).took_s == {"rungs": 63.0}
+    assert BuildTimes(str(tmp_path)).took_s == {"rungs": 63.0, "rung": 58.3}
     (tmp_path / "builds.json").write_text('{"rungs": "soon", "spare": -1, "other": 5}')
     assert BuildTimes(str(tmp_path)).took_s == {}  # a damaged record tells nothing
 

@@ -308,3 +308,20 @@ def test_the_next_spares_standby_is_asked_where_a_spare_fits_beside_the_engine(c
     yet been READY precompile_idle_s; where no spare fits beside (vLLM's default 0.9, the shared card) none is
     made: a standby nobody takes holds host memory."""
     assert next_step(f).spare_fits is soon, case
+
+
+def test_a_build_beside_counts_the_rungs_within_reach_compiled_of_all() -> None:
+    """Issue 38, item 6: "n of m" for a rung compiled beside the engine (/status `building_beside`)."""
+    f = facts(Moment.READY, 0.5, serving(0.5), compiled=compiled(8192, 4096))
+    assert f.reach() == (2, 4)  # the engine's 8192, then 4096, 2048, 1024 where a failure goes
+    assert replace(f, climb=rung(16384, 0.5)).reach() == (2, 5)  # a reset-profile's rung above is within reach
+    assert replace(f, targets=(), compiled=frozenset()).reach() == (0, 1)
+
+
+def test_with_every_rung_compiled_status_says_so_not_that_it_was_not_asked() -> None:
+    """Found trying it as a new user on a host whose vLLM cache held every rung (item 3): /status said "not asked
+    yet: the engine has not been idle long enough" for as long as the engine served."""
+    step = next_step(facts(READY, 0.5, (), compiled=ALL))
+    assert step.action is Action.NOTHING and step.compile_why == "every rung within reach is compiled", step
+    step = next_step(facts(READY, 0.5, (), compiled=compiled(8192)))
+    assert step.action is Action.COMPILE and step.compile_why != "every rung within reach is compiled"

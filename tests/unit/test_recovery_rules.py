@@ -198,7 +198,7 @@ def test_a_planned_starts_build_first_bound_is_the_sum_of_its_steps_own_bounds()
     import inspect
 
     from supervisor.bounds import SPARE_CANARY_S, SPARE_SLEEP_S, STEP_SLACK_S, THROWAWAY_STOP_S
-    from supervisor.recovery.ahead import Ahead
+    from supervisor.recovery.ahead import build_first_bound_s
     from supervisor.recovery.throwaway import Throwaway
 
     cfg = parse({"engine": {"model": "m"}, "recovery": {"precompile_timeout_s": 123.0},
@@ -207,11 +207,11 @@ def test_a_planned_starts_build_first_bound_is_the_sum_of_its_steps_own_bounds()
     assert stop["grace_s"].default == stop["kill_s"].default == THROWAWAY_STOP_S  # what each stop waits at most
     compile_first = 123.0 + 2 * THROWAWAY_STOP_S + 45.0  # the throwaways, their stops, the card released
     spare_first = 123.0 + SPARE_CANARY_S + SPARE_SLEEP_S + 2 * THROWAWAY_STOP_S  # /health, canary, sleep, or stopped
-    assert Ahead.build_first_bound_s(cfg) == compile_first + spare_first
+    assert build_first_bound_s(cfg) == compile_first + spare_first
     defaults = parse({"engine": {"model": "m"}})
     old = 2 * defaults.recovery.precompile_timeout_s + SPARE_CANARY_S + SPARE_SLEEP_S
-    assert Ahead.build_first_bound_s(defaults) - old == 4 * THROWAWAY_STOP_S + defaults.gpu.release_timeout_s
-    assert Ahead.build_first_bound_s(defaults) - old > STEP_SLACK_S  # what the old bound's slack could not absorb
+    assert build_first_bound_s(defaults) - old == 4 * THROWAWAY_STOP_S + defaults.gpu.release_timeout_s
+    assert build_first_bound_s(defaults) - old > STEP_SLACK_S  # what the old bound's slack could not absorb
 
 
 def test_a_starts_wait_for_the_spare_is_bounded_by_a_checks_wake_and_its_own_wake() -> None:
