@@ -66,6 +66,10 @@ def test_a_runtime_oom_wakes_the_spare_instead_of_starting_an_engine(supervise: 
     argv = proc.cmdline()
     assert "--enable-sleep-mode" in argv and "dummy" not in argv  # the real weights, in sleep mode
     assert proc.nice() == psutil.Process().nice()  # not niced: it becomes the engine
+    (building,) = sup.events("ahead.building_beside")  # issue 38, item 6: the journal's line for it
+    assert building["what"] == "spare" and building["profile"]["max_num_batched_tokens"] == 6144, building
+    record = sup.state_dir / "builds.json"  # the next one's time left: written as its build ends
+    sup.wait_for(lambda _: record.exists() and json.loads(record.read_text()).get("spare", 0) > 0, 10, "the record")
     spare_url = f"http://127.0.0.1:{spare['port']}"
     assert complete(spare_url) == 500  # asleep: no weights to serve with
     assert sup.gateway is not None and complete(sup.gateway) == 200
