@@ -91,19 +91,18 @@ def main() -> int:
             # would start at the crash's rung, which a restart without torch.compile left uncompiled
             from gpu_starts import plain_start
             sup, cold = None, plain_start(CACHE, "a warm-cache cold start on the first start's cache")
+            if os.environ.get("REFERENCE") == "plain+fresh" and not WARM:
+                # item 1's fresh-host bound: plain vLLM on an empty compile cache of its own, after every start
+                # above (the OS's page cache and the interpreter's bytecode as warm for it as for the supervisor's)
+                shutil.rmtree(PLAIN_FRESH, ignore_errors=True)
+                fresh = plain_start(PLAIN_FRESH, "a fresh-host cold start (empty compile cache)")
+                note(f"proof: first READY on {HOST} {first:.1f}s = {first / fresh:.2f}x plain vLLM's fresh-host cold "
+                     f"start {fresh:.1f}s (the engine's own start {engine_s:.1f}s = {engine_s / fresh:.2f}x)")
         else:
             sup = run_supervisor(plain, LOG)
             st = ready(sup, LOG, "the warm-cache cold start, spare off")
             cold = float(st["timings"]["start_to_ready_s"])
             note(f"proof: warm-cache cold start (spare off, same host) {cold:.1f}s; phases {st['timings']['phases']}")
-        if os.environ.get("REFERENCE") == "plain+fresh" and not WARM:
-            # item 1's fresh-host bound: plain vLLM on an empty compile cache of its own, after every start above
-            # (the OS's page cache and the interpreter's bytecode as warm for it as for the supervisor's second)
-            from gpu_starts import plain_start
-            shutil.rmtree(PLAIN_FRESH, ignore_errors=True)
-            fresh = plain_start(PLAIN_FRESH, "a fresh-host cold start (empty compile cache)")
-            note(f"proof: first READY on {HOST} {first:.1f}s = {first / fresh:.2f}x plain vLLM's fresh-host cold "
-                 f"start {fresh:.1f}s (the engine's own start {engine_s:.1f}s = {engine_s / fresh:.2f}x)")
         again = ", ".join(f"{r:.1f}s = {r / cold:.3f}x" for r in seconds)
         note(f"proof: death -> READY {rec1:.1f}s = {rec1 / cold:.3f}x (the seed's crash), {again} (each later "
              f"death of the EngineCore); first READY on {HOST} {first:.1f}s = {first / cold:.2f}x "

@@ -29,6 +29,9 @@ from supervisor.event_stream import (
     StopRequested,
 )
 
+# what a long start, or a build beside the serving engine, adds to STATUS= in parentheses
+STEP_EVENTS = (StartupStep, BuildingFirst, BuildingBeside)
+
 
 def status_line(state: str, profile: Mapping[str, Any], restarts: int) -> str:
     def v(k: str) -> str:
@@ -63,16 +66,13 @@ class Notifier:
             self._n.notify("\n".join(fields))
 
     def on_event(self, event: Event) -> None:
-        if isinstance(event, StartupStep | BuildingFirst) and self.last is not None:
+        if isinstance(event, STEP_EVENTS) and self.last is not None:
             # A long start says which step it is in, not only STARTING (building first n of m,
-            # loading weights, compiling, ...).
+            # loading weights, compiling, ...); READY says what is built beside it, until that ends.
             state, knobs, restarts = self.last
             step = event.step if isinstance(event, StartupStep) else event.line()
+            self.beside = self.beside or isinstance(event, BuildingBeside)
             self.send(f"STATUS={status_line(f'{state} ({step})', knobs, restarts)}")
-        elif isinstance(event, BuildingBeside) and self.last is not None:
-            self.beside = True
-            state, knobs, restarts = self.last
-            self.send(f"STATUS={status_line(f'{state} ({event.line()})', knobs, restarts)}")
         elif isinstance(event, RungPrecompiled | PrecompileCrashed) and self.beside:
             self.beside = False
             assert self.last is not None
